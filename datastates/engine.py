@@ -1,0 +1,363 @@
+"""CheckpointEngine: the one stateful object of a checkpointing run.
+
+Lifecycle of a save, each stage on its own thread so that none waits on another's kind of work:
+
+    save()      training thread: flatten the state, bind it to a cached plan, start pickling objects; returns
+    copier      copies tensors into staging slots (CPU thread or CUDA side stream), then places pickled objects
+    flusher     waits for a slot's copy to land, hands it to the native writer pool (pwrite + crc32c)
+    completer   collects checksums, returns slots to the pool, fsyncs and writes the rank's manifest
+    publisher   rank 0: waits for every rank's manifest, publishes; other ranks: wait to see it published
+
+`wait_for_snapshot()` is the fence the training loop calls before it mutates saved state; `wait()` waits until
+everything is durable and published.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _native
+from . import commit
+from . import format as fmt
+from .errors import CheckpointError
+from .plan import Entry, Item, Plan
+from .providers import ProviderRegistry, default_registry
+from .restore import CheckpointReader
+from .snapshot import SlotFiller, copy_tensor_bytes, make_backend
+from .staging import StagingPool
+
+SKELETON_ID = "__skeleton__"
+_STOP = object()
+
+
+class SaveHandle:
+    """One save in flight. `wait()` raises the save's error, if any."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.error: BaseException | None = None
+        self.stats: dict[str, Any] = {"blocking_s": 0.0}
+        self._snapshot_done = threading.Event()
+        self._done = threading.Event()
+
+    @property
+    def snapshot_done(self) -> bool:
+        return self._snapshot_done.is_set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> dict:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of {self.path!r} still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+
+class _Job:
+    def __init__(self, handle: SaveHandle, entries: list[Entry], plan: Plan, objects: list[tuple[Entry, Future]],
+                 ordering, t0: float):
+        self.handle = handle
+        self.final = handle.path
+        self.partial = commit.partial_dir(handle.path)
+        self.entries, self.plan, self.objects, self.ordering, self.t0 = entries, plan, objects, ordering, t0
+        self.file: _native.File | None = None
+        self.size = 0
+        self.manifest_crc: int | None = None
+
+    def fail(self, error: BaseException) -> None:
+        if self.handle.error is None:
+            self.handle.error = _describe(error, self.final)
+
+    @property
+    def failed(self) -> bool:
+        return self.handle.error is not None
+
+
+class CheckpointEngine:
+    """Lazy asynchronous checkpoints to a parallel file system, bounded host memory, native writers."""
+
+    def __init__(self, host_buffer_bytes: int = 4 << 30, writer_threads: int = 4, direct_io="auto",
+                 fsync: bool = True, rank: int | None = None, world_size: int | None = None,
+                 keep_last: int | None = None, publish_timeout_s: float = 600.0,
+                 registry: ProviderRegistry | None = None):
+        dist = torch.distributed
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.direct_io = {True: "on", False: "off", "auto": "auto", "on": "on", "off": "off"}[direct_io]
+        self.fsync = fsync
+        self.keep_last = keep_last
+        self.publish_timeout_s = publish_timeout_s
+        self.registry = registry or default_registry
+        self.backend = make_backend()
+        self.pool = StagingPool(host_buffer_bytes, writer_threads, pinned=torch.cuda.is_available())
+        self.io = _native.IOPool(writer_threads)
+        self._plans: dict[tuple, Plan] = {}
+        self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
+        self._pending: list[SaveHandle] = []
+        self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
+        self._threads = [threading.Thread(target=fn, name=f"ds-{name}", daemon=True) for name, fn in (
+            ("copy", self._copier), ("flush", self._flusher), ("complete", self._completer),
+            ("publish", self._publisher))]
+        for t in self._threads:
+            t.start()
+        self._closed = False
+
+    # ----- the training-thread API -----
+
+    def save(self, state: Any, path: str) -> SaveHandle:
+        """Start saving `state` to the checkpoint directory `path`; returns before anything is copied."""
+        if self._closed:
+            raise CheckpointError("save() on a closed CheckpointEngine")
+        t0 = time.perf_counter()
+        skeleton, entries = self.registry.flatten(state)
+        entries.append(Entry(Item(id=SKELETON_ID, kind="object"), skeleton))
+        plan = self._plan_for([e.item for e in entries])
+        handle = SaveHandle(os.path.normpath(path))
+        job = _Job(handle, entries, plan, [], self.backend.begin_save(), t0)
+        try:
+            os.makedirs(job.partial, exist_ok=True)
+            for name in (fmt.manifest_file(self.rank), fmt.failed_file(self.rank)):
+                if os.path.exists(os.path.join(job.partial, name)):
+                    os.unlink(os.path.join(job.partial, name))
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint directory {job.partial!r}: {e.strerror}") from e
+        job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
+                       for e in entries if e.item.kind == "object" and e.item.write]
+        self._pending.append(handle)
+        self._queues["copy"].put(job)
+        handle.stats["blocking_s"] += time.perf_counter() - t0
+        return handle
+
+    def wait_for_snapshot(self) -> None:
+        """The fence: return once no pending save reads the live state any more."""
+        t0 = time.perf_counter()
+        waiting = [h for h in self._pending if not h.snapshot_done]
+        for h in waiting:
+            h._snapshot_done.wait()
+        if waiting:
+            waiting[-1].stats["blocking_s"] += time.perf_counter() - t0
+
+    def wait(self) -> list[dict]:
+        """Block until every pending save is durable and published; raise the first failure."""
+        handles, self._pending = self._pending, []
+        for h in handles:
+            h._done.wait()
+        for h in handles:
+            if h.error is not None:
+                raise h.error
+        return [h.stats for h in handles]
+
+    def maybe_finalize(self) -> list[SaveHandle]:
+        """Non-blocking: the saves finished since the last call; raises the first failed one's error."""
+        finished = [h for h in self._pending if h.done()]
+        self._pending = [h for h in self._pending if not h.done()]
+        for h in finished:
+            if h.error is not None:
+                raise h.error
+        return finished
+
+    def load(self, path: str, template: Any = None, rank: int | None = None) -> Any:
+        """Load the checkpoint at `path` (an iteration directory or a save root, whose latest is used).
+
+        Without a template the state saved by `rank` is rebuilt. With one, its tensors are filled in place
+        (resharded from whatever layout was saved) and the rebuilt template is returned."""
+        reader = CheckpointReader(path, self.io, self.pool.budget_bytes, self.registry)
+        return reader.load(self.rank if rank is None else rank, template)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._queues["copy"].put(_STOP)
+            for t in self._threads:
+                t.join()
+            self._pickler.shutdown()
+            self.io.close()
+            self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except CheckpointError:
+                pass  # the body's exception is the one to see
+
+    # ----- plan -----
+
+    def _plan_for(self, items: list[Item]) -> Plan:
+        """Lay out the items; the layout of an unchanged structure is reused."""
+        key = Plan.signature(items)
+        cached = self._plans.get(key)
+        if cached is None:
+            cached = Plan(items, self.pool.slot_bytes)
+            self._plans = {key: cached}  # one structure at a time; a changed model replaces it
+        cached.apply(items)
+        return cached
+
+    # ----- background stages -----
+
+    @torch.no_grad()
+    def _copier(self) -> None:
+        while (job := self._queues["copy"].get()) is not _STOP:
+            self._stage(job)
+        self._queues["flush"].put(_STOP)
+
+    def _stage(self, job: _Job) -> None:
+        handle = job.handle
+        self.pool.reset_peak()
+        filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
+        try:
+            job.file = _native.File(os.path.join(job.partial, fmt.data_file(self.rank)), "w", self.direct_io,
+                                    job.plan.tensor_region)
+            for e in job.entries:
+                if e.item.kind == "tensor" and e.item.write:
+                    src = e.source
+                    filler.add(e.item, lambda dst, start, n, src=src: copy_tensor_bytes(
+                        dst, src, start, n, self.backend, job.ordering), aligned=True)
+            self.backend.finish()
+            pickled = [(e, f.result()) for e, f in job.objects]
+        except BaseException as e:  # noqa: BLE001 - any failure fails this save, never the engine
+            job.fail(e)
+            self.backend.finish()
+            for _, f in job.objects:
+                f.cancel()
+            pickled = []
+        handle.stats["snapshot_s"] = time.perf_counter() - job.t0
+        handle._snapshot_done.set()
+        try:
+            for e, data in pickled:
+                e.item.nbytes = len(data)
+                filler.add(e.item, lambda dst, start, n, data=data: dst.numpy().__setitem__(
+                    slice(None), np.frombuffer(data, np.uint8, n, start)), aligned=False)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        filler.flush()
+        job.size = filler.position
+        self._queues["flush"].put(job)
+
+    def _flusher(self) -> None:
+        flush_q, complete_q = self._queues["flush"], self._queues["complete"]
+        while (slot := flush_q.get()) is not _STOP:
+            ticket = None
+            if not isinstance(slot, _Job) and not slot.job.failed:
+                try:
+                    self.backend.ready(slot)
+                    ticket = self.io.submit_write(slot.job.file, slot.buffer.data_ptr(), slot.fill,
+                                                  slot.file_offset, [(s[0], s[1]) for s in slot.segments])
+                except BaseException as e:  # noqa: BLE001
+                    slot.job.fail(e)
+            complete_q.put((slot, ticket))
+        complete_q.put(_STOP)
+
+    def _completer(self) -> None:
+        complete_q = self._queues["complete"]
+        while (entry := complete_q.get()) is not _STOP:
+            slot, ticket = entry
+            if isinstance(slot, _Job):
+                self._finish_rank(slot)
+                self._queues["publish"].put(slot)
+                continue
+            try:
+                if ticket is not None:
+                    for (_, _, item, index), crc in zip(slot.segments, self.io.wait(ticket)):
+                        item.crcs[index] = crc
+            except OSError as e:
+                slot.job.fail(CheckpointError(f"writing {slot.job.file.path!r} failed: {e.strerror or e}"))
+            finally:
+                self.pool.release(slot)
+        self._queues["publish"].put(_STOP)
+
+    def _finish_rank(self, job: _Job) -> None:
+        """All slots of this rank are written: fsync the data, then write the manifest (the rank's done mark)."""
+        handle = job.handle
+        handle.stats["peak_staging_bytes"] = self.pool.peak_bytes
+        try:
+            if not job.failed:
+                job.file.truncate(job.size)
+                if self.fsync:
+                    job.file.fsync()
+                job.file.close()
+                items = [e.item.to_json() for e in job.entries]
+                body = {"rank": self.rank, "world_size": self.world_size, "data_file": fmt.data_file(self.rank),
+                        "data_bytes": job.size, "direct_io": job.file.direct, "items": items}
+                path = os.path.join(job.partial, fmt.manifest_file(self.rank))
+                fmt.write_manifest(path, body, self.fsync)
+                job.manifest_crc = fmt.read_manifest(path)["manifest_crc32c"]
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        if job.file is not None:
+            job.file.close()
+        handle.stats["bytes"] = job.size
+        if job.failed:
+            try:
+                with open(os.path.join(job.partial, fmt.failed_file(self.rank)), "w") as f:
+                    f.write(str(handle.error))
+            except OSError:
+                pass  # the directory itself may be what failed; rank 0 then reports us as missing
+
+    def _publisher(self) -> None:
+        while (job := self._queues["publish"].get()) is not _STOP:
+            try:
+                if not job.failed:
+                    self._publish(job)
+            except BaseException as e:  # noqa: BLE001
+                job.fail(e)
+            handle = job.handle
+            if job.failed and self.world_size == 1:
+                shutil.rmtree(job.partial, ignore_errors=True)
+            handle.stats["durable_s"] = time.perf_counter() - job.t0
+            handle.stats["throughput_gbps"] = job.size / handle.stats["durable_s"] / 1e9
+            handle._done.set()
+
+    def _publish(self, job: _Job) -> None:
+        if self.rank != 0:
+            commit.wait_published(job.partial, job.final, self.rank, job.manifest_crc, self.world_size,
+                                  self.publish_timeout_s)
+            return
+        commit.wait_for_ranks(job.partial, self.world_size, self.publish_timeout_s)
+        manifests = {str(r): fmt.read_manifest(os.path.join(job.partial, fmt.manifest_file(r)))
+                     for r in range(self.world_size)}
+        metadata = {"format": fmt.FORMAT_NAME, "schema_version": fmt.SCHEMA_VERSION,
+                    "iteration": commit.iteration_of(job.final), "world_size": self.world_size,
+                    "bytes": sum(m["data_bytes"] for m in manifests.values()),
+                    "manifests": {r: m["manifest_crc32c"] for r, m in manifests.items()},
+                    "created_unix": time.time()}
+        commit.publish(job.partial, job.final, metadata, self.fsync)
+        if self.keep_last is not None and commit.iteration_of(job.final) is not None:
+            commit.apply_retention(os.path.dirname(job.final), self.keep_last, commit.iteration_of(job.final))
+
+
+def _describe(error: BaseException, path: str) -> CheckpointError:
+    """A CheckpointError whose message names the checkpoint being saved."""
+    if isinstance(error, CheckpointError) and path in str(error):
+        return error
+    if isinstance(error, CheckpointError):
+        wrapped = type(error)(f"saving {path!r} failed: {error}")
+    elif isinstance(error, OSError):
+        where = f" {error.filename!r}" if error.filename else ""
+        wrapped = CheckpointError(f"saving {path!r} failed:{where} {error.strerror or error}")
+    else:
+        wrapped = CheckpointError(f"saving {path!r} failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped

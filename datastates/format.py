@@ -1,0 +1,148 @@
+"""On-disk layout of one checkpoint directory, its manifests, and the safe encoding of Python objects.
+
+    iter_0000010/
+        rank_00000.data            items of rank 0, each tensor item 4 KiB aligned, pickled objects after them
+        rank_00000.manifest.json   written last by rank 0: schema, items, offsets, dtypes, shapes, checksums
+        ...
+        metadata.json              written by the publisher once every rank's manifest is there
+
+A manifest carries a crc32c of its own canonical body so that a damaged or hand-edited manifest is refused
+rather than trusted. Objects are unpickled by a restricted unpickler: a checkpoint cannot run code.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from . import _native
+from .errors import CheckpointCorruptError, CheckpointError
+
+SCHEMA_VERSION = 1
+FORMAT_NAME = "datastates"
+METADATA = "metadata.json"
+
+
+def data_file(rank: int) -> str:
+    return f"rank_{rank:05d}.data"
+
+
+def manifest_file(rank: int) -> str:
+    return f"rank_{rank:05d}.manifest.json"
+
+
+def failed_file(rank: int) -> str:
+    return f"rank_{rank:05d}.failed"
+
+
+def _body_crc(body: dict) -> int:
+    return _native.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj: dict, fsync: bool = True) -> None:
+    """Write to a temporary name, fsync, rename over `path`, fsync the directory."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_manifest(path: str, body: dict, fsync: bool = True) -> None:
+    body = dict(body, schema_version=SCHEMA_VERSION, format=FORMAT_NAME)
+    write_json_atomic(path, dict(body, manifest_crc32c=_body_crc(body)), fsync)
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} is missing: {path!r}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointCorruptError(f"{what} {path!r} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {path!r}: {e.strerror}") from None
+
+
+def check_schema(doc: dict, path: str) -> None:
+    version = doc.get("schema_version")
+    if doc.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path!r} is not a {FORMAT_NAME} checkpoint file (format={doc.get('format')!r})")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise CheckpointError(f"{path!r} has schema version {version!r}; this datastates reads versions "
+                              f"<= {SCHEMA_VERSION}: upgrade datastates to load it")
+
+
+def read_manifest(path: str) -> dict:
+    doc = read_json(path, "manifest")
+    if not isinstance(doc, dict):
+        raise CheckpointCorruptError(f"manifest {path!r} is not a JSON object")
+    check_schema(doc, path)
+    body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
+    if doc.get("manifest_crc32c") != _body_crc(body):
+        raise CheckpointCorruptError(f"manifest {path!r} fails its checksum: it was modified or damaged")
+    return doc
+
+
+# ----- objects -----
+
+_SAFE_GLOBALS = {("builtins", name) for name in (
+    "dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bytearray",
+    "bool", "slice", "range")} | {
+    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("collections", "deque"),
+    ("argparse", "Namespace"), ("datetime", "datetime"), ("datetime", "timedelta"), ("datetime", "date"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("copyreg", "_reconstructor"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"), ("datastates.providers", "ItemRef"), ("torch", "Size"),
+}
+_TORCH_DTYPES = {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+_extra_safe: set[tuple[str, str]] = set()
+
+
+def allow_unpickle(module: str, name: str) -> None:
+    """Trust one more global for objects in checkpoints (e.g. an enum of your own config)."""
+    _extra_safe.add((module, name))
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _SAFE_GLOBALS or (module, name) in _extra_safe:
+            return super().find_class(module, name)
+        if module == "torch" and name in _TORCH_DTYPES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"refusing to unpickle {module}.{name}: not on the allow-list (datastates.format.allow_unpickle)")
+
+
+def dumps(obj: Any, where: str) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=4)
+    except Exception as e:  # pickle raises many types (TypeError, PicklingError, AttributeError)
+        raise CheckpointError(f"cannot save object at {where!r}: it is not picklable ({type(e).__name__}: {e})") from e
+
+
+def loads(data: bytes, where: str) -> Any:
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"cannot load object {where}: {e}") from e
+    except Exception as e:
+        raise CheckpointCorruptError(f"cannot load object {where}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,113 @@
+"""Items and plans: the flat, serializable description of what one rank writes.
+
+A provider walk turns a nested state into a skeleton plus a list of `Item`s. `Plan` assigns each tensor item
+an aligned offset in the rank's data file and splits items larger than a staging slot into chunks, each with
+its own checksum. The layout depends only on the structure (keys, dtypes, shapes), so it is cached across
+saves while the structure holds; the tensors themselves are bound per save.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+ALIGN = 4096
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclasses.dataclass
+class Item:
+    """One leaf of the state: a tensor's bytes or a pickled object.
+
+    `id` is unique within a rank's checkpoint. `scope` says how a load finds it again: "local" items are
+    rank-private (restored from the same rank's manifest by id); "global" items are shards of a logical
+    tensor (`name`, `global_shape`, `global_offset`) or a named object, and may be restored from any rank.
+    `write` is False for a replica some other rank writes (it is restored, not saved, here).
+    """
+
+    id: str
+    kind: str  # "tensor" | "object"
+    scope: str = "local"  # "local" | "global"
+    name: Optional[str] = None  # logical name of a global item (shared by its shards)
+    dtype: Optional[str] = None
+    shape: Optional[tuple] = None
+    global_shape: Optional[tuple] = None
+    global_offset: Optional[tuple] = None
+    write: bool = True
+    # layout, filled by Plan / the writer
+    offset: int = -1
+    nbytes: int = 0
+    chunk_bytes: int = 0
+    crcs: list = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Item":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown item fields {sorted(unknown)}")
+        d = dict(d)
+        for k in ("shape", "global_shape", "global_offset"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+    def chunks(self):
+        """(offset_in_item, length) of each checksummed chunk."""
+        if self.nbytes == 0:
+            return []
+        step = self.chunk_bytes or self.nbytes
+        return [(s, min(step, self.nbytes - s)) for s in range(0, self.nbytes, step)]
+
+
+@dataclasses.dataclass
+class Entry:
+    """An item bound to its live source for one save (tensor, or object to pickle)."""
+
+    item: Item
+    source: Any
+
+
+class Plan:
+    """Layout of one rank's data file: tensor items first, each aligned; objects are appended after them.
+
+    Computed once per structure; `apply` stamps it onto the fresh items of each later save."""
+
+    def __init__(self, items: list[Item], chunk_bytes: int):
+        self.layout = []
+        offset = 0
+        for it in items:
+            if it.kind == "tensor" and it.write:
+                self.layout.append((offset, chunk_bytes if it.nbytes > chunk_bytes else it.nbytes))
+                offset += align_up(it.nbytes)
+            else:
+                self.layout.append((-1, 0))
+        self.tensor_region = offset
+        self.apply(items)
+
+    def apply(self, items: list[Item]) -> None:
+        for it, (offset, chunk_bytes) in zip(items, self.layout):
+            it.offset, it.chunk_bytes = offset, chunk_bytes
+            it.crcs = [0] * len(it.chunks())
+
+    @staticmethod
+    def signature(items: list[Item]) -> tuple:
+        return tuple((it.id, it.kind, it.dtype, it.shape, it.global_offset, it.write) for it in items)

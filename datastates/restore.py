@@ -1,0 +1,303 @@
+"""Read a published checkpoint back: verify, and reshard into whatever layout the target asks for.
+
+Rank-local items are found by id in the same rank's manifest. Global items (shards of a logical tensor) are
+indexed by name across every rank's manifest; each target shard reads exactly the rows of the saved shards it
+overlaps, widened to whole checksum chunks so every byte read is verified. Reads go through the native pool
+in parallel, straight into the target tensor when its layout allows.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from . import _native
+from . import commit
+from . import format as fmt
+from .errors import CheckpointCorruptError, CheckpointError
+from .plan import ALIGN, Item, dtype_from_name, dtype_name
+from .providers import ProviderRegistry, unflatten
+
+SKELETON_ID = "__skeleton__"
+
+
+def resolve_checkpoint(path: str) -> str:
+    """An iteration directory, or a save root whose latest published iteration is meant."""
+    path = os.path.normpath(path)
+    if commit.is_published(path):
+        return path
+    if os.path.isdir(path) and commit.iteration_of(path) is None:
+        latest = commit.read_latest(path)
+        if latest is not None:
+            return commit.checkpoint_dir(path, latest)
+        raise CheckpointError(f"no published checkpoint under {path!r}")
+    if os.path.isdir(commit.partial_dir(path)) or (os.path.isdir(path) and not commit.is_published(path)):
+        raise CheckpointError(f"checkpoint {path!r} is not published (an unfinished or failed save): "
+                              f"it cannot be loaded")
+    raise CheckpointError(f"no checkpoint at {path!r}")
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+class _Reads:
+    """A batch of pending reads: submitted at once, then verified and placed."""
+
+    def __init__(self, reader: "CheckpointReader"):
+        self.reader = reader
+        self.pending: list[tuple[int, int, Item, list[int], int, Any]] = []
+
+    def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, then=None):
+        """Read chunks [first, last) of a stored item into the uint8 tensor `dst` and verify them."""
+        chunks = item.chunks()[first:last]
+        start = chunks[0][0]
+        nbytes = chunks[-1][0] + chunks[-1][1] - start
+        segments = [(s - start, n) for s, n in chunks]
+        f = self.reader.data_file(rank)
+        ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
+        self.pending.append((ticket, rank, item, list(range(first, last)), dst, then))
+
+    def finish(self) -> None:
+        pending, self.pending = self.pending, []
+        errors = []
+        for ticket, rank, item, indices, dst, then in pending:
+            try:
+                crcs = self.reader.io.wait(ticket)
+            except OSError as e:
+                errors.append(CheckpointCorruptError(
+                    f"reading item {item.id!r} from {self.reader.data_path(rank)!r} failed: {e.strerror or e}"))
+                continue
+            for index, crc in zip(indices, crcs):
+                if crc != item.crcs[index]:
+                    errors.append(CheckpointCorruptError(
+                        f"checksum mismatch in {self.reader.data_path(rank)!r}: item {item.id!r} chunk {index} "
+                        f"(file offset {item.offset + item.chunks()[index][0]}) reads crc32c {crc:#010x}, "
+                        f"manifest says {item.crcs[index]:#010x}"))
+            if then is not None and not errors:
+                then(dst)
+        if errors:
+            raise errors[0]
+
+
+class CheckpointReader:
+    def __init__(self, path: str, io: _native.IOPool, budget_bytes: int, registry: ProviderRegistry):
+        self.path = resolve_checkpoint(path)
+        self.io = io
+        self.budget_bytes = budget_bytes
+        self.registry = registry
+        meta_path = os.path.join(self.path, fmt.METADATA)
+        self.metadata = fmt.read_json(meta_path, "checkpoint metadata")
+        fmt.check_schema(self.metadata, meta_path)
+        self.world_size = self.metadata["world_size"]
+        self._manifests: dict[int, dict[str, Item]] = {}
+        self._files: dict[int, _native.File] = {}
+        self._global: dict[str, list[tuple[int, Item]]] | None = None
+
+    # ----- manifests and files -----
+
+    def items(self, rank: int) -> dict[str, Item]:
+        if rank not in self._manifests:
+            if not 0 <= rank < self.world_size:
+                raise CheckpointError(f"checkpoint {self.path!r} was saved by {self.world_size} rank(s); "
+                                      f"it has no rank {rank}")
+            path = os.path.join(self.path, fmt.manifest_file(rank))
+            doc = fmt.read_manifest(path)
+            expected = self.metadata.get("manifests", {}).get(str(rank))
+            if expected is not None and expected != doc["manifest_crc32c"]:
+                raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
+            try:
+                self._manifests[rank] = {d["id"]: Item.from_json(d) for d in doc["items"]}
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointCorruptError(f"manifest {path!r} has a malformed item: {e}") from None
+            self._check_extents(rank, doc)
+        return self._manifests[rank]
+
+    def _check_extents(self, rank: int, doc: dict) -> None:
+        path = self.data_path(rank)
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise CheckpointError(f"data file {path!r} of rank {rank}: {e.strerror}") from None
+        if size < doc["data_bytes"]:
+            raise CheckpointCorruptError(f"data file {path!r} is truncated: {size} bytes, manifest says "
+                                         f"{doc['data_bytes']}")
+        for it in self._manifests[rank].values():
+            if it.write and (it.offset < 0 or it.offset + it.nbytes > doc["data_bytes"]
+                             or len(it.crcs) != len(it.chunks())):
+                raise CheckpointCorruptError(f"manifest of rank {rank} in {self.path!r}: item {it.id!r} has an "
+                                             f"invalid extent or checksum list")
+
+    def data_path(self, rank: int) -> str:
+        return os.path.join(self.path, fmt.data_file(rank))
+
+    def data_file(self, rank: int) -> _native.File:
+        if rank not in self._files:
+            try:
+                self._files[rank] = _native.File(self.data_path(rank), "r")
+            except OSError as e:
+                raise CheckpointError(f"cannot open {self.data_path(rank)!r}: {e.strerror or e}") from None
+        return self._files[rank]
+
+    def global_index(self) -> dict[str, list[tuple[int, Item]]]:
+        if self._global is None:
+            self._global = {}
+            for r in range(self.world_size):
+                for it in self.items(r).values():
+                    if it.scope == "global" and it.write:
+                        self._global.setdefault(it.name, []).append((r, it))
+        return self._global
+
+    # ----- load -----
+
+    @torch.no_grad()
+    def load(self, rank: int, template: Any = None) -> Any:
+        own = self.items(rank)
+        if template is None:
+            skeleton = self._read_object(rank, self._item(own, SKELETON_ID, rank))
+            wanted = [(it, torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) if it.kind == "tensor" else None)
+                      for it in own.values() if it.id != SKELETON_ID]
+        else:
+            skeleton, entries = self.registry.flatten(template)
+            wanted = [(e.item, _writable(e.source) if e.item.kind == "tensor" else None) for e in entries]
+        values: dict[str, Any] = {}
+        reads, staged = _Reads(self), 0
+        for target, dst in wanted:
+            if target.kind == "object":
+                values[target.id] = self._read_object(*self._saved_object(target, own, rank))
+                continue
+            values[target.id] = dst
+            if target.scope == "global":
+                staged += self._read_global(target, dst, reads)
+            else:
+                staged += self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
+            if staged >= self.budget_bytes:  # bound the temporary memory of resharding reads
+                reads.finish()
+                staged = 0
+        reads.finish()
+        return unflatten(skeleton, values.__getitem__)
+
+    def _item(self, items: dict[str, Item], key: str, rank: int) -> Item:
+        if key not in items:
+            raise CheckpointError(f"checkpoint {self.path!r} (rank {rank}) has no item {key!r}")
+        return items[key]
+
+    def _saved_object(self, target: Item, own: dict[str, Item], rank: int) -> tuple[int, Item]:
+        if target.scope == "local":
+            saved = self._item(own, target.id, rank)
+            if saved.kind != "object":
+                raise CheckpointError(f"checkpoint {self.path!r} item {target.id!r} is a {saved.kind}, "
+                                      f"the target wants an object")
+            return rank, saved
+        for r in [rank] + [r for r in range(self.world_size) if r != rank]:
+            for it in self.items(r).values():
+                if it.scope == "global" and it.name == target.name and it.write:
+                    return r, it
+        raise CheckpointError(f"checkpoint {self.path!r} has no object named {target.name!r}")
+
+    def _saved_tensor(self, target: Item, own: dict[str, Item], rank: int) -> Item:
+        saved = self._item(own, target.id, rank)
+        if (saved.kind, saved.dtype, saved.shape) != (target.kind, target.dtype, target.shape):
+            raise CheckpointError(
+                f"checkpoint {self.path!r} item {target.id!r} is {saved.kind} {saved.dtype} {saved.shape}, "
+                f"the target wants {target.kind} {target.dtype} {target.shape}")
+        return saved
+
+    def _read_object(self, rank: int, item: Item) -> Any:
+        buf = _aligned_empty(item.nbytes)
+        reads = _Reads(self)
+        reads.read_chunks(rank, item, 0, len(item.chunks()), buf)
+        reads.finish()
+        return fmt.loads(buf.numpy().tobytes(), f"{item.id!r} in {self.data_path(rank)!r}")
+
+    def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: _Reads) -> int:
+        """Read a stored tensor item entirely into `dst`; returns the temporary bytes it holds."""
+        if saved.nbytes == 0:
+            return 0
+        n = len(saved.chunks())
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            reads.read_chunks(rank, saved, 0, n, dst.view(-1).view(torch.uint8) if dst.dim() else
+                              dst.view(1).view(torch.uint8))
+            return 0
+        dtype, shape = dtype_from_name(saved.dtype), saved.shape
+        reads.read_chunks(rank, saved, 0, n, _aligned_empty(saved.nbytes),
+                          then=lambda buf: dst.copy_(buf.view(dtype).view(shape)))
+        return saved.nbytes
+
+    def _read_global(self, target: Item, dst: torch.Tensor, reads: _Reads) -> int:
+        """Fill the target shard `dst` (box target.global_offset + dst.shape) from every saved shard it overlaps."""
+        shards = self.global_index().get(target.name)
+        if not shards:
+            raise CheckpointError(f"checkpoint {self.path!r} has no tensor named {target.name!r}")
+        t_off, t_shape = tuple(target.global_offset), tuple(dst.shape)
+        covered, staged = 0, 0
+        for rank, saved in shards:
+            if tuple(saved.global_shape) != tuple(target.global_shape) or saved.dtype != dtype_name(dst.dtype):
+                raise CheckpointError(
+                    f"checkpoint {self.path!r}: {target.name!r} is {saved.dtype} with global shape "
+                    f"{tuple(saved.global_shape)}, the target wants {dtype_name(dst.dtype)} "
+                    f"{tuple(target.global_shape)}")
+            box = _overlap(t_off, t_shape, tuple(saved.global_offset), tuple(saved.shape))
+            if box is None:
+                continue
+            covered += _volume(box[1])
+            if tuple(saved.global_offset) == t_off and tuple(saved.shape) == t_shape:
+                staged += self._read_whole(rank, saved, dst, reads)
+                continue
+            staged += self._read_overlap(rank, saved, box, t_off, dst, reads)
+        if covered != _volume(t_shape):
+            raise CheckpointError(f"checkpoint {self.path!r} does not cover {target.name!r} at offset {t_off} "
+                                  f"shape {t_shape}: {covered} of {_volume(t_shape)} elements saved")
+        return staged
+
+    def _read_overlap(self, rank, saved: Item, box, t_off, dst, reads) -> int:
+        """Read the rows of `saved` that hold `box`, widened to whole checksum chunks, then copy the box."""
+        (b_off, b_shape), s_off, s_shape = box, tuple(saved.global_offset), tuple(saved.shape)
+        dtype = dtype_from_name(saved.dtype)
+        esize = torch.empty((), dtype=dtype).element_size()
+        row_bytes = esize * _volume(s_shape[1:])
+        r0 = b_off[0] - s_off[0]
+        r1 = r0 + b_shape[0]
+        cb = saved.chunk_bytes or saved.nbytes
+        first, last = r0 * row_bytes // cb, -(-(r1 * row_bytes) // cb)
+        base = first * cb
+        end = min(last * cb, saved.nbytes)
+        buf = _aligned_empty(end - base)
+
+        def place(buf):
+            rows = buf[r0 * row_bytes - base:r1 * row_bytes - base].view(dtype).view((r1 - r0,) + s_shape[1:])
+            src = rows[(slice(None),) + tuple(slice(o - so, o - so + n) for o, so, n in
+                                               zip(b_off[1:], s_off[1:], b_shape[1:]))]
+            dst[tuple(slice(o - to, o - to + n) for o, to, n in zip(b_off, t_off, b_shape))].copy_(src)
+        reads.read_chunks(rank, saved, first, last, buf, then=place)
+        return end - base
+
+
+def _writable(t: torch.Tensor) -> torch.Tensor:
+    """The template tensor itself, unless it cannot be written in place (an expanded view): then a new one."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return t
+
+
+def _overlap(a_off, a_shape, b_off, b_shape):
+    if len(a_off) != len(b_off):
+        return None
+    off, shape = [], []
+    for ao, an, bo, bn in zip(a_off, a_shape, b_off, b_shape):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        shape.append(hi - lo)
+    return tuple(off), tuple(shape)
+
+
+def _volume(shape) -> int:
+    v = 1
+    for s in shape:
+        v *= s
+    return v

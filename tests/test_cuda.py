@@ -1,0 +1,29 @@
+"""The CUDA path: pinned staging, a side stream ordered after the compute stream, events. Needs a GPU."""
+import pytest
+import torch
+
+from datastates import CheckpointEngine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_device_state_snapshot_is_lazy_pinned_and_fenced(tmp_path):
+    torch.manual_seed(0)
+    state = {f"p{i}": torch.randn(1024, 1024, device="cuda") for i in range(32)}
+    state["step"] = torch.tensor(3, device="cuda")
+    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=2) as eng:
+        assert eng.pool.pinned
+        for t in state.values():  # queued on the compute stream right before save(): the copy must see it
+            t.mul_(2)
+        expected = {k: v.cpu() for k, v in state.items()}
+        eng.save(state, str(tmp_path / "iter_0000001"))
+        eng.wait_for_snapshot()
+        for t in state.values():  # the optimizer step after the fence
+            t.add_(1)
+        stats = eng.wait()[0]
+        assert stats["peak_staging_bytes"] <= 16 << 20
+        template = {k: torch.zeros_like(v) for k, v in state.items()}
+        out = eng.load(str(tmp_path), template=template)
+    for k, v in expected.items():
+        assert out[k] is template[k] and out[k].is_cuda
+        assert torch.equal(out[k].cpu(), v), k

@@ -1,0 +1,121 @@
+"""Publication across real processes (gloo): nothing is visible before every rank is done; a failed or missing
+rank is named; DP replicas are written once and read back from their owner."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _worker(rank, root, port, errors):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        _scenarios(rank, root)
+    except BaseException as e:  # report to the parent, which asserts
+        import traceback
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise SystemExit(1) from e
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _scenarios(rank, root):
+    from datastates import CheckpointEngine, CheckpointError, CheckpointTimeoutError, commit
+    from datastates.providers import ProviderRegistry, StateProvider, default_registry
+
+    class Shard:  # a minimal stand-in for a sharded tensor: name, local data, global box
+        def __init__(self, name, data, offset, shape, owner=True):
+            self.name, self.data, self.offset, self.shape, self.owner = name, data, offset, shape, owner
+
+    class ShardProvider(StateProvider):
+        def accepts(self, value):
+            return isinstance(value, Shard)
+
+        def flatten(self, value, path, ctx):
+            return ctx.add_tensor(f"{value.name}@{value.offset}", value.data, scope="global", name=value.name,
+                                  global_shape=value.shape, global_offset=value.offset, write=value.owner)
+
+    registry = ProviderRegistry(default_registry.providers)
+    registry.register(ShardProvider())
+    full = torch.arange(40 * 6, dtype=torch.float32).view(40, 6)
+    replicated = torch.full((5,), 7.0)
+
+    def state(value):
+        return {"rng": torch.get_rng_state(), "rank_value": torch.tensor(float(rank) + value),
+                "w": Shard("w", full[rank * 20:(rank + 1) * 20] + value, (rank * 20, 0), (40, 6)),
+                # a DP-replicated tensor: rank 1 writes it, rank 0 only reads it back
+                "b": Shard("b", replicated + value, (0,), (5,), owner=rank == 1)}
+
+    eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, registry=registry, publish_timeout_s=60)
+    first = commit.checkpoint_dir(root, 1)
+
+    # 1. not published until the last rank is done
+    if rank == 0:
+        eng.save(state(0.0), first)
+        time.sleep(1.0)
+        assert not os.path.exists(first), "published before rank 1 saved"
+    dist.barrier()
+    if rank == 1:
+        eng.save(state(0.0), first)
+    eng.wait()
+    assert commit.read_latest(root) == 1
+    own = eng.load(root)
+    assert torch.equal(own["rank_value"], torch.tensor(float(rank)))
+    assert torch.equal(own["w"], full[rank * 20:(rank + 1) * 20])
+    assert torch.equal(own["b"], replicated)  # rank 0 reads the replica rank 1 wrote
+    whole = torch.zeros(40, 6)
+    eng.load(first, template={"w": Shard("w", whole, (0, 0), (40, 6))})
+    assert torch.equal(whole, full)
+    names = sorted(os.listdir(first))
+    assert names == ["metadata.json", "rank_00000.data", "rank_00000.manifest.json", "rank_00001.data",
+                     "rank_00001.manifest.json"], names
+    manifest0 = open(os.path.join(first, "rank_00000.manifest.json")).read()
+    assert '"b@(0,)"' in manifest0 and '"write": false' in manifest0
+    dist.barrier()
+
+    # 2. a rank whose save fails: every rank's wait names it, the previous checkpoint stays latest
+    bad = state(1.0)
+    if rank == 1:
+        bad["fn"] = lambda: None
+    eng.save(bad, commit.checkpoint_dir(root, 2))
+    with pytest.raises(CheckpointError, match="rank 1") if rank == 0 else pytest.raises(CheckpointError):
+        eng.wait()
+    assert commit.read_latest(root) == 1
+    dist.barrier()
+
+    # 3. a rank that never saves: rank 0 gives up after the timeout and names it
+    eng.publish_timeout_s = 2.0
+    if rank == 0:
+        eng.save(state(2.0), commit.checkpoint_dir(root, 3))
+        with pytest.raises(CheckpointTimeoutError, match=r"rank\(s\) \[1\] did not finish"):
+            eng.wait()
+        assert commit.read_latest(root) == 1
+    dist.barrier()
+    if rank == 0:
+        assert set(commit.clean_stale(root)) == {commit.partial_dir(commit.checkpoint_dir(root, i)) for i in (2, 3)}
+    eng.close()
+
+
+def test_publication_across_two_processes(tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path), port, errors)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    assert not messages, "\n".join(messages)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

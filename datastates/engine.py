@@ -55,6 +55,10 @@ class SaveHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the save finished, successfully or not (see `.error`); False on timeout."""
+        return self._done.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> dict:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save of {self.path!r} still running after {timeout} s")
@@ -161,12 +165,9 @@ class CheckpointEngine:
         return [h.stats for h in handles]
 
     def maybe_finalize(self) -> list[SaveHandle]:
-        """Non-blocking: the saves finished since the last call; raises the first failed one's error."""
+        """Non-blocking: the saves that finished since the last call (failed ones carry `.error`)."""
         finished = [h for h in self._pending if h.done()]
         self._pending = [h for h in self._pending if not h.done()]
-        for h in finished:
-            if h.error is not None:
-                raise h.error
         return finished
 
     def load(self, path: str, template: Any = None, rank: int | None = None) -> Any:
@@ -302,8 +303,8 @@ class CheckpointEngine:
                 body = {"rank": self.rank, "world_size": self.world_size, "data_file": fmt.data_file(self.rank),
                         "data_bytes": job.size, "direct_io": job.file.direct, "items": items}
                 path = os.path.join(job.partial, fmt.manifest_file(self.rank))
-                fmt.write_manifest(path, body, self.fsync)
-                job.manifest_crc = fmt.read_manifest(path)["manifest_crc32c"]
+                # once written, rank 0 may publish (rename the directory) at any moment: never read it back
+                job.manifest_crc = fmt.write_manifest(path, body, self.fsync)
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         if job.file is not None:

@@ -64,9 +64,12 @@ def write_json_atomic(path: str, obj: dict, fsync: bool = True) -> None:
         fsync_dir(os.path.dirname(path) or ".")
 
 
-def write_manifest(path: str, body: dict, fsync: bool = True) -> None:
+def write_manifest(path: str, body: dict, fsync: bool = True) -> int:
+    """Write a rank's manifest atomically; returns its checksum (the rank's token in metadata.json)."""
     body = dict(body, schema_version=SCHEMA_VERSION, format=FORMAT_NAME)
-    write_json_atomic(path, dict(body, manifest_crc32c=_body_crc(body)), fsync)
+    crc = _body_crc(body)
+    write_json_atomic(path, dict(body, manifest_crc32c=crc), fsync)
+    return crc
 
 
 def read_json(path: str, what: str) -> dict:

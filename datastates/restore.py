@@ -155,7 +155,8 @@ class CheckpointReader:
 
     @torch.no_grad()
     def load(self, rank: int, template: Any = None) -> Any:
-        own = self.items(rank)
+        # a rank beyond the saved world (loading into more ranks) can still fill global items
+        own = self.items(rank) if template is None or rank < self.world_size else {}
         if template is None:
             skeleton = self._read_object(rank, self._item(own, SKELETON_ID, rank))
             wanted = [(it, torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) if it.kind == "tensor" else None)
@@ -181,6 +182,9 @@ class CheckpointReader:
         return unflatten(skeleton, values.__getitem__)
 
     def _item(self, items: dict[str, Item], key: str, rank: int) -> Item:
+        if rank >= self.world_size:
+            raise CheckpointError(f"checkpoint {self.path!r} was saved by {self.world_size} rank(s): rank {rank} "
+                                  f"has no rank-local item {key!r} there (only global items reshard)")
         if key not in items:
             raise CheckpointError(f"checkpoint {self.path!r} (rank {rank}) has no item {key!r}")
         return items[key]
@@ -192,7 +196,7 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path!r} item {target.id!r} is a {saved.kind}, "
                                       f"the target wants an object")
             return rank, saved
-        for r in [rank] + [r for r in range(self.world_size) if r != rank]:
+        for r in sorted(range(self.world_size), key=lambda r: r != rank):
             for it in self.items(r).values():
                 if it.scope == "global" and it.name == target.name and it.write:
                     return r, it

@@ -1,0 +1,292 @@
+"""Adapters between megatron-core's sharded state dicts and the engine's providers.
+
+megatron-core describes a distributed training state with `ShardedTensor`s (a local shard of a logical tensor:
+key, global shape, global offset, replica id), `ShardedObject`s (a picklable object with a position in a grid of
+ranks), `ShardedTensorFactory`s (a tensor saved as a transformation of itself, e.g. the two halves of a SwiGLU
+fc1) and `LocalNonpersistentObject`s (kept on load, never saved). This module makes the engine speak that
+language without the engine importing megatron-core:
+
+- `MegatronProvider` turns a ShardedTensor into one *global* tensor item named by its key with its box in GLOBAL
+  coordinates (prepended axes included), and a ShardedObject into a global object item; on load the engine
+  matches items by (name, global offset) across every rank's files, so TP/PP/DP layouts may change.
+- `ReplicaOwnership` decides which of the ranks holding the same shard (DP replicas, TP-replicated layer norms)
+  writes it: bytes are balanced across the holders (one all_gather_object of the shard list, cached while the
+  structure holds) instead of always the main replica.
+- `save_sharded` / `load_sharded` are the megatron-core `dist_checkpointing.save/load` equivalents on a
+  `CheckpointEngine`: factories are applied before save and merged after load, non-persistent objects are
+  dropped on save and restored on load, and loaded tensors land IN PLACE in the template's tensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Optional
+
+import torch
+
+from .providers import (ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider,
+                        TensorProvider)
+
+from megatron.core.dist_checkpointing.mapping import (  # noqa: E402  (megatron-core lives only here)
+    LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory, apply_factories,
+    apply_factory_merges)
+from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, extract_matching_values,
+                                                         merge)
+
+__all__ = ["Common", "MegatronProvider", "ReplicaOwnership", "make_registry", "prepare_for_save", "prepare_for_load",
+           "finalize_load", "save_sharded", "load_sharded", "shard_identity"]
+
+
+def _flat_range(sh) -> Optional[tuple]:
+    fr = getattr(sh, "flattened_range", None)
+    return None if fr is None else (int(fr.start), int(fr.stop))
+
+
+def shard_identity(sh) -> tuple:
+    """What makes two ranks' shards replicas of each other: key, global offset and flattened range."""
+    if isinstance(sh, ShardedTensor):
+        return ("T", sh.key, tuple(int(x) for x in sh.global_offset), _flat_range(sh))
+    return ("O", sh.key, tuple(int(x) for x in sh.global_offset), None)
+
+
+def _is_main_replica(replica_id) -> bool:
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+def _item_key(ident: tuple) -> str:
+    kind, key, offset, fr = ident
+    s = f"{key}@{','.join(map(str, offset))}"
+    if fr is not None:
+        s += f"[{fr[0]}:{fr[1]}]"
+    return s
+
+
+def _nbytes(sh) -> int:
+    if isinstance(sh, ShardedTensor):
+        if sh.data is not None:
+            return sh.data.numel() * sh.data.element_size()
+        return math.prod(sh.local_shape) * torch.empty((), dtype=sh.dtype).element_size()
+    return 1  # objects: tiny, counted so that they spread too
+
+
+class ReplicaOwnership:
+    """Which rank writes each replicated shard, with the bytes balanced across the ranks that hold it.
+
+    `compute(shards)` is a collective over `group` (every rank calls it at the same point, which holds because
+    every rank saves at the same iteration); its result is cached under a digest of the local structure, so
+    later saves of an unchanged structure cost nothing. The assignment is deterministic: shards are taken by
+    decreasing size and each goes to the least-loaded of its holders (ties: lowest rank).
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self._digest: Optional[str] = None
+        self._owned: dict[tuple, bool] = {}
+        self.bytes_per_rank: list[int] = []
+
+    def writes(self, ident: tuple, replica_id) -> bool:
+        if ident in self._owned:
+            return self._owned[ident]
+        return _is_main_replica(replica_id)
+
+    def compute(self, shards: list) -> None:
+        local = sorted({(shard_identity(sh), _nbytes(sh)) for sh in shards}, key=repr)
+        digest = hashlib.sha1(repr(local).encode()).hexdigest()
+        if digest == self._digest:
+            return
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
+            self._owned = {ident: True for ident, _ in local}
+            self.bytes_per_rank = [sum(n for _, n in local)]
+            self._digest = digest
+            return
+        world = dist.get_world_size(self.group)
+        me = dist.get_rank(self.group)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, local, group=self.group)
+        holders: dict[tuple, list[int]] = {}
+        sizes: dict[tuple, int] = {}
+        for rank, entries in enumerate(gathered):
+            for ident, n in entries:
+                holders.setdefault(ident, []).append(rank)
+                sizes[ident] = max(sizes.get(ident, 0), n)
+        load = [0] * world
+        owner: dict[tuple, int] = {}
+        for ident in sorted(holders, key=lambda i: (-sizes[i], repr(i))):
+            r = min(holders[ident], key=lambda x: (load[x], x))
+            owner[ident] = r
+            load[r] += sizes[ident]
+        self._owned = {ident: owner[ident] == me for ident, _ in local}
+        self.bytes_per_rank = load
+        self._digest = digest
+
+
+class Common:
+    """A value that every rank holds identically (args, iteration, scheduler, optimizer hyper-parameters).
+
+    Saved once, by global rank 0, as a global object named ``common:<key>`` (megatron-core's "common state");
+    on load every rank reads it from rank 0's file, whatever the layout the checkpoint was saved with.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _global_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class MegatronProvider(StateProvider):
+    """ShardedTensor -> global tensor item; ShardedObject -> global object item; Common -> rank-0 object."""
+
+    def __init__(self, ownership: Optional[ReplicaOwnership] = None):
+        self.ownership = ownership or ReplicaOwnership()
+
+    def accepts(self, value):
+        return isinstance(value, (ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonpersistentObject,
+                                  Common))
+
+    def flatten(self, value, path, ctx):
+        if isinstance(value, Common):
+            return ctx.add_object(f"common:{path}", value.value, scope="global", name=f"common:{path}",
+                                  write=_global_rank() == 0)
+        if isinstance(value, (ShardedTensorFactory, LocalNonpersistentObject)):
+            raise TypeError(f"{type(value).__name__} at {path!r}: call datastates.megatron.prepare_for_save / "
+                            "prepare_for_load (or save_sharded/load_sharded) before handing the state to the engine")
+        ident = shard_identity(value)
+        write = self.ownership.writes(ident, value.replica_id)
+        key = _item_key(ident)
+        if isinstance(value, ShardedObject):
+            return ctx.add_object(key, value.data, scope="global", name=key, write=write)
+        data = value.data
+        if data is None:
+            raise ValueError(f"ShardedTensor {value.key!r} at {path!r} has no data")
+        fr = _flat_range(value)
+        if fr is not None:
+            # A flattened range of the local shard (distributed optimizer): a 1-D logical tensor per local shard,
+            # so DP resharding of the ranges works and TP/PP boxes stay apart.
+            name = f"{value.key}@{','.join(map(str, value.global_offset))}|flat"
+            return ctx.add_tensor(key, data.reshape(-1), scope="global", name=name,
+                                  global_shape=(math.prod(value.local_shape),), global_offset=(fr[0],),
+                                  write=write)
+        box = (1,) * value.prepend_axis_num + tuple(value.local_shape)
+        if tuple(data.shape) != box:
+            data = data.view(box) if data.is_contiguous() else data.reshape(box)
+        return ctx.add_tensor(key, data, scope="global", name=value.key,
+                              global_shape=tuple(int(x) for x in value.global_shape),
+                              global_offset=tuple(int(x) for x in value.global_offset), write=write)
+
+
+def make_registry(ownership: Optional[ReplicaOwnership] = None) -> ProviderRegistry:
+    """A provider registry that understands megatron-core's sharded state dicts (for CheckpointEngine(registry=))."""
+    return ProviderRegistry([MegatronProvider(ownership), ContainerProvider(), TensorProvider(), ObjectProvider()])
+
+
+def _provider(registry: ProviderRegistry) -> MegatronProvider:
+    for p in registry.providers:
+        if isinstance(p, MegatronProvider):
+            return p
+    raise ValueError("the engine's registry has no MegatronProvider: build it with datastates.megatron.make_registry()")
+
+
+def _sharded_leaves(state) -> list:
+    out = []
+
+    def visit(x):
+        if isinstance(x, (ShardedTensor, ShardedObject)):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit(state)
+    return out
+
+
+def _drop_empty_flat(state):
+    """Drop ShardedTensors whose flattened range is empty (megatron-core skips them too)."""
+    if isinstance(state, dict):
+        return {k: _drop_empty_flat(v) for k, v in state.items()
+                if not (isinstance(v, ShardedTensor) and _flat_range(v) is not None and v.data is not None
+                        and v.data.numel() == 0)}
+    if isinstance(state, list):
+        return [_drop_empty_flat(v) for v in state]
+    return state
+
+
+def prepare_for_save(sharded_state_dict: dict) -> dict:
+    """A copy of the structure with factories applied and non-persistent objects removed (tensors shared)."""
+    sd, _ = extract_matching_values(sharded_state_dict, lambda x: True)
+    sd = _drop_empty_flat(sd)
+    apply_factories(sd)
+    _, sd = extract_matching_values(sd, lambda x: isinstance(x, LocalNonpersistentObject))
+    return sd
+
+
+def prepare_for_load(sharded_state_dict: dict):
+    """(template, nonpersistent, factories) like megatron-core's load_preprocess, without touching the input."""
+    sd, _ = extract_matching_values(sharded_state_dict, lambda x: True)
+    sd = _drop_empty_flat(sd)
+    factories, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedTensorFactory),
+                                           return_lists_as_dicts=True)
+    apply_factories(sd)
+    dict_list_map_inplace(ShardedTensorFactory.without_data, factories)
+    nonpersistent, sd = extract_matching_values(sd, lambda x: isinstance(x, LocalNonpersistentObject))
+    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+    return sd, nonpersistent, factories
+
+
+def _resolve(template, loaded):
+    """Megatron-style result: ShardedTensor -> its (filled in place) data tensor, ShardedObject -> its value."""
+    if isinstance(template, ShardedTensor):
+        target = template.data
+        if isinstance(loaded, torch.Tensor) and target is not None and \
+                loaded.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
+            with torch.no_grad():
+                target.copy_(loaded.reshape(target.shape))
+        return target
+    if isinstance(template, (ShardedObject, Common)):
+        return loaded
+    if isinstance(template, dict) and isinstance(loaded, dict):
+        return type(loaded)({k: _resolve(template.get(k), v) for k, v in loaded.items()}) \
+            if type(loaded) is not dict else {k: _resolve(template.get(k), v) for k, v in loaded.items()}
+    if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(template) == len(loaded):
+        vals = [_resolve(t, v) for t, v in zip(template, loaded)]
+        return vals if isinstance(loaded, list) else type(loaded)(vals) if not hasattr(loaded, "_fields") \
+            else type(loaded)(*vals)
+    return loaded
+
+
+def finalize_load(template: dict, loaded: dict, nonpersistent: dict, factories: dict) -> dict:
+    state = _resolve(template, loaded)
+    state = apply_factory_merges(state, factories)
+    merge(state, nonpersistent)
+    return state
+
+
+def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optional[ReplicaOwnership] = None):
+    """Save a megatron-core sharded state dict (plus plain objects/tensors) with `engine`; returns the handle.
+
+    `ownership` is the ReplicaOwnership of the MegatronProvider in the engine's registry (found on the engine
+    when not given). Collective on first use and whenever the structure changes; otherwise local.
+    """
+    sd = prepare_for_save(sharded_state_dict)
+    if ownership is None:
+        ownership = _provider(engine.registry).ownership
+    ownership.compute(_sharded_leaves(sd))
+    return engine.save(sd, path)
+
+
+def load_sharded(engine, sharded_state_dict: dict, path: str) -> dict:
+    """Load into the tensors of `sharded_state_dict` (in place) and return a megatron-style state dict."""
+    template, nonpersistent, factories = prepare_for_load(sharded_state_dict)
+    loaded = engine.load(path, template=template)
+    return finalize_load(template, loaded, nonpersistent, factories)

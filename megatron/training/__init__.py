@@ -1,0 +1,15 @@
+"""Our Megatron-style trainer over megatron-core (a namespace portion of `megatron`: no megatron/__init__.py).
+
+`pretrain` is imported lazily so that `megatron.training.arguments` stays cheap to import (no megatron-core).
+"""
+from .global_vars import get_args  # noqa: F401
+
+
+def pretrain(*args, **kwargs):
+    from .training import pretrain as _pretrain
+    return _pretrain(*args, **kwargs)
+
+
+def print_rank_0(msg):
+    from .checkpointing import print_rank_0 as _p
+    _p(msg)

@@ -1,0 +1,298 @@
+"""Megatron-LM compatible command line flags, plus the checkpoint flags of DESIGN.md.
+
+Only the flags this trainer honours are accepted; a Megatron-LM flag that would silently change nothing here is
+rejected by argparse rather than ignored. `validate_args` checks the whole configuration against the world size
+before any work starts (no model is built, no file is written) and raises `ArgumentError` with a clear message.
+This module imports neither megatron-core nor torch.distributed, so it is cheap to use in tests.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+
+class ArgumentError(ValueError):
+    """Inconsistent or unusable command line."""
+
+
+CKPT_FORMATS = ("datastates", "torch_dist", "torch")
+
+
+def _add_model_args(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size of the synthetic data / a pre-tokenized data set")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="default: transformer_engine when importable and CUDA is present, else local")
+
+
+def _add_parallel_args(p):
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_training_args(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="exit (after saving when --save is set) once the iteration is a multiple of this")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-iters", type=int, default=0, help="only 0 is supported (no evaluation loop)")
+    g.add_argument("--eval-interval", type=int, default=None)
+
+
+def _add_data_args(p):
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true",
+                   help="deterministic synthetic token stream (the default when no --data-path is given)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefix of a megatron indexed data set (<prefix>.bin/.idx), pre-tokenized")
+    g.add_argument("--split", type=str, default=None, help="accepted for compatibility; all data is training data")
+    g.add_argument("--tokenizer-type", type=str, default="NullTokenizer",
+                   help="only NullTokenizer (pre-tokenized data) is used by this trainer")
+    g.add_argument("--num-workers", type=int, default=0)
+
+
+def _add_checkpoint_args(p):
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="datastates")
+    g.add_argument("--async-ckpt", "--async-save", dest="async_ckpt", action="store_true",
+                   help="lazy asynchronous save (datastates); without it the save is synchronous")
+    g.add_argument("--ckpt-host-buffer-gb", type=float, default=4.0)
+    g.add_argument("--ckpt-writer-threads", type=int, default=4)
+    g.add_argument("--ckpt-keep-last", type=str, default="all", help="number of checkpoints to keep, or 'all'")
+    g.add_argument("--ckpt-fsync", dest="ckpt_fsync", action="store_true", default=True)
+    g.add_argument("--no-ckpt-fsync", dest="ckpt_fsync", action="store_false")
+    g.add_argument("--ckpt-direct-io", choices=["auto", "on", "off"], default="auto")
+    g.add_argument("--ckpt-publish-timeout-s", type=float, default=600.0,
+                   help="how long rank 0 waits for every rank's part of a checkpoint before failing the save")
+    g.add_argument("--ckpt-on-failure", choices=["stop", "warn"], default="stop",
+                   help="a failed save stops training (default) or is logged as a warning while training goes on; "
+                        "either way the last published checkpoint stays intact")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only and start at iteration 0")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--use-dist-ckpt", action="store_true", help="accepted for compatibility")
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Megatron-style GPT pretraining with lazy asynchronous checkpoints",
+                                allow_abbrev=False)
+    _add_model_args(p)
+    _add_parallel_args(p)
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_checkpoint_args(p)
+    if extra_args_provider is not None:
+        p = extra_args_provider(p)
+    return p
+
+
+def parse_args(extra_args_provider=None, argv=None) -> argparse.Namespace:
+    """Parse the flags (sys.argv[1:] when argv is None). Use validate_args once the world size is known."""
+    return build_parser(extra_args_provider).parse_args(argv)
+
+
+def _require(args, *names):
+    missing = [n for n in names if getattr(args, n.replace("-", "_")) is None]
+    if missing:
+        raise ArgumentError("missing required flag(s): " + ", ".join("--" + n for n in missing))
+
+
+def _loadable(path: str) -> tuple[bool, str]:
+    """Whether --load points at something this trainer can load, and why not."""
+    if not os.path.isdir(path):
+        return False, f"--load {path!r} does not exist or is not a directory"
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if re.match(r"^iter_\d{7,}$", os.path.basename(os.path.normpath(path))):
+        return True, ""
+    if not os.path.isfile(tracker):
+        return False, (f"--load {path!r} holds no checkpoint: neither latest_checkpointed_iteration.txt nor an "
+                       "iter_XXXXXXX directory")
+    text = open(tracker).read().strip()
+    if text == "release":
+        return os.path.isdir(os.path.join(path, "release")), f"--load {path!r}: release/ is missing"
+    if not text.isdigit():
+        return False, f"--load {path!r}: latest_checkpointed_iteration.txt holds {text!r}, not an iteration"
+    it_dir = os.path.join(path, f"iter_{int(text):07d}")
+    if not os.path.isdir(it_dir):
+        return False, f"--load {path!r}: latest_checkpointed_iteration.txt names {text} but {it_dir} is missing"
+    return True, ""
+
+
+def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argparse.Namespace:
+    """Check the configuration against the world size and fill derived values. Raises ArgumentError."""
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    args.world_size = world_size
+    _require(args, "num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size",
+             "train-iters", "lr")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp) != 0:
+        raise ArgumentError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+                            f"pipeline-model-parallel-size {pp} = {tp * pp}")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_attention_heads % tp != 0:
+        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if args.group_query_attention and args.num_query_groups % tp != 0:
+        raise ArgumentError(f"--num-query-groups {args.num_query_groups} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                            f"{args.num_attention_heads} (pass --kv-channels)")
+    if args.num_layers % pp != 0:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
+                            f"--pipeline-model-parallel-size {pp}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                            f"{args.max_position_embeddings}")
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    if args.global_batch_size % (mbs * dp) != 0:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
+                            f"{mbs} x data-parallel size {dp} = {mbs * dp}")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
+                            f"{args.lr_decay_iters}")
+    if args.eval_iters:
+        raise ArgumentError("--eval-iters > 0: this trainer has no evaluation loop; pass --eval-iters 0")
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
+    if args.vocab_size is None and not args.data_path:
+        args.vocab_size = 128
+    if args.data_path and args.mock_data:
+        raise ArgumentError("--mock-data and --data-path are mutually exclusive")
+    if args.tokenizer_type not in ("NullTokenizer",):
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: only NullTokenizer (pre-tokenized data with "
+                            "--vocab-size) is supported by this trainer")
+    if args.data_path:
+        if args.vocab_size is None:
+            raise ArgumentError("--data-path needs --vocab-size (pre-tokenized data, NullTokenizer)")
+        for prefix in args.data_path:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise ArgumentError(f"--data-path {prefix!r}: {prefix + ext} does not exist")
+    # Checkpointing.
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise ArgumentError(f"--save-interval must be positive, got {args.save_interval}")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval given without --save")
+    if args.ckpt_keep_last == "all":
+        args.ckpt_keep_last = None
+    else:
+        try:
+            args.ckpt_keep_last = int(args.ckpt_keep_last)
+        except ValueError:
+            raise ArgumentError(f"--ckpt-keep-last must be an integer or 'all', got {args.ckpt_keep_last!r}")
+        if args.ckpt_keep_last < 1:
+            raise ArgumentError("--ckpt-keep-last must be >= 1")
+    if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0:
+        raise ArgumentError("--ckpt-host-buffer-gb and --ckpt-writer-threads must be positive")
+    if args.async_ckpt and args.ckpt_format == "torch":
+        raise ArgumentError("--async-ckpt is not available with --ckpt-format torch (use datastates or torch_dist)")
+    if args.load is not None:
+        ok, why = _loadable(args.load)
+        fresh = (os.path.normpath(args.load) == os.path.normpath(args.save or "")
+                 and not os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt")))
+        if not ok and (args.exit_on_missing_checkpoint or not fresh):
+            # Megatron starts from scratch when --load equals --save and nothing was saved there yet (the usual
+            # "resume if possible" launch); anything else that points at nothing loadable is an error.
+            raise ArgumentError(why)
+        args.load_exists = ok
+    else:
+        args.load_exists = False
+    # Device specific.
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if (cuda and _te_importable()) else "local"
+    if not cuda:
+        if args.fp16 or args.bf16:
+            raise ArgumentError("--fp16/--bf16 need CUDA: the CPU trainer runs in fp32")
+        if args.sequence_parallel:
+            raise ArgumentError("--sequence-parallel needs CUDA (gloo has no reduce-scatter)")
+        if args.use_distributed_optimizer:
+            raise ArgumentError("--use-distributed-optimizer needs CUDA (megatron-core's DistributedOptimizer)")
+        if args.transformer_impl == "transformer_engine":
+            raise ArgumentError("--transformer-impl transformer_engine needs CUDA")
+        if args.distributed_backend == "nccl":
+            raise ArgumentError("--distributed-backend nccl needs CUDA")
+        if pp > 1 and not args.untie_embeddings_and_output_weights:
+            raise ArgumentError("tied embeddings with --pipeline-model-parallel-size > 1 need CUDA (megatron-core "
+                                "moves the shared weight with .cuda()); on CPU pass "
+                                "--untie-embeddings-and-output-weights")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
+    return args
+
+
+def _te_importable() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None

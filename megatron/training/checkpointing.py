@@ -1,0 +1,513 @@
+"""save_checkpoint / load_checkpoint: what a Megatron checkpoint holds, and which saver writes it.
+
+The state is megatron-core's: the model's and the optimizer's `sharded_state_dict()` (ShardedTensors with
+global offsets for every TP/PP shard), each rank's RNG states as a ShardedObject on the (pp, tp, dp) grid, and
+the common state (args, iteration, LR scheduler, consumed samples, optimizer hyper-parameters).
+
+Formats (`--ckpt-format`):
+- ``datastates`` (default): `datastates.CheckpointEngine`. With `--async-ckpt` the save returns at once and the
+  training loop calls `fence()` right before the next optimizer step; without it the save waits until the
+  checkpoint is durable and published (the synchronous baseline of the same engine).
+- ``torch_dist``: megatron-core's `dist_checkpointing.save/load` (synchronous).
+- ``torch``: Megatron's legacy per-(tp, pp) `torch.save` of model_optim_rng.pt, written by DP rank 0.
+
+A checkpoint is published (`latest_checkpointed_iteration.txt` rewritten atomically) only once every rank has
+finished writing it; the datastates engine does this off the training thread, the baselines after a barrier.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                        optim_state_to_sharding_state)
+
+from datastates import CheckpointEngine, CheckpointError
+from datastates import commit
+from datastates.megatron import Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+def print_rank_0(msg: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def print_rank_last(msg: str) -> None:
+    if not torch.distributed.is_initialized() or \
+            torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        print(msg, flush=True)
+
+
+# ----- pieces of the state -----
+
+_PRIMITIVES = (str, int, float, bool, type(None))
+
+
+def _saveable_args(args):
+    """The args namespace with only plain values (what a restricted unpickler accepts)."""
+    import argparse
+    out = argparse.Namespace()
+    for k, v in vars(args).items():
+        if isinstance(v, _PRIMITIVES) or (isinstance(v, (list, tuple)) and all(isinstance(x, _PRIMITIVES) for x in v)):
+            setattr(out, k, v)
+    return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def get_rng_state() -> dict:
+    """This rank's RNG states as plain values (torch states as bytes)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    tracker = {k: _tensor_bytes(v) for k, v in get_cuda_rng_tracker().get_states().items()
+               if isinstance(v, torch.Tensor)}
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": _tensor_bytes(torch.get_rng_state()),
+            "cuda_rng_state": _tensor_bytes(torch.cuda.get_rng_state()) if torch.cuda.is_available() else None,
+            "rng_tracker_states": tracker}
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    def to_t(b):
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(to_t(state["torch_rng_state"]))
+    if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(to_t(state["cuda_rng_state"]))
+    if state.get("rng_tracker_states"):
+        get_cuda_rng_tracker().set_states({k: to_t(v) for k, v in state["rng_tracker_states"].items()})
+
+
+def rng_sharded_object(state=None) -> ShardedObject:
+    """Every rank's RNG state, addressed by its (pp, tp, dp) coordinates."""
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank())
+    return ShardedObject("rng_state", [state if state is not None else get_rng_state()], shape, offset,
+                         replica_id=0)
+
+
+def init_optimizer_state(optimizer) -> None:
+    """Give every parameter its (zero) optimizer state so that a checkpoint can be loaded into it."""
+    if hasattr(optimizer, "init_state_fn"):  # megatron-core optimizer
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def optimizer_sharded_state_dict(optimizer, model_sd: dict, *, is_loading: bool, common: bool) -> dict:
+    """The optimizer state as ShardedTensors on the model's sharding (megatron-core optimizers: their own)."""
+    if hasattr(optimizer, "sharded_state_dict"):
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    if is_loading:
+        init_optimizer_state(optimizer)
+    osd = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    id_map = get_param_id_to_sharded_param_map(model_sd, params)
+    steps = {float(st["step"]) for st in osd["state"].values() if "step" in st}
+    if len(steps) > 1:
+        raise ValueError(f"optimizer step differs between parameters ({sorted(steps)}): cannot checkpoint it")
+    optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
+    out = {"optimizer": osd, "common_step": steps.pop() if steps else None}
+    if common:
+        osd["param_groups"] = Common([{k: v for k, v in g.items() if k != "params"}
+                                     for g in optimizer.state_dict()["param_groups"]])
+        out["common_step"] = Common(out["common_step"])
+    return out
+
+
+def load_optimizer_state(optimizer, loaded: dict) -> None:
+    if hasattr(optimizer, "sharded_state_dict"):
+        optimizer.load_state_dict(loaded)
+        return
+    osd = loaded["optimizer"]
+    live = optimizer.state_dict()
+    groups = osd["param_groups"]
+    osd["param_groups"] = [dict(g, params=lg["params"]) for g, lg in zip(groups, live["param_groups"])]
+    if len(groups) != len(live["param_groups"]):
+        raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, the model has "
+                              f"{len(live['param_groups'])}")
+    step = loaded.get("common_step")
+    if step is not None:
+        for st in osd["state"].values():
+            st["step"] = torch.tensor(float(step), dtype=torch.float32)
+    optimizer.load_state_dict(osd)
+
+
+def build_state(args, model, optimizer, scheduler, iteration: int, consumed: int, *, fmt: str,
+                is_loading: bool = False) -> dict:
+    """The sharded state dict of one checkpoint (same structure for save and as the load template)."""
+    common = (lambda v: Common(v)) if fmt == "datastates" else (lambda v: v)
+    model_sd = model.sharded_state_dict()
+    state = {
+        "args": common(_saveable_args(args)),
+        "checkpoint_version": common(CHECKPOINT_VERSION),
+        "iteration": common(iteration),
+        "train_state": common({"consumed_train_samples": consumed, "iteration": iteration}),
+        "model": model_sd,
+    }
+    if not args.no_save_optim and optimizer is not None:
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, is_loading=is_loading,
+                                                          common=fmt == "datastates")
+        state["opt_param_scheduler"] = common(scheduler.state_dict())
+    if not args.no_save_rng:
+        state["rng_state"] = rng_sharded_object()
+    return state
+
+
+def _state_nbytes(state) -> int:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    total = 0
+
+    def visit(x):
+        nonlocal total
+        if isinstance(x, ShardedTensor) and x.data is not None:
+            total += x.data.numel() * x.data.element_size()
+        elif isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+    visit(state)
+    return total
+
+
+# ----- format detection and the tracker -----
+
+def read_tracker(load_dir: str):
+    """(iteration or 'release', directory) of the latest published checkpoint, or (None, None)."""
+    if os.path.basename(os.path.normpath(load_dir)).startswith("iter_"):
+        return commit.iteration_of(load_dir), os.path.normpath(load_dir)
+    path = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(path):
+        return None, None
+    text = open(path).read().strip()
+    if text == "release":
+        return "release", os.path.join(load_dir, "release")
+    it = int(text)
+    return it, commit.checkpoint_dir(load_dir, it)
+
+
+def detect_format(ckpt_dir: str) -> str:
+    meta = os.path.join(ckpt_dir, "metadata.json")
+    if os.path.isfile(meta):
+        try:
+            doc = json.load(open(meta))
+        except (OSError, ValueError):
+            doc = {}
+        if doc.get("format") == "datastates":
+            return "datastates"
+        if "sharded_backend" in doc:
+            return "torch_dist"
+    if os.path.isdir(ckpt_dir) and any(n.startswith("mp_rank_") for n in os.listdir(ckpt_dir)):
+        return "torch"
+    raise CheckpointError(f"{ckpt_dir!r} is not a checkpoint this trainer can load (no datastates or torch_dist "
+                          "metadata.json, no mp_rank_* directories)")
+
+
+def _legacy_file(ckpt_dir: str) -> str:
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp:02d}" if ps.get_pipeline_model_parallel_world_size() == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return os.path.join(ckpt_dir, name, "model_optim_rng.pt")
+
+
+# ----- the checkpointer -----
+
+class Checkpointer:
+    """Owns the engine and the bookkeeping of in-flight saves; the training loop decides when to call it."""
+
+    def __init__(self, args, model, optimizer, scheduler):
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.engine = None
+        self.ownership = ReplicaOwnership()
+        self.pending: list[tuple[int, object, float]] = []  # (iteration, handle, stall_s)
+        self.records: list[dict] = []
+        fmt = args.ckpt_format
+        if fmt == "datastates" and (args.save or args.load):
+            self.engine = CheckpointEngine(
+                host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
+                writer_threads=args.ckpt_writer_threads, direct_io=args.ckpt_direct_io, fsync=args.ckpt_fsync,
+                keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
+                registry=make_registry(self.ownership))
+            if args.save:
+                self._clean_leftovers(args.save)
+
+    def _clean_leftovers(self, save_dir: str) -> None:
+        """Remove what saves killed before publication left behind; one rank, while no one saves."""
+        if self.rank == 0:
+            for path in commit.clean_stale(save_dir):
+                print(f"removed the leftovers of an unfinished checkpoint: {path}", flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    # -- save --
+
+    def save(self, iteration: int, consumed: int) -> None:
+        args = self.args
+        fmt = args.ckpt_format
+        ckpt_dir = commit.checkpoint_dir(args.save, iteration)
+        t0 = time.perf_counter()
+        state = build_state(args, self.model, self.optimizer, self.scheduler, iteration, consumed, fmt=fmt)
+        _test_hook_slow_checkpoint(state, iteration)
+        if fmt == "datastates":
+            handle = save_sharded(self.engine, state, ckpt_dir, ownership=self.ownership)
+            print_rank_0(f"saving checkpoint at iteration {iteration:8d} to {args.save} in datastates format "
+                         f"({'lazy async' if args.async_ckpt else 'sync'})")
+            if not args.async_ckpt:
+                handle.join()  # synchronous baseline: training stalls until durable and published
+            self.pending.append((iteration, handle, time.perf_counter() - t0))
+            if not args.async_ckpt:
+                self.poll()
+            return
+        nbytes = _state_nbytes(state)
+        if fmt == "torch_dist":
+            from megatron.core import dist_checkpointing
+            if self.rank == 0:
+                os.makedirs(ckpt_dir, exist_ok=True)
+            torch.distributed.barrier()
+            dist_checkpointing.save(state, ckpt_dir)
+        else:
+            legacy = self._legacy_state(state)
+            if legacy is not None:
+                path = _legacy_file(ckpt_dir)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(legacy, path)
+                if args.ckpt_fsync:
+                    with open(path, "rb") as f:
+                        os.fsync(f.fileno())
+            else:
+                nbytes = 0
+        torch.distributed.barrier()
+        if self.rank == 0:
+            commit.write_latest(args.save, iteration, fsync=args.ckpt_fsync)
+        dt = time.perf_counter() - t0
+        self._record(iteration, dict(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=nbytes), dt)
+
+    def _legacy_state(self, sharded):
+        """Megatron's legacy checkpoint of this (tp, pp) rank, RNG of every DP rank gathered; None off DP rank 0."""
+        rngs = [None] * ps.get_data_parallel_world_size()
+        torch.distributed.all_gather_object(rngs, get_rng_state(), group=ps.get_data_parallel_group())
+        if ps.get_data_parallel_rank() != 0:
+            return None
+        state = {k: sharded[k] for k in ("args", "checkpoint_version", "iteration", "train_state")}
+        state["model"] = self.model.state_dict()
+        if "optimizer" in sharded:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+        state["rng_state"] = rngs
+        return state
+
+    def fence(self) -> None:
+        """Called right before the optimizer step mutates saved state: wait until pending snapshots are taken."""
+        if self.engine is None or not self.pending:
+            return
+        unfinished = [p for p in self.pending if not p[1].snapshot_done]
+        if not unfinished:
+            return
+        t0 = time.perf_counter()
+        self.engine.wait_for_snapshot()
+        dt = time.perf_counter() - t0
+        it, h, stall = self.pending[-1]
+        self.pending[-1] = (it, h, stall + dt)
+
+    def poll(self) -> None:
+        """Log the saves that finished (non-blocking); a failed one stops training or warns (--ckpt-on-failure)."""
+        if self.engine is None or not self.pending:
+            return
+        self.engine.maybe_finalize()
+        still = []
+        for it, h, stall in self.pending:
+            if not h.done():
+                still.append((it, h, stall))
+            elif h.error is not None:
+                self._failed(it, h.error)
+            else:
+                self._record(it, h.stats, stall)
+        self.pending = still
+
+    def _failed(self, iteration: int, error: BaseException) -> None:
+        if self.args.ckpt_on_failure == "stop":
+            raise error
+        print(f"WARNING: rank {self.rank}: checkpoint of iteration {iteration} failed, training goes on "
+              f"(--ckpt-on-failure warn); the last published checkpoint is still "
+              f"{commit.read_latest(self.args.save)}: {error}", flush=True)
+
+    def _record(self, iteration: int, stats: dict, stall_s: float) -> None:
+        rec = dict(iteration=iteration, format=self.args.ckpt_format,
+                   mode="async" if self.args.async_ckpt else "sync", stall_ms=stall_s * 1e3,
+                   blocking_ms=stats.get("blocking_s", stall_s) * 1e3,
+                   snapshot_ms=stats.get("snapshot_s", 0.0) * 1e3, durable_ms=stats.get("durable_s", 0.0) * 1e3,
+                   bytes=int(stats.get("bytes", 0)))
+        rec["throughput_gbps"] = rec["bytes"] / (rec["durable_ms"] / 1e3) / 1e9 if rec["durable_ms"] > 0 else 0.0
+        self.records.append(rec)
+        print_rank_0(f"checkpoint iteration {iteration:8d} | format: {rec['format']} ({rec['mode']}) | "
+                     f"blocking ms: {rec['stall_ms']:.2f} | snapshot ms: {rec['snapshot_ms']:.2f} | "
+                     f"time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
+                     f"throughput GB/s: {rec['throughput_gbps']:.3f} (rank 0)")
+
+    def finalize(self) -> None:
+        """Wait until every pending save is durable and published; log them and a cross-rank summary."""
+        if self.engine is not None:
+            for _, h, _ in self.pending:
+                h.join()
+            self.poll()
+        # A safe point for a collective: every rank reaches the end of training.
+        all_records = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(all_records, self.records)
+        if self.rank == 0 and self.records:
+            for i, rec in enumerate(self.records):
+                per_rank = [r[i] for r in all_records if len(r) > i]
+                total = sum(r["bytes"] for r in per_rank)
+                stall = max(r["stall_ms"] for r in per_rank)
+                durable = max(r["durable_ms"] for r in per_rank)
+                print(f"checkpoint summary iteration {rec['iteration']:8d} | format: {rec['format']} "
+                      f"({rec['mode']}) | max blocking ms over ranks: {stall:.2f} | max time to durable ms: "
+                      f"{durable:.2f} | bytes all ranks: {total} | throughput GB/s: "
+                      f"{(total / (durable / 1e3) / 1e9) if durable > 0 else 0.0:.3f}", flush=True)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # -- load --
+
+    def load(self):
+        """Load the latest checkpoint under --load into the model (and optimizer, scheduler, RNG).
+
+        Returns (iteration, consumed_samples); (0, 0) when there is nothing to load."""
+        args = self.args
+        if args.load is None:
+            return 0, 0
+        iteration, ckpt_dir = read_tracker(args.load)
+        if iteration is None:
+            if args.exit_on_missing_checkpoint:
+                raise CheckpointError(f"--load {args.load!r}: no checkpoint found")
+            print_rank_0(f"WARNING: could not find a checkpoint at {args.load}; training from scratch")
+            return 0, 0
+        fmt = detect_format(ckpt_dir)
+        load_optim = not (args.no_load_optim or args.finetune)
+        load_rng = not (args.no_load_rng or args.finetune)
+        t0 = time.perf_counter()
+        template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=not load_rng)
+        if fmt == "torch":
+            return self._load_legacy(ckpt_dir, load_optim, load_rng)
+        state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0, fmt=fmt,
+                            is_loading=True)
+        if fmt == "datastates":
+            engine = self.engine or CheckpointEngine(registry=make_registry(self.ownership))
+            loaded = load_sharded(engine, state, ckpt_dir)
+        else:
+            from megatron.core import dist_checkpointing
+            loaded = dist_checkpointing.load(state, ckpt_dir)
+        self.model.load_state_dict(loaded["model"], strict=True)
+        if load_optim:
+            load_optimizer_state(self.optimizer, loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if load_rng:
+            rng = loaded["rng_state"]
+            set_rng_state(rng[0] if isinstance(rng, list) else rng)
+        train_state = loaded["train_state"]
+        it = 0 if args.finetune else int(loaded["iteration"])
+        consumed = 0 if args.finetune else int(train_state["consumed_train_samples"])
+        print_rank_0(f"successfully loaded checkpoint from {args.load} ({fmt}) at iteration {it} "
+                     f"in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        return it, consumed
+
+    def _load_legacy(self, ckpt_dir, load_optim, load_rng):
+        args = self.args
+        path = _legacy_file(ckpt_dir)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path!r} is missing: the torch checkpoint was saved with another TP/PP layout")
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"], strict=True)
+        if load_optim:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if load_rng:
+            rngs = state["rng_state"]
+            set_rng_state(rngs[ps.get_data_parallel_rank() % len(rngs)])
+        it = 0 if args.finetune else int(state["iteration"])
+        consumed = 0 if args.finetune else int(state["train_state"]["consumed_train_samples"])
+        print_rank_0(f"successfully loaded checkpoint from {args.load} (torch) at iteration {it}")
+        return it, consumed
+
+
+class _LoadArgs:
+    """args seen through the load flags (what the template must ask for)."""
+
+    def __init__(self, args, **overrides):
+        self._args, self._over = args, overrides
+
+    def __getattr__(self, name):
+        if name in self.__dict__.get("_over", {}):
+            return self._over[name]
+        return getattr(self._args, name)
+
+
+def _test_hook_slow_checkpoint(state: dict, iteration: int) -> None:
+    """Test hook: MEGATRON_TEST_SLOW_CKPT_ITER=<it>:<seconds> makes the save of iteration <it> take that long to
+    become durable (an object that pickles slowly on the engine's background thread)."""
+    spec = os.environ.get("MEGATRON_TEST_SLOW_CKPT_ITER")
+    if not spec:
+        return
+    it, secs = spec.split(":")
+    if int(it) == iteration:
+        state["_test_slow"] = _SlowPickle(float(secs))
+
+
+class _SlowPickle:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        time.sleep(self.seconds)
+        return (int, (0,))
+
+
+# ----- Megatron-style module API -----
+
+_CHECKPOINTER: Checkpointer | None = None
+
+
+def get_checkpointer(args=None, model=None, optimizer=None, scheduler=None) -> Checkpointer:
+    global _CHECKPOINTER
+    if _CHECKPOINTER is None:
+        _CHECKPOINTER = Checkpointer(args, model, optimizer, scheduler)
+    return _CHECKPOINTER
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, consumed_samples):
+    from .global_vars import get_args
+    get_checkpointer(get_args(), model, optimizer, opt_param_scheduler).save(iteration, consumed_samples)
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler):
+    from .global_vars import get_args
+    return get_checkpointer(get_args(), model, optimizer, opt_param_scheduler).load()

@@ -1,0 +1,58 @@
+"""Process setup: torch.distributed, megatron-core's parallel_state, seeds."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+
+from . import cpu_shim
+from .arguments import parse_args, validate_args
+from .global_vars import set_args
+
+
+def _world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize_megatron(extra_args_provider=None, argv=None):
+    """Parse and validate flags (before any work), then init distributed, model parallel groups and seeds."""
+    args = parse_args(extra_args_provider, argv)
+    validate_args(args, _world_size_from_env())
+    cuda = torch.cuda.is_available()
+    cpu_shim.install()  # no-op with CUDA
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group(
+            backend=args.distributed_backend, rank=rank, world_size=args.world_size,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    args.rank = torch.distributed.get_rank()
+    args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    set_seed(args.seed)
+    set_args(args)
+    return args
+
+
+def set_seed(seed: int):
+    """Megatron's _set_random_seed: one seed per pipeline stage, the TP tracker seeded per TP rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        # The CUDA RNG tracker cannot fork CPU generators; the inference tracker keeps megatron-core's API and
+        # leaves every draw on torch's default (CPU) generator, which is saved and restored per rank.
+        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)

@@ -1,0 +1,74 @@
+"""Pretrain a GPT model with megatron-core, checkpointed lazily and asynchronously by datastates.
+
+    torchrun --nproc_per_node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \\
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 128 \\
+        --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 1e-3 --mock-data \\
+        --save ckpt --load ckpt --save-interval 5 --async-ckpt
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def model_provider(pre_process=True, post_process=True):
+    """Build the GPT model of this rank's pipeline stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training import get_args
+
+    args = get_args()
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu if args.swiglu else
+        torch.nn.functional.gelu, add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=not cuda, perform_initialization=True, params_dtype=dtype,
+        bf16=args.bf16, fp16=args.fp16, pipeline_dtype=dtype)
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    vocab = args.vocab_size
+    mult = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    padded_vocab = (vocab + mult - 1) // mult * mult
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch: (output tensor, loss function), as megatron-core's schedules expect."""
+    batch = next(data_iterator)
+    output_tensor = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+def train_valid_test_datasets_provider(args):
+    from megatron.training.data import build_dataset
+    return build_dataset(args)
+
+
+if __name__ == "__main__":
+    from megatron.training import pretrain
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func=forward_step)

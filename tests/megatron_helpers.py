@@ -1,0 +1,36 @@
+"""Shared helpers of the tests/test_megatron_*.py tests: run pretrain_gpt.py under torchrun, parse its log."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "128", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--seed", "1234"]
+LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([^ ]+) \|")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 240, check: bool = True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *args]
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
+    e.update(env or {})
+    p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    if check and p.returncode != 0:
+        raise AssertionError(f"torchrun exited with {p.returncode}:\n{out[-6000:]}")
+    return p.returncode, out
+
+
+def losses(log: str) -> dict[int, str]:
+    """iteration -> the printed loss string (repr of the float: compared exactly)."""
+    return {int(m.group(1)): m.group(2) for m in LOSS_RE.finditer(log)}

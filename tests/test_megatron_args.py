@@ -1,0 +1,72 @@
+"""Flag validation: inconsistent input fails with a clear message before any work starts (in-process, cheap)."""
+import os
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args, validate_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data"]
+
+
+def check(extra, world=4):
+    return validate_args(parse_args(argv=BASE + extra), world, cuda=False)
+
+
+def test_valid_tp2_dp2():
+    args = check(["--tensor-model-parallel-size", "2", "--global-batch-size", "8"])
+    assert args.data_parallel_size == 2 and args.num_microbatches == 2 and args.ckpt_format == "datastates"
+
+
+def test_world_not_divisible_by_tp_pp():
+    with pytest.raises(ArgumentError, match="world size 4 is not divisible by .* 3"):
+        check(["--tensor-model-parallel-size", "3"])
+
+
+def test_heads_not_divisible_by_tp():
+    with pytest.raises(ArgumentError, match="num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"):
+        check(["--tensor-model-parallel-size", "8"], world=8)
+
+
+def test_global_batch_not_divisible():
+    with pytest.raises(ArgumentError, match="global-batch-size 6"):
+        check(["--global-batch-size", "6"])
+
+
+def test_load_points_at_nothing(tmp_path):
+    with pytest.raises(ArgumentError, match="does not exist"):
+        check(["--load", str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArgumentError, match="holds no checkpoint"):
+        check(["--load", str(tmp_path / "empty")])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(ArgumentError, match="iter_0000007 is missing"):
+        check(["--load", str(tmp_path / "bad")])
+
+
+def test_load_equal_save_starts_fresh(tmp_path):
+    d = str(tmp_path / "ck")
+    args = check(["--load", d, "--save", d, "--save-interval", "2"])
+    assert args.load_exists is False
+
+
+def test_cpu_only_flags():
+    with pytest.raises(ArgumentError, match="need CUDA"):
+        check(["--bf16"])
+    with pytest.raises(ArgumentError, match="untie-embeddings"):
+        check(["--pipeline-model-parallel-size", "2"])
+    with pytest.raises(ArgumentError, match="async-ckpt"):
+        check(["--ckpt-format", "torch", "--async-ckpt"])
+
+
+def test_missing_required():
+    with pytest.raises(ArgumentError, match="--train-iters"):
+        i = BASE.index("--train-iters")
+        validate_args(parse_args(argv=BASE[:i] + BASE[i + 2:]), 1, cuda=False)
+
+
+def test_megatron_import_is_lazy():
+    import sys
+    import megatron.training  # noqa: F401
+    assert "megatron.training.training" not in sys.modules or os.environ.get("PYTEST_XDIST_WORKER")

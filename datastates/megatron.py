@@ -285,8 +285,63 @@ def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optiona
     return engine.save(sd, path)
 
 
+def _fit_saved_shapes(sharded_state_dict: dict, saved_shapes) -> dict:
+    """Honour megatron-core's `allow_shape_mismatch` (padded vocabularies: their size depends on TP).
+
+    A ShardedTensor that allows a mismatch and whose saved global shape differs is zeroed and replaced by a
+    factory that loads only the part of its box inside the saved shape (nothing when they do not overlap) and
+    merges back to the whole local tensor, as megatron-core's torch_dist loader does. `saved_shapes(key)` gives
+    the saved global shape of a key (None: not saved). Returns a structural copy; the input is not touched."""
+    sd, _ = extract_matching_values(sharded_state_dict, lambda x: True)
+
+    def fit(x):
+        if not (isinstance(x, ShardedTensor) and x.allow_shape_mismatch and x.flattened_range is None
+                and x.data is not None):
+            return x
+        saved = saved_shapes(x.key)
+        if saved is None or tuple(saved) == tuple(x.global_shape) or len(saved) != len(x.global_shape):
+            return x
+        full = x.data
+        with torch.no_grad():
+            full.zero_()
+        off, shape = [], []
+        for o, n, g in zip(x.global_offset, (1,) * x.prepend_axis_num + tuple(x.local_shape), saved):
+            off.append(min(o, g))
+            shape.append(max(0, min(o + n, g) - o))
+        if 0 in shape:
+            build = lambda key, data, replica_id, flattened_range: {}  # noqa: E731
+        else:
+            local = tuple(slice(0, n) for n in shape[x.prepend_axis_num:])
+
+            def build(key, data, replica_id, flattened_range, x=x, local=local, shape=shape, off=off):
+                return ShardedTensor(key=key, data=full[local], dtype=x.dtype,
+                                     local_shape=tuple(shape[x.prepend_axis_num:]), global_shape=tuple(saved),
+                                     global_offset=tuple(off), axis_fragmentations=None, replica_id=replica_id,
+                                     prepend_axis_num=x.prepend_axis_num, allow_shape_mismatch=True)
+        return ShardedTensorFactory(x.key, full, build, lambda loaded, full=full: full, x.replica_id, None)
+
+    dict_list_map_inplace(fit, sd)
+    return sd
+
+
+def _saved_global_shapes(engine, path: str):
+    from .restore import CheckpointReader
+    index = CheckpointReader(path, engine.io, engine.pool.budget_bytes, engine.registry).global_index()
+
+    def shape_of(key):
+        shards = index.get(key)
+        return None if not shards or shards[0][1].kind != "tensor" else tuple(shards[0][1].global_shape)
+    return shape_of
+
+
+def _any_shape_mismatch_allowed(state) -> bool:
+    return any(isinstance(x, ShardedTensor) and x.allow_shape_mismatch for x in _sharded_leaves(state))
+
+
 def load_sharded(engine, sharded_state_dict: dict, path: str) -> dict:
     """Load into the tensors of `sharded_state_dict` (in place) and return a megatron-style state dict."""
+    if _any_shape_mismatch_allowed(sharded_state_dict):
+        sharded_state_dict = _fit_saved_shapes(sharded_state_dict, _saved_global_shapes(engine, path))
     template, nonpersistent, factories = prepare_for_load(sharded_state_dict)
     loaded = engine.load(path, template=template)
     return finalize_load(template, loaded, nonpersistent, factories)

@@ -210,6 +210,17 @@ class CheckpointReader:
                 f"the target wants {target.kind} {target.dtype} {target.shape}")
         return saved
 
+    @torch.no_grad()
+    def read_item(self, rank: int, item: Item) -> Any:
+        """One stored item of `rank`, verified: a new CPU tensor, or the unpickled object."""
+        if item.kind == "object":
+            return self._read_object(rank, item)
+        dst = torch.empty(item.shape, dtype=dtype_from_name(item.dtype))
+        reads = _Reads(self)
+        self._read_whole(rank, item, dst, reads)
+        reads.finish()
+        return dst
+
     def _read_object(self, rank: int, item: Item) -> Any:
         buf = _aligned_empty(item.nbytes)
         reads = _Reads(self)

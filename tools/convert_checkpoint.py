@@ -191,15 +191,9 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
         bundle.tensors = loaded["t"]
         globals_ = loaded["o"]
         own = reader.items(0)
-        skeleton = reader._read_object(0, own[SKELETON_ID])
-        local_values = {}
-        for it in own.values():
-            if it.scope == "local" and it.id != SKELETON_ID:
-                if it.kind == "object":
-                    local_values[it.id] = reader._read_object(0, it)
-                else:
-                    dst = torch.empty(it.shape, dtype=dtype_from_name(it.dtype))
-                    local_values[it.id] = _read_local_tensor(reader, it, dst)
+        skeleton = reader.read_item(0, own[SKELETON_ID])
+        local_values = {it.id: reader.read_item(0, it) for it in own.values()
+                        if it.scope == "local" and it.id != SKELETON_ID}
     except CheckpointError as e:
         raise ConvertError(f"reading {ckpt!r} failed: {e}") from None
     finally:
@@ -251,14 +245,6 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
 
 def _container(x) -> bool:
     return isinstance(x, (dict, list, tuple))
-
-
-def _read_local_tensor(reader: CheckpointReader, item, dst: torch.Tensor) -> torch.Tensor:
-    from datastates.restore import _Reads
-    reads = _Reads(reader)
-    reader._read_whole(0, item, dst, reads)
-    reads.finish()
-    return dst
 
 
 # ----- megatron-core -----

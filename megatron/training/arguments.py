@@ -125,6 +125,10 @@ def _add_checkpoint_args(p):
     g.add_argument("--finetune", action="store_true",
                    help="load model weights only and start at iteration 0")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--save-after-load", action="store_true",
+                   help="right after --load, save the loaded state at the loaded iteration to --save (another "
+                        "directory), in this run's TP/PP/DP layout; with --train-iters equal to that iteration "
+                        "this converts a checkpoint to a new layout and exits")
     g.add_argument("--use-dist-ckpt", action="store_true", help="accepted for compatibility")
 
 
@@ -257,6 +261,12 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         raise ArgumentError("--ckpt-host-buffer-gb and --ckpt-writer-threads must be positive")
     if args.async_ckpt and args.ckpt_format == "torch":
         raise ArgumentError("--async-ckpt is not available with --ckpt-format torch (use datastates or torch_dist)")
+    if args.save_after_load:
+        if args.save is None or args.load is None:
+            raise ArgumentError("--save-after-load needs both --load and --save")
+        if os.path.normpath(args.save) == os.path.normpath(args.load):
+            raise ArgumentError("--save-after-load: --save must be another directory than --load (the loaded "
+                                "iteration is saved again)")
     if args.load is not None:
         ok, why = _loadable(args.load)
         fresh = (os.path.normpath(args.load) == os.path.normpath(args.save or "")

@@ -415,30 +415,62 @@ class Checkpointer:
         load_optim = not (args.no_load_optim or args.finetune)
         load_rng = not (args.no_load_rng or args.finetune)
         t0 = time.perf_counter()
-        template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=not load_rng)
+        template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=True)
         if fmt == "torch":
             return self._load_legacy(ckpt_dir, load_optim, load_rng)
+        # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
+        # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
         state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0, fmt=fmt,
                             is_loading=True)
+        engine = None
         if fmt == "datastates":
             engine = self.engine or CheckpointEngine(registry=make_registry(self.ownership))
-            loaded = load_sharded(engine, state, ckpt_dir)
-        else:
+
+        def read(template):
+            if engine is not None:
+                return load_sharded(engine, template, ckpt_dir)
             from megatron.core import dist_checkpointing
-            loaded = dist_checkpointing.load(state, ckpt_dir)
+            return dist_checkpointing.load(template, ckpt_dir)
+
+        loaded = read(state)
         self.model.load_state_dict(loaded["model"], strict=True)
         if load_optim:
             load_optimizer_state(self.optimizer, loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        if load_rng:
-            rng = loaded["rng_state"]
-            set_rng_state(rng[0] if isinstance(rng, list) else rng)
-        train_state = loaded["train_state"]
         it = 0 if args.finetune else int(loaded["iteration"])
+        saved_layout = _layout_of(loaded.get("args"))
+        if load_rng:
+            self._restore_rng(read, saved_layout, int(loaded["iteration"]))
+        if saved_layout is not None and saved_layout != _current_layout():
+            print_rank_0(f"resharded checkpoint {ckpt_dir} from {_describe_layout(saved_layout)} to "
+                         f"{_describe_layout(_current_layout())}")
+        train_state = loaded["train_state"]
         consumed = 0 if args.finetune else int(train_state["consumed_train_samples"])
+        if engine is not None and engine is not self.engine:
+            engine.close()
         print_rank_0(f"successfully loaded checkpoint from {args.load} ({fmt}) at iteration {it} "
                      f"in {(time.perf_counter() - t0) * 1e3:.1f} ms")
         return it, consumed
+
+    def _restore_rng(self, read, saved_layout, iteration: int) -> None:
+        """Restore this rank's RNG states when the checkpoint has this run's (tp, pp, dp) layout.
+
+        RNG states are per rank: under another layout there is no saved state that belongs to this rank (and
+        another world size may have none at all), so, as Megatron-LM does on a TP/PP change, they are not loaded;
+        every rank re-seeds deterministically from --seed and the loaded iteration instead (the same numbers on
+        every rerun of the same layout). A checkpoint whose args name no layout is treated as this run's."""
+        from .initialize import set_seed
+        now = _current_layout()
+        if saved_layout is None or saved_layout == now:
+            loaded = read({"rng_state": rng_sharded_object()})
+            rng = loaded["rng_state"]
+            set_rng_state(rng[0] if isinstance(rng, list) else rng)
+            return
+        seed = self.args.seed + iteration
+        print_rank_0(f"NOTICE: the checkpoint was saved with {_describe_layout(saved_layout)}, this run is "
+                     f"{_describe_layout(now)}: its per-rank RNG states are not loaded; RNGs re-seeded from "
+                     f"--seed + iteration = {seed}")
+        set_seed(seed)
 
     def _load_legacy(self, ckpt_dir, load_optim, load_rng):
         args = self.args
@@ -457,6 +489,22 @@ class Checkpointer:
         consumed = 0 if args.finetune else int(state["train_state"]["consumed_train_samples"])
         print_rank_0(f"successfully loaded checkpoint from {args.load} (torch) at iteration {it}")
         return it, consumed
+
+
+def _current_layout() -> tuple:
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_data_parallel_world_size())
+
+
+def _layout_of(saved_args):
+    """(tp, pp, dp) sizes the checkpoint was saved with, from its args; None when they are not recorded."""
+    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+    values = tuple(getattr(saved_args, n, None) for n in names)
+    return None if any(v is None for v in values) else tuple(int(v) for v in values)
+
+
+def _describe_layout(layout) -> str:
+    return "TP{}xPP{}xDP{}".format(*layout)
 
 
 class _LoadArgs:

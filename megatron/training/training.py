@@ -268,6 +268,11 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None,
     checkpointer = Checkpointer(args, model.module if hasattr(model, "module") else model, optimizer, scheduler)
     try:
         iteration, consumed = checkpointer.load()
+        if args.save_after_load:
+            if iteration > 0:
+                checkpointer.save(iteration, consumed)
+            else:
+                print_rank_0("WARNING: --save-after-load: nothing was loaded at iteration > 0, nothing saved")
         dataset = (train_valid_test_dataset_provider(args) if train_valid_test_dataset_provider
                    else build_dataset(args))
         iteration = train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpointer,

@@ -75,10 +75,13 @@ def write_manifest(path: str, body: dict, fsync: bool = True) -> int:
 def read_json(path: str, what: str) -> dict:
     try:
         with open(path) as f:
-            return json.load(f)
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            raise CheckpointCorruptError(f"{what} {path!r} is not a JSON object")
+        return doc
     except FileNotFoundError:
         raise CheckpointError(f"{what} is missing: {path!r}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"{what} {path!r} is not valid JSON: {e}") from None
     except OSError as e:
         raise CheckpointError(f"cannot read {what} {path!r}: {e.strerror}") from None
@@ -95,8 +98,6 @@ def check_schema(doc: dict, path: str) -> None:
 
 def read_manifest(path: str) -> dict:
     doc = read_json(path, "manifest")
-    if not isinstance(doc, dict):
-        raise CheckpointCorruptError(f"manifest {path!r} is not a JSON object")
     check_schema(doc, path)
     body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
     if doc.get("manifest_crc32c") != _body_crc(body):

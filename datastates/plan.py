@@ -8,6 +8,7 @@ saves while the structure holds; the tensors themselves are bound per save.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -69,6 +70,40 @@ class Item:
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)
+
+    def validate(self, data_bytes: int) -> None:
+        """Raise ValueError unless this (loaded) item describes itself consistently and lies within the file."""
+        def ints(name, value, n=None):
+            if not isinstance(value, (list, tuple)) or (n is not None and len(value) != n) or \
+                    not all(type(v) is int and v >= 0 for v in value):
+                raise ValueError(f"{name} must be a list of non-negative ints, got {value!r}")
+
+        if self.kind not in ("tensor", "object") or self.scope not in ("local", "global"):
+            raise ValueError(f"kind {self.kind!r} / scope {self.scope!r}")
+        if not isinstance(self.id, str) or (self.scope == "global" and not isinstance(self.name, str)):
+            raise ValueError("id and (for global items) name must be strings")
+        for name in ("offset", "nbytes", "chunk_bytes"):
+            if type(getattr(self, name)) is not int:
+                raise ValueError(f"{name} must be an int")
+        if self.kind == "tensor":
+            ints("shape", self.shape)
+            expected = math.prod(self.shape) * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+            if self.nbytes != expected:
+                raise ValueError(f"nbytes {self.nbytes} does not match {self.dtype} {self.shape}")
+            if self.scope == "global":
+                ints("global_shape", self.global_shape, len(self.shape))
+                ints("global_offset", self.global_offset, len(self.shape))
+                if any(o + n > g for o, n, g in zip(self.global_offset, self.shape, self.global_shape)):
+                    raise ValueError(f"box {self.global_offset}+{self.shape} exceeds {self.global_shape}")
+        if not self.write:
+            return
+        if self.nbytes < 0 or self.chunk_bytes < 0 or (self.nbytes and not self.chunk_bytes):
+            raise ValueError(f"nbytes {self.nbytes} / chunk_bytes {self.chunk_bytes}")
+        if self.offset < 0 or self.offset + self.nbytes > data_bytes:
+            raise ValueError(f"extent {self.offset}+{self.nbytes} is outside the data file ({data_bytes} bytes)")
+        ints("crcs", self.crcs, len(self.chunks()))
+        if any(c >= 1 << 32 for c in self.crcs):
+            raise ValueError("a crc32c is out of range")
 
     def chunks(self):
         """(offset_in_item, length) of each checksummed chunk."""

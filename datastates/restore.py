@@ -56,6 +56,9 @@ class _Reads:
         chunks = item.chunks()[first:last]
         start = chunks[0][0]
         nbytes = chunks[-1][0] + chunks[-1][1] - start
+        if nbytes > dst.numel() * dst.element_size():
+            raise CheckpointCorruptError(f"item {item.id!r} in {self.reader.data_path(rank)!r}: {nbytes} bytes "
+                                         f"do not fit the {dst.numel() * dst.element_size()}-byte destination")
         segments = [(s - start, n) for s, n in chunks]
         f = self.reader.data_file(rank)
         ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
@@ -92,7 +95,9 @@ class CheckpointReader:
         meta_path = os.path.join(self.path, fmt.METADATA)
         self.metadata = fmt.read_json(meta_path, "checkpoint metadata")
         fmt.check_schema(self.metadata, meta_path)
-        self.world_size = self.metadata["world_size"]
+        self.world_size = self.metadata.get("world_size")
+        if type(self.world_size) is not int or self.world_size < 1:
+            raise CheckpointCorruptError(f"checkpoint metadata {meta_path!r} has no valid world_size")
         self._manifests: dict[int, dict[str, Item]] = {}
         self._files: dict[int, _native.File] = {}
         self._global: dict[str, list[tuple[int, Item]]] | None = None
@@ -109,27 +114,33 @@ class CheckpointReader:
             expected = self.metadata.get("manifests", {}).get(str(rank))
             if expected is not None and expected != doc["manifest_crc32c"]:
                 raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
-            try:
-                self._manifests[rank] = {d["id"]: Item.from_json(d) for d in doc["items"]}
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointCorruptError(f"manifest {path!r} has a malformed item: {e}") from None
-            self._check_extents(rank, doc)
+            self._manifests[rank] = self._parse_items(rank, path, doc)
         return self._manifests[rank]
 
-    def _check_extents(self, rank: int, doc: dict) -> None:
-        path = self.data_path(rank)
+    def _parse_items(self, rank: int, path: str, doc: dict) -> dict[str, Item]:
+        """The manifest's items, each checked against itself and the data file: a checksummed manifest can
+        still have been forged, and nothing it says may make a read overrun its destination."""
         try:
-            size = os.path.getsize(path)
+            data_bytes = doc["data_bytes"]
+            if type(data_bytes) is not int or data_bytes < 0:
+                raise ValueError(f"data_bytes {data_bytes!r}")
+            items = {}
+            for d in doc["items"]:
+                it = Item.from_json(d)
+                it.validate(data_bytes)
+                if it.id in items:
+                    raise ValueError(f"duplicate item id {it.id!r}")
+                items[it.id] = it
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
+            raise CheckpointCorruptError(f"manifest {path!r} is malformed: {type(e).__name__}: {e}") from None
+        data = self.data_path(rank)
+        try:
+            size = os.path.getsize(data)
         except OSError as e:
-            raise CheckpointError(f"data file {path!r} of rank {rank}: {e.strerror}") from None
-        if size < doc["data_bytes"]:
-            raise CheckpointCorruptError(f"data file {path!r} is truncated: {size} bytes, manifest says "
-                                         f"{doc['data_bytes']}")
-        for it in self._manifests[rank].values():
-            if it.write and (it.offset < 0 or it.offset + it.nbytes > doc["data_bytes"]
-                             or len(it.crcs) != len(it.chunks())):
-                raise CheckpointCorruptError(f"manifest of rank {rank} in {self.path!r}: item {it.id!r} has an "
-                                             f"invalid extent or checksum list")
+            raise CheckpointError(f"data file {data!r} of rank {rank}: {e.strerror}") from None
+        if size < data_bytes:
+            raise CheckpointCorruptError(f"data file {data!r} is truncated: {size} bytes, manifest says {data_bytes}")
+        return items
 
     def data_path(self, rank: int) -> str:
         return os.path.join(self.path, fmt.data_file(rank))

@@ -1,0 +1,453 @@
+"""Bad input: damaged, edited, forged and foreign checkpoints are refused with a clear CheckpointError that names
+the file, never loaded as wrong data, never crash the process, never run code.
+
+Property-based (hypothesis) over manifest edits, random JSON and bytes, truncation offsets and bit-flip positions.
+Forged manifests (edited *and* re-signed with a valid checksum, i.e. a hostile file) run in a child process so
+that a memory-safety failure is reported as a failing test instead of killing the test session.
+"""
+import copy
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError
+from datastates import commit, format as fmt
+
+_np_reconstruct = (np._core if hasattr(np, "_core") else np.core).multiarray._reconstruct
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAST = settings(max_examples=int(os.environ.get("BAD_INPUT_EXAMPLES", 60)), deadline=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+COUNTS: dict = {}  # bad inputs tried, by kind (printed by the last test)
+
+
+def _count(kind):
+    COUNTS[kind] = COUNTS.get(kind, 0) + 1
+
+
+def make_state():
+    gen = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(64, 32, generator=gen),                      # one chunk
+            "big": torch.arange(60000, dtype=torch.float32),              # several chunks (small slots)
+            "half": torch.randn(7, 3, generator=gen).to(torch.bfloat16),  # padded to 4 KiB
+            "step": torch.tensor(11),
+            "cfg": {"lr": 0.1, "name": "gpt", "layers": [1, 2, 3]}}
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2) as eng:
+        eng.save(make_state(), str(root / "iter_0000001"))
+        eng.wait()
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2) as eng:
+        yield eng
+
+
+@pytest.fixture
+def work(saved, tmp_path):
+    """A fresh copy of the saved checkpoint root."""
+    dst = tmp_path / "ck"
+    shutil.copytree(saved, dst)
+    return dst
+
+
+def _paths(root):
+    d = root / "iter_0000001"
+    return d, d / fmt.manifest_file(0), d / fmt.data_file(0), d / fmt.METADATA
+
+
+def _load_both(engine, root):
+    """Load without and with a template; return both results (or raise)."""
+    plain = engine.load(str(root))
+    template = make_state()
+    for v in template.values():
+        if isinstance(v, torch.Tensor):
+            v.zero_()
+    return plain, engine.load(str(root), template=template)
+
+
+def _refused(engine, root, names, kind=CheckpointError):
+    """The load raises `kind` whose message names one of `names`; any other exception type fails the test."""
+    with pytest.raises(kind) as info:
+        _load_both(engine, root)
+    assert any(str(n) in str(info.value) for n in names), f"message does not name the file: {info.value}"
+    return info.value
+
+
+# ----- manifests -----
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) |
+                    st.text(max_size=8), lambda kids: st.lists(kids, max_size=4) |
+                    st.dictionaries(st.text(max_size=6), kids, max_size=4), max_leaves=12)
+ITEM_FIELDS = ["id", "kind", "scope", "name", "dtype", "shape", "global_shape", "global_offset", "write",
+               "offset", "nbytes", "chunk_bytes", "crcs"]
+TOP_FIELDS = ["rank", "world_size", "data_file", "data_bytes", "direct_io", "items", "schema_version", "format"]
+
+
+@st.composite
+def manifest_edits(draw):
+    """A list of (target, field, action, value): field changes, deletions, type swaps, numeric nudges."""
+    edits = []
+    for _ in range(draw(st.integers(1, 3))):
+        target = draw(st.sampled_from(["top", "item"]))
+        field = draw(st.sampled_from(TOP_FIELDS if target == "top" else ITEM_FIELDS))
+        action = draw(st.sampled_from(["delete", "replace", "nudge", "swap_type"]))
+        value = draw(JSON) if action == "replace" else draw(st.integers(-8192, 8192))
+        edits.append((target, draw(st.integers(0, 10)), field, action, value))
+    return edits
+
+
+def apply_edits(doc, edits):
+    doc = copy.deepcopy(doc)
+    for target, index, field, action, value in edits:
+        obj = doc if target == "top" else doc["items"][index % len(doc["items"])] if isinstance(
+            doc.get("items"), list) and doc["items"] and isinstance(doc["items"][0], dict) else doc
+        if action == "delete":
+            obj.pop(field, None)
+        elif action == "replace":
+            obj[field] = value
+        elif action == "nudge":
+            old = obj.get(field)
+            if isinstance(old, bool) or not isinstance(old, int):
+                obj[field] = value
+            else:
+                obj[field] = old + (value or 1)
+        else:  # the same value as another JSON type
+            old = obj.get(field)
+            obj[field] = str(old) if not isinstance(old, str) else [old]
+    return doc
+
+
+def _resign(manifest_path, meta_path, doc):
+    """What a hostile tool would do: a valid checksum over the edited body, and metadata pointing at it."""
+    body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
+    doc = dict(doc, manifest_crc32c=fmt._body_crc(body))
+    manifest_path.write_text(json.dumps(doc))
+    meta = json.loads(meta_path.read_text())
+    meta["manifests"]["0"] = doc["manifest_crc32c"]
+    meta_path.write_text(json.dumps(meta))
+
+
+@FAST
+@given(edits=manifest_edits())
+def test_edited_manifest_is_refused(saved, engine, tmp_path_factory, edits):
+    root = tmp_path_factory.mktemp("edit")
+    shutil.copytree(saved, root, dirs_exist_ok=True)
+    _, manifest, _, _ = _paths(root)
+    doc = json.loads(manifest.read_text())
+    edited = apply_edits(doc, edits)
+    _count("edited manifests (checksum kept)")
+    if edited == doc:
+        assert all(same(x, make_state()) for x in _load_both(engine, root))
+        return
+    manifest.write_text(json.dumps(edited))
+    _refused(engine, root, [manifest])
+    shutil.rmtree(root)
+
+
+@FAST
+@given(doc=JSON)
+def test_random_json_manifest_is_refused(saved, engine, tmp_path_factory, doc):
+    root = tmp_path_factory.mktemp("json")
+    shutil.copytree(saved, root, dirs_exist_ok=True)
+    _, manifest, _, _ = _paths(root)
+    manifest.write_text(json.dumps(doc))
+    _count("random JSON manifests")
+    _refused(engine, root, [manifest])
+    shutil.rmtree(root)
+
+
+@FAST
+@given(raw=st.binary(max_size=64), where=st.sampled_from(["manifest", "metadata"]))
+def test_random_bytes_as_manifest_or_metadata_are_refused(saved, engine, tmp_path_factory, raw, where):
+    """Also bytes that are not UTF-8."""
+    root = tmp_path_factory.mktemp("bytes")
+    shutil.copytree(saved, root, dirs_exist_ok=True)
+    _, manifest, _, meta = _paths(root)
+    target = manifest if where == "manifest" else meta
+    target.write_bytes(raw)
+    _count("random bytes as manifest/metadata")
+    _refused(engine, root, [target, root])
+    shutil.rmtree(root)
+
+
+def test_non_utf8_manifest_is_a_checkpoint_error(work, engine):
+    _, manifest, _, _ = _paths(work)
+    manifest.write_bytes(b"\xff\xfe{\"format\": 1}")
+    _refused(engine, work, [manifest], CheckpointCorruptError)
+
+
+def test_newer_schema_and_foreign_format_are_refused(work, engine):
+    _, manifest, _, meta = _paths(work)
+    doc = json.loads(manifest.read_text())
+    _resign(manifest, meta, dict(doc, schema_version=fmt.SCHEMA_VERSION + 1))
+    err = _refused(engine, work, [manifest])
+    assert "schema version" in str(err) and "upgrade" in str(err)
+    _resign(manifest, meta, dict(doc, format="torch_dist"))
+    assert "not a datastates checkpoint" in str(_refused(engine, work, [manifest]))
+    m = json.loads(meta.read_text())
+    meta.write_text(json.dumps(dict(m, schema_version=fmt.SCHEMA_VERSION + 7)))
+    assert "schema version" in str(_refused(engine, work, [meta]))
+    _count("newer schema / foreign format")
+
+
+FORGE_CHILD = os.environ.get("DS_FORGE_CHILD") == "1"
+
+
+def test_forged_manifests_never_crash_or_load_wrong_data(tmp_path):
+    """Edited AND re-signed manifests (hostile files): structural validation alone must hold. Runs the property
+    in a child process: reading more bytes than a tensor holds would corrupt memory, not raise."""
+    if not FORGE_CHILD:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                            f"{os.path.abspath(__file__)}::test_forged_manifests_never_crash_or_load_wrong_data"],
+                           env=dict(os.environ, DS_FORGE_CHILD="1"), capture_output=True, text=True, timeout=600,
+                           cwd=os.path.dirname(HERE))
+        assert r.returncode == 0, (f"child exit {r.returncode} (-11/139 = segfault)\n" + r.stdout[-6000:]
+                                   + r.stderr[-3000:])
+        return
+    base = tmp_path / "base"
+    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2) as eng:
+        eng.save(make_state(), str(base / "iter_0000001"))
+        eng.wait()
+        doc0 = json.loads(_paths(base)[1].read_text())
+
+        @FAST
+        @given(edits=manifest_edits())
+        def prop(edits):
+            root = tmp_path / "f"
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.copytree(base, root)
+            _, manifest, _, meta = _paths(root)
+            _resign(manifest, meta, apply_edits(doc0, edits))
+            try:
+                template = make_state()
+                out = eng.load(str(root), template=template)
+            except CheckpointError as e:
+                assert str(root) in str(e), f"message does not name the checkpoint: {e}"
+                return
+            assert same(out, make_state()), f"forged manifest {edits} loaded as different data"
+        prop()
+
+
+def test_forged_item_larger_than_its_tensor_is_refused(tmp_path):
+    """A re-signed manifest whose small tensor item claims a big item's bytes must be refused before any read
+    (today the native pread writes past the end of the 40-byte tensor: heap overflow, SIGSEGV)."""
+    script = f"""
+import json, os, torch
+from datastates import CheckpointEngine, CheckpointError, format as fmt
+root = {str(tmp_path)!r}
+with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+    eng.save({{"a": torch.zeros(10), "big": torch.arange(200000, dtype=torch.float32)}}, root + "/iter_0000001")
+    eng.wait()
+    d = root + "/iter_0000001"
+    mp = os.path.join(d, fmt.manifest_file(0))
+    doc = json.load(open(mp))
+    a, b = (next(i for i in doc["items"] if i["id"] == k) for k in ("a", "big"))
+    a.update(offset=b["offset"], nbytes=b["nbytes"], chunk_bytes=b["chunk_bytes"], crcs=b["crcs"])
+    doc["manifest_crc32c"] = fmt._body_crc({{k: v for k, v in doc.items() if k != "manifest_crc32c"}})
+    json.dump(doc, open(mp, "w"))
+    meta = json.load(open(d + "/metadata.json"))
+    meta["manifests"]["0"] = doc["manifest_crc32c"]
+    json.dump(meta, open(d + "/metadata.json", "w"))
+    for template in (None, {{"a": torch.zeros(10), "big": torch.zeros(200000)}}):
+        try:
+            eng.load(root, template=template)
+            print("LOADED")
+        except CheckpointError as e:
+            print("REFUSED", e)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    _count("forged item extents")
+    assert r.returncode == 0, f"exit {r.returncode} (-11 = SIGSEGV): {r.stderr[-2000:]}"
+    assert r.stdout.count("REFUSED") == 2 and "rank_00000" in r.stdout, r.stdout
+
+
+# ----- data files -----
+
+@FAST
+@given(frac=st.floats(0, 1, exclude_max=True))
+def test_truncated_data_file_is_refused(saved, engine, tmp_path_factory, frac):
+    root = tmp_path_factory.mktemp("trunc")
+    shutil.copytree(saved, root, dirs_exist_ok=True)
+    _, _, data, _ = _paths(root)
+    size = data.stat().st_size
+    os.truncate(data, int(frac * size))
+    _count("truncated data files")
+    assert "truncated" in str(_refused(engine, root, [data], CheckpointCorruptError))
+    shutil.rmtree(root)
+
+
+def _covered(manifest_path):
+    """Byte ranges of the data file that hold written item bytes (the rest is alignment padding)."""
+    doc = json.loads(manifest_path.read_text())
+    return [(it["offset"], it["offset"] + it["nbytes"], it["id"]) for it in doc["items"]
+            if it.get("write", True) and it["nbytes"]]
+
+
+@FAST
+@given(pos=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_every_bit_flip_in_item_bytes_is_detected(saved, engine, tmp_path_factory, pos, bit):
+    root = tmp_path_factory.mktemp("flip")
+    shutil.copytree(saved, root, dirs_exist_ok=True)
+    _, manifest, data, _ = _paths(root)
+    raw = bytearray(data.read_bytes())
+    at = int(pos * len(raw))
+    raw[at] ^= 1 << bit
+    data.write_bytes(bytes(raw))
+    hit = [i for lo, hi, i in _covered(manifest) if lo <= at < hi]
+    if hit:
+        _count("bit flips in item bytes")
+        err = _refused(engine, root, [data], CheckpointCorruptError)
+        assert "checksum mismatch" in str(err) and repr(hit[0]) in str(err), err
+    else:  # alignment padding: never read, harmless
+        _count("bit flips in padding")
+        assert all(same(x, make_state()) for x in _load_both(engine, root))
+    shutil.rmtree(root)
+
+
+def test_flip_in_every_item_and_padding_exhaustive_edges(work, engine):
+    """The first and last byte of every item are covered; the byte right after an item (padding) is not read."""
+    _, manifest, data, _ = _paths(work)
+    original = data.read_bytes()
+    for lo, hi, item_id in _covered(manifest):
+        for at, inside in ((lo, True), (hi - 1, True), (hi, False)):
+            if at >= len(original) or (not inside and any(a <= at < b for a, b, _ in _covered(manifest))):
+                continue
+            raw = bytearray(original)
+            raw[at] ^= 0x80
+            data.write_bytes(bytes(raw))
+            if inside:
+                err = _refused(engine, work, [data], CheckpointCorruptError)
+                assert repr(item_id) in str(err)
+            else:
+                assert all(same(x, make_state()) for x in _load_both(engine, work))
+            _count("bit flips at item edges")
+    data.write_bytes(original)
+
+
+def test_appended_bytes_are_harmless(work, engine):
+    _, _, data, _ = _paths(work)
+    with open(data, "ab") as f:
+        f.write(os.urandom(5000))
+    assert all(same(x, make_state()) for x in _load_both(engine, work))
+
+
+# ----- a checkpoint of another model -----
+
+@pytest.mark.parametrize("change", ["shape", "transposed", "dtype", "missing_key", "extra_key", "object_vs_tensor"])
+def test_checkpoint_of_another_model_shape_is_refused(work, engine, change):
+    template = make_state()
+    if change == "shape":
+        template["w"] = torch.zeros(64, 48)
+    elif change == "transposed":
+        template["w"] = torch.zeros(32, 64)
+    elif change == "dtype":
+        template["big"] = torch.zeros(60000, dtype=torch.float64)
+    elif change == "missing_key":
+        template["extra_layer"] = torch.zeros(3)
+    elif change == "extra_key":
+        template = {"w": template["w"], "renamed": template["big"]}
+    else:
+        template["cfg"] = torch.zeros(2)
+    before = {k: v.clone() for k, v in template.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(CheckpointError) as info:
+        engine.load(str(work), template=template)
+    msg = str(info.value)
+    assert str(work / "iter_0000001") in msg
+    key = {"shape": "'w'", "transposed": "'w'", "dtype": "'big'", "missing_key": "'extra_layer'",
+           "extra_key": "'renamed'", "object_vs_tensor": "cfg"}[change]
+    assert key in msg, msg
+    _count("checkpoints of another model")
+
+
+# ----- objects: restricted unpickling -----
+
+class _Reduce:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+def _evil_payloads(marker):
+    import builtins
+    cmd = f"touch {marker}"
+    return {
+        "os.system": _Reduce(os.system, (cmd,)),
+        "nested in a list": [1, {"x": [_Reduce(os.system, (cmd,))]}],
+        "builtins.eval": _Reduce(builtins.eval, (f"__import__('os').system({cmd!r})",)),
+        "builtins.exec": _Reduce(builtins.exec, (f"import os; os.system({cmd!r})",)),
+        "getattr chain": _Reduce(builtins.getattr, (_Reduce(builtins.__import__, ("os",)), "system")),
+        "subprocess": _Reduce(subprocess.call, (["sh", "-c", cmd],)),
+        "torch.load": _Reduce(torch.load, (marker,)),
+        "numpy object array from raw bytes": _Reduce(
+            _np_reconstruct, (np.ndarray, (0,), b"b")),
+        "in a dict value of allowed type": {"ok": 1, "bad": _Reduce(os.system, (cmd,))},
+    }
+
+
+@pytest.mark.parametrize("name", list(_evil_payloads("/nonexistent").keys()))
+def test_malicious_pickle_is_refused(tmp_path, engine, name):
+    marker = tmp_path / "pwned"
+    payload = _evil_payloads(str(marker))[name]
+    if name == "numpy object array from raw bytes":  # an object array whose "pointers" come from bytes
+        payload = _ForgedObjectArray()
+    engine.save({"w": torch.ones(3), "x": payload}, str(tmp_path / "iter_0000001"))
+    engine.wait()
+    with pytest.raises(CheckpointError) as info:
+        engine.load(str(tmp_path))
+    assert "rank_00000.data" in str(info.value)
+    assert not marker.exists(), "the checkpoint ran code"
+    # a whole pickle stream handed to the unpickler directly is refused as well
+    with pytest.raises(CheckpointError):
+        fmt.loads(pickle.dumps(payload, protocol=4), "x")
+    assert not marker.exists()
+    _count("malicious pickles")
+
+
+class _ForgedObjectArray:
+    def __reduce__(self):
+        return (_np_reconstruct, (np.ndarray, (0,), b"b"),
+                (1, (1,), np.dtype("O"), False, b"\x41" * 8))
+
+
+def test_allowed_objects_still_load(tmp_path, engine):
+    import argparse
+    import collections
+    import datetime
+    objs = {"ns": argparse.Namespace(a=1), "od": collections.OrderedDict(a=1), "dt": datetime.datetime(2024, 1, 1),
+            "np": np.arange(5), "dtype": torch.bfloat16, "size": torch.Size([2, 3]), "set": {1, 2},
+            "rng": np.random.RandomState(0).get_state()}
+    engine.save(objs, str(tmp_path / "iter_0000001"))
+    engine.wait()
+    out = engine.load(str(tmp_path))
+    assert vars(out["ns"]) == {"a": 1} and out["od"] == objs["od"] and out["dtype"] is torch.bfloat16
+    assert np.array_equal(out["np"], objs["np"]) and out["size"] == objs["size"]
+
+
+def test_zz_bad_input_counts():
+    """Prints how many bad inputs the properties above tried (for the note)."""
+    print("\nbad inputs tried:", json.dumps(COUNTS, indent=1), "total", sum(COUNTS.values()))

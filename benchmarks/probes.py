@@ -1,0 +1,119 @@
+"""Raw limits of this machine, measured in the same run and the same directory as the checkpoints.
+
+- O_DIRECT sequential write: page-aligned buffers (anonymous mmap), pwrite at aligned offsets from 1 and
+  from 4 threads (the better one is the disk's limit), then fsync; "durable" includes the fsync.
+- buffered write + fsync: the same bytes through the page cache, timed until fsync returns.
+- memcpy: torch copy_ between two host tensors (what a staging copy costs at best).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+from common import GB
+
+BLOCK = 8 << 20  # 8 MiB per write call
+
+
+def _aligned_buffer(nbytes: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, nbytes)  # page aligned, which satisfies O_DIRECT's 512/4096-byte alignment
+    buf.write(os.urandom(1 << 20) * (nbytes >> 20))
+    return buf
+
+
+def write_odirect(path: str, nbytes: int, threads: int = 1) -> float:
+    """Seconds to write nbytes with O_DIRECT (plus fsync). Raises OSError if the FS refuses O_DIRECT."""
+    nblocks = max(1, nbytes // BLOCK)
+    bufs = [_aligned_buffer(BLOCK) for _ in range(threads)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    try:
+        os.ftruncate(fd, nblocks * BLOCK)
+        t0 = time.perf_counter()
+
+        def work(tid: int):
+            mv = memoryview(bufs[tid])
+            for b in range(tid, nblocks, threads):
+                os.pwrite(fd, mv, b * BLOCK)
+            mv.release()
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+        os.unlink(path)
+
+
+def write_buffered_fsync(path: str, nbytes: int) -> float:
+    nblocks = max(1, nbytes // BLOCK)
+    buf = _aligned_buffer(BLOCK)
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for _ in range(nblocks):
+            os.write(fd, mv)
+        os.fsync(fd)
+        dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        mv.release()
+        buf.close()
+        os.unlink(path)
+    return dt
+
+
+def memcpy_seconds(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(7)
+    dst = torch.empty_like(src)
+    dst.fill_(0)  # fault the pages in first: a staging pool is allocated once, then reused
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def run_probes(directory: str, nbytes: int, reps: int = 3, log=print) -> dict:
+    """Median (and min/max) of each probe over reps, interleaved. Bandwidths in GB/s."""
+    os.makedirs(directory, exist_ok=True)
+    p = os.path.join(directory, "probe.bin")
+    nbytes = int(max(nbytes, 256 << 20)) // BLOCK * BLOCK
+    res: dict[str, list[float]] = {"odirect_1t": [], "odirect_4t": [], "buffered_fsync": [], "memcpy": []}
+    direct_ok = True
+    mc_bytes = int(min(nbytes, 1 << 30))
+    for _ in range(reps):
+        if direct_ok:
+            try:
+                res["odirect_1t"].append(write_odirect(p, nbytes, 1))
+                res["odirect_4t"].append(write_odirect(p, nbytes, 4))
+            except OSError as e:  # tmpfs and some overlay setups refuse O_DIRECT
+                log(f"O_DIRECT unavailable in {directory}: {e}")
+                direct_ok = False
+        res["buffered_fsync"].append(write_buffered_fsync(p, nbytes))
+        res["memcpy"].append(memcpy_seconds(mc_bytes))
+    out = {"bytes": nbytes, "memcpy_bytes": mc_bytes}
+    for k, v in res.items():
+        if not v:
+            continue
+        b = mc_bytes if k == "memcpy" else nbytes
+        out[k] = {
+            "median_s": statistics.median(v),
+            "gbps": b / statistics.median(v) / GB,
+            "gbps_min": b / max(v) / GB,
+            "gbps_max": b / min(v) / GB,
+            "samples_s": v,
+        }
+    ods = [out[k]["gbps"] for k in ("odirect_1t", "odirect_4t") if k in out]
+    out["raw_odirect_gbps"] = max(ods) if ods else None
+    return out

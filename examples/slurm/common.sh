@@ -1,0 +1,107 @@
+# Sourced by the examples/slurm/*.sbatch scripts: model configurations, the parallel layout, and run_train(),
+# which launches pretrain_gpt.py on every node of the allocation with srun (one task per node) + torchrun.
+#
+# Environment (all optional):
+#   REPO            repository root on a shared file system           [$SLURM_SUBMIT_DIR]
+#   VENV            virtual environment to activate on every node      [$REPO/.venv if it exists]
+#   MODEL           tiny | 3B | 7B | 13B | 30B | 70B                    [per script]
+#   GPUS_PER_NODE   processes per node                                 [4]
+#   TP              tensor-parallel size                               [4]
+#   PP              pipeline-parallel size                             [number of nodes]
+#   TRAIN_ITERS     iterations per run                                 [per script]
+#   SEQ_LENGTH, MICRO_BATCH, GLOBAL_BATCH                              [2048, 1, DP*PP*MICRO_BATCH]
+#   PRECISION       extra precision flags                              [--bf16 with GPUs, none without]
+#   CKPT_ROOT       where checkpoints go (the parallel file system)    [$REPO/checkpoints/slurm]
+#   LOG_DIR         where run logs go (read by plot.py)                [$REPO/logs/slurm]
+#   HOST_BUFFER_GB  datastates host staging budget per rank            [trainer default]
+#   EXTRA_ARGS      appended to the trainer's command line
+#   RDZV            static (node rank = SLURM_NODEID) | c10d           [static]
+set -euo pipefail
+
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
+cd "$REPO"
+if [ -n "${VENV:-}" ]; then . "$VENV/bin/activate"; elif [ -f "$REPO/.venv/bin/activate" ]; then . "$REPO/.venv/bin/activate"; fi
+
+NNODES=${SLURM_NNODES:-1}
+GPUS_PER_NODE=${GPUS_PER_NODE:-4}
+TP=${TP:-4}
+PP=${PP:-$NNODES}
+WORLD=$((NNODES * GPUS_PER_NODE))
+if [ $((WORLD % (TP * PP))) -ne 0 ]; then
+  echo "world size $WORLD is not a multiple of TP*PP=$((TP * PP))" >&2; exit 2
+fi
+DP=$((WORLD / (TP * PP)))
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+CKPT_ROOT=${CKPT_ROOT:-$REPO/checkpoints/slurm}
+LOG_DIR=${LOG_DIR:-$REPO/logs/slurm}
+RDZV=${RDZV:-static}
+export MASTER_ADDR MASTER_PORT OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# GPT configurations of the paper's model sizes (Llama-like shapes; parameters ~= 12 * L * h^2 + embedding).
+model_config() {
+  case "$1" in
+    tiny) NUM_LAYERS=4;  HIDDEN=128;  HEADS=4;  SEQ_DEFAULT=64;   VOCAB=1024 ;;
+    3B)   NUM_LAYERS=32; HIDDEN=2560; HEADS=32; SEQ_DEFAULT=2048; VOCAB=32000 ;;
+    7B)   NUM_LAYERS=32; HIDDEN=4096; HEADS=32; SEQ_DEFAULT=2048; VOCAB=32000 ;;
+    13B)  NUM_LAYERS=40; HIDDEN=5120; HEADS=40; SEQ_DEFAULT=2048; VOCAB=32000 ;;
+    30B)  NUM_LAYERS=64; HIDDEN=6144; HEADS=48; SEQ_DEFAULT=2048; VOCAB=32000 ;;
+    70B)  NUM_LAYERS=80; HIDDEN=8192; HEADS=64; SEQ_DEFAULT=2048; VOCAB=32000 ;;
+    *) echo "unknown MODEL=$1 (tiny|3B|7B|13B|30B|70B)" >&2; exit 2 ;;
+  esac
+  if [ $((NUM_LAYERS % PP)) -ne 0 ]; then
+    echo "MODEL=$1 has $NUM_LAYERS layers, not divisible by PP=$PP" >&2; exit 2
+  fi
+  SEQ=${SEQ_LENGTH:-$SEQ_DEFAULT}
+  MBS=${MICRO_BATCH:-1}
+  GBS=${GLOBAL_BATCH:-$((DP * PP * MBS))}
+}
+
+if [ -z "${PRECISION+x}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then PRECISION=--bf16; else PRECISION=; fi
+fi
+
+# Prefix every line with the wall-clock time (seconds since the epoch, microseconds), for plot.py.
+timestamp_lines() { while IFS= read -r line; do printf '%s %s\n' "$EPOCHREALTIME" "$line"; done; }
+
+# run_train FIGURE FORMAT[:async] INTERVAL ITERS
+#   INTERVAL 0 = no checkpoint. Writes $LOG_DIR/FIGURE/<model>_n<nodes>_tp<tp>_pp<pp>_dp<dp>_<format>[-async]_k<interval>.log
+run_train() {
+  local figure=$1 fmtspec=$2 interval=$3 iters=$4
+  local fmt=${fmtspec%%:*} mode=sync
+  [ "$fmtspec" != "$fmt" ] && mode=${fmtspec#*:}
+  local name="${MODEL}_n${NNODES}_tp${TP}_pp${PP}_dp${DP}_${fmt}$([ "$mode" = async ] && echo -async)_k${interval}"
+  [ "$interval" = 0 ] && name="${MODEL}_n${NNODES}_tp${TP}_pp${PP}_dp${DP}_none_k0"
+  mkdir -p "$LOG_DIR/$figure"
+  local log="$LOG_DIR/$figure/$name.log" ckpt="$CKPT_ROOT/$SLURM_JOB_ID/$name"
+  local args=(
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS"
+    --seq-length "$SEQ" --max-position-embeddings "$SEQ" --vocab-size "$VOCAB"
+    --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$iters"
+    --lr 1e-4 --lr-decay-style constant --mock-data --log-interval 1 $PRECISION
+  )
+  if [ "$interval" != 0 ]; then
+    args+=(--save "$ckpt" --save-interval "$interval" --ckpt-format "$fmt" --ckpt-keep-last 2)
+    [ "$mode" = async ] && args+=(--async-ckpt)
+    [ -n "${HOST_BUFFER_GB:-}" ] && args+=(--ckpt-host-buffer-gb "$HOST_BUFFER_GB")
+  fi
+  # shellcheck disable=SC2206
+  args+=(${EXTRA_ARGS:-})
+  local launcher
+  if [ "$RDZV" = c10d ]; then
+    launcher="torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE --rdzv_id $SLURM_JOB_ID --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:$MASTER_PORT"
+  else
+    launcher="torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE --rdzv_id $SLURM_JOB_ID --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
+  fi
+  echo "RUN figure=$figure model=$MODEL nodes=$NNODES gpus_per_node=$GPUS_PER_NODE tp=$TP pp=$PP dp=$DP format=$fmt mode=$mode interval=$interval iters=$iters job=$SLURM_JOB_ID" | timestamp_lines >"$log"
+  echo "[$(date +%T)] $name -> $log"
+  local t0=$EPOCHREALTIME rc=0
+  # One srun task per node; SLURM_NODEID is expanded on each node (single quotes), the rest here.
+  srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 --export=ALL \
+    bash -c "$launcher --node_rank \$SLURM_NODEID $REPO/pretrain_gpt.py ${args[*]}" 2>&1 \
+    | timestamp_lines >>"$log" || rc=$?
+  echo "RUN_END rc=$rc wall_s=$(awk -v a="$EPOCHREALTIME" -v b="$t0" 'BEGIN { printf "%.3f", a - b }')" | timestamp_lines >>"$log"
+  rm -rf "$ckpt"
+  return $rc
+}

@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# A single-node Slurm on this machine, to check the examples/slurm sbatch scripts for real (tiny GPT model).
+#
+#   scripts/slurm_local.sh setup    # install (apt) + configure + start munge, slurmctld, slurmd; idempotent
+#   scripts/slurm_local.sh test     # setup, then submit every examples/slurm script with MODEL=tiny, wait,
+#                                   # check each job's exit state, and plot the logs with examples/slurm/plot.py
+#   scripts/slurm_local.sh status   # sinfo + squeue
+#   scripts/slurm_local.sh stop     # stop the daemons this script started (by their pid files)
+#
+# What it sets up (Debian 12, Slurm 22.05, run as root, no systemd):
+# - munge with the packaged key (created if missing), /run/munge owned by munge, munged run as munge;
+# - /etc/slurm/slurm.conf for one node named after `hostname -s` at 127.0.0.1, with plugins that need neither
+#   cgroups nor accounting (proctrack/linuxproc, task/none, jobacct_gather/none, accounting_storage/none);
+# - the node claims CPUS (default 16) CPUs and 4 GPUs: SlurmdParameters=config_overrides lets it claim more
+#   than it has, and the GPUs are fake character devices (/dev/fakegpu0-3, made with `mknod c 1 3`, i.e. like
+#   /dev/null) named in gres.conf, so scripts written for 4-GPU nodes (--gres=gpu:4, --ntasks-per-node) schedule
+#   unchanged. torch here is CPU-only; CUDA_VISIBLE_DEVICES=0,1,2,3 is set by Slurm and ignored.
+# - state, spool and logs under $SLURM_LOCAL_DIR (default /var/tmp/slurm-local).
+# Multi-node allocations (--nodes>1) cannot run on one node; the scripts are checked with -N 1 here, and
+# their multi-node parts (MASTER_ADDR from the node list, torchrun --nnodes/--node_rank) run with one node.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+SL=${SLURM_LOCAL_DIR:-/var/tmp/slurm-local}
+CPUS=${CPUS:-16}
+HOST=$(hostname -s)
+CONF=/etc/slurm/slurm.conf
+
+log() { echo "[slurm_local] $*"; }
+
+install_pkgs() {
+  if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
+     || ! command -v munged >/dev/null; then
+    log "installing slurmctld slurmd slurm-client munge"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+  fi
+}
+
+start_munge() {
+  [ -s /etc/munge/munge.key ] || mungekey --create
+  chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    log "starting munged"
+    rm -f /run/munge/munge.socket.2.lock
+    runuser -u munge -- munged
+    sleep 1
+  fi
+  munge -n | unmunge >/dev/null
+}
+
+write_conf() {
+  mkdir -p "$SL"/{state,spool,log} /etc/slurm
+  for i in 0 1 2 3; do [ -c /dev/fakegpu$i ] || mknod /dev/fakegpu$i c 1 3; done
+  local mem
+  mem=$(awk '/MemTotal/ {printf "%d", $2/1024*0.9}' /proc/meminfo)
+  local tmp
+  tmp=$(mktemp)
+  cat >"$tmp" <<EOF
+# Written by scripts/slurm_local.sh: a one-node Slurm for checking examples/slurm. Not for production.
+ClusterName=local
+SlurmctldHost=${HOST}(127.0.0.1)
+SlurmUser=root
+AuthType=auth/munge
+CryptoType=crypto/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+SlurmdParameters=config_overrides
+GresTypes=gpu
+StateSaveLocation=$SL/state
+SlurmdSpoolDir=$SL/spool
+SlurmctldPidFile=$SL/slurmctld.pid
+SlurmdPidFile=$SL/slurmd.pid
+SlurmctldLogFile=$SL/log/slurmctld.log
+SlurmdLogFile=$SL/log/slurmd.log
+SlurmctldPort=6817
+SlurmdPort=6818
+InactiveLimit=0
+KillWait=10
+MinJobAge=300
+Waittime=0
+SchedulerType=sched/backfill
+NodeName=${HOST} NodeAddr=127.0.0.1 CPUs=${CPUS} RealMemory=${mem} Gres=gpu:4 State=UNKNOWN
+PartitionName=debug Nodes=${HOST} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+EOF
+  if ! cmp -s "$tmp" "$CONF" 2>/dev/null; then
+    log "writing $CONF"
+    cp "$tmp" "$CONF"
+    CONF_CHANGED=1
+  fi
+  rm -f "$tmp"
+  echo "NodeName=${HOST} Name=gpu File=/dev/fakegpu[0-3]" >/etc/slurm/gres.conf.new
+  if ! cmp -s /etc/slurm/gres.conf.new /etc/slurm/gres.conf 2>/dev/null; then
+    mv /etc/slurm/gres.conf.new /etc/slurm/gres.conf
+    CONF_CHANGED=1
+  else
+    rm -f /etc/slurm/gres.conf.new
+  fi
+}
+
+running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+start_slurm() {
+  if [ "${CONF_CHANGED:-0}" = 1 ]; then
+    # a changed config needs fresh daemons (and a node that was INVAL must be resumed)
+    running "$SL/slurmd.pid" && kill "$(cat "$SL/slurmd.pid")" && sleep 1 || true
+    running "$SL/slurmctld.pid" && kill "$(cat "$SL/slurmctld.pid")" && sleep 1 || true
+  fi
+  if ! running "$SL/slurmctld.pid"; then
+    log "starting slurmctld"
+    slurmctld
+  fi
+  if ! running "$SL/slurmd.pid"; then
+    log "starting slurmd"
+    slurmd
+  fi
+  for _ in $(seq 60); do
+    st=$(sinfo -h -n "$HOST" -o %T 2>/dev/null || true)
+    case "$st" in
+      idle*|mix*|alloc*) log "node $HOST is $st"; return 0 ;;
+      *drain*|*inval*|down*) scontrol update nodename="$HOST" state=resume 2>/dev/null || true ;;
+    esac
+    sleep 1
+  done
+  log "node did not become idle; see $SL/log/"
+  sinfo -N -l || true
+  tail -20 "$SL/log/slurmctld.log" "$SL/log/slurmd.log" || true
+  return 1
+}
+
+setup() {
+  install_pkgs
+  start_munge
+  write_conf
+  start_slurm
+}
+
+stop() {
+  for d in slurmd slurmctld; do
+    if running "$SL/$d.pid"; then log "stopping $d"; kill "$(cat "$SL/$d.pid")"; fi
+  done
+}
+
+wait_job() {  # polling scontrol is faster than sbatch --wait; returns non-zero unless COMPLETED
+  local id=$1 st
+  while :; do
+    st=$(scontrol show job "$id" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+    case "$st" in
+      PENDING|RUNNING|CONFIGURING|COMPLETING|"") sleep 2 ;;
+      *) break ;;
+    esac
+  done
+  log "job $id: $st"
+  [ "$st" = COMPLETED ]
+}
+
+test_examples() {
+  setup
+  local out=${OUT:-$REPO/bench_out/slurm_local}
+  rm -rf "$out"; mkdir -p "$out"
+  # The tiny model; few iterations. Everything else is what a cluster run uses.
+  local common_env="ALL,REPO=$REPO,MODEL=tiny,TRAIN_ITERS=${TRAIN_ITERS:-4},LOG_DIR=$out/logs,CKPT_ROOT=$out/ckpt,GPUS_PER_NODE=4,VENV=$REPO/.venv"
+  local ids=() names=()
+  local j
+  j=$(sbatch --parsable -N 1 -o "$out/%x-%j.out" --export="$common_env,FORMATS=datastates:async datastates torch_dist torch" \
+        examples/slurm/ckpt_vs_model_size.sbatch); ids+=("$j"); names+=(model_size)
+  j=$(sbatch --parsable -N 1 -o "$out/%x-%j.out" --export="$common_env,FORMATS=datastates:async torch_dist" \
+        examples/slurm/ckpt_vs_dp_scale.sbatch); ids+=("$j"); names+=(dp_scale)
+  j=$(sbatch --parsable -N 1 -o "$out/%x-%j.out" --export="$common_env,FORMATS=datastates:async torch,INTERVALS=0 1" \
+        examples/slurm/e2e_every_iter.sbatch); ids+=("$j"); names+=(e2e)
+  local fail=0
+  for i in "${!ids[@]}"; do
+    wait_job "${ids[$i]}" || { fail=1; log "${names[$i]} failed; output:"; tail -40 "$out"/*-"${ids[$i]}".out || true; }
+  done
+  "$REPO/.venv/bin/python" examples/slurm/plot.py --logs "$out/logs" --out "$out/figures" || fail=1
+  ls -l "$out/figures" || true
+  [ $fail = 0 ] && log "all example jobs completed; logs in $out/logs, figures in $out/figures"
+  return $fail
+}
+
+case "${1:-setup}" in
+  setup) setup ;;
+  test) test_examples ;;
+  status) sinfo -N -l; squeue ;;
+  stop) stop ;;
+  *) echo "usage: $0 {setup|test|status|stop}" >&2; exit 2 ;;
+esac

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from datastates.format import fsync_dir
+
 GB = 1e9  # sizes and bandwidths in the tables are decimal GB and GB/s
 
 
@@ -124,14 +126,14 @@ def fsync_tree(path: str) -> int:
     n = 0
     if os.path.isfile(path):
         _fsync_file(path)
-        _fsync_dir(os.path.dirname(path) or ".")
+        fsync_dir(os.path.dirname(path) or ".")
         return 1
     for root, dirs, files in os.walk(path):
         for f in files:
             _fsync_file(os.path.join(root, f))
             n += 1
-        _fsync_dir(root)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(root)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
     return n
 
 
@@ -140,14 +142,6 @@ def _fsync_file(p: str) -> None:
         fd = os.open(p, os.O_RDONLY)
     except FileNotFoundError:
         return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(p: str) -> None:
-    fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:

@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.mapping import (  # noqa: E402  (megatron-
     LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory, apply_factories,
     apply_factory_merges)
 from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, extract_matching_values,
-                                                         merge)
+                                                         merge, nested_values)
 
 __all__ = ["Common", "MegatronProvider", "ReplicaOwnership", "make_registry", "prepare_for_save", "prepare_for_load",
            "finalize_load", "save_sharded", "load_sharded", "shard_identity"]
@@ -195,20 +195,7 @@ def _provider(registry: ProviderRegistry) -> MegatronProvider:
 
 
 def _sharded_leaves(state) -> list:
-    out = []
-
-    def visit(x):
-        if isinstance(x, (ShardedTensor, ShardedObject)):
-            out.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-
-    visit(state)
-    return out
+    return [x for x in nested_values(state) if isinstance(x, (ShardedTensor, ShardedObject))]
 
 
 def _drop_empty_flat(state):

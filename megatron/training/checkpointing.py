@@ -178,23 +178,10 @@ def build_state(args, model, optimizer, scheduler, iteration: int, consumed: int
 
 
 def _state_nbytes(state) -> int:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    total = 0
-
-    def visit(x):
-        nonlocal total
-        if isinstance(x, ShardedTensor) and x.data is not None:
-            total += x.data.numel() * x.data.element_size()
-        elif isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-    visit(state)
-    return total
+    tensors = [x.data if isinstance(x, ShardedTensor) else x for x in nested_values(state)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 # ----- format detection and the tracker -----

@@ -70,3 +70,34 @@ def test_megatron_import_is_lazy():
     import sys
     import megatron.training  # noqa: F401
     assert "megatron.training.training" not in sys.modules or os.environ.get("PYTEST_XDIST_WORKER")
+
+
+@pytest.mark.parametrize("policy", ["stop", "warn"])
+def test_ckpt_on_failure_policy(tmp_path, capsys, policy):
+    """A save that really fails in the engine: --ckpt-on-failure stop raises, warn logs and training goes on;
+    either way the last published checkpoint stays the latest."""
+    import torch
+
+    from datastates import CheckpointError, commit
+    from megatron.training.checkpointing import Checkpointer
+
+    save = tmp_path / "ckpt"
+    args = check(["--save", str(save), "--save-interval", "1", "--async-ckpt", "--ckpt-on-failure", policy,
+                  "--ckpt-host-buffer-gb", "0.001"], world=1)
+    checkpointer = Checkpointer(args, model=None, optimizer=None, scheduler=None)
+    try:
+        good = checkpointer.engine.save({"w": torch.ones(8)}, commit.checkpoint_dir(str(save), 1))
+        bad = checkpointer.engine.save({"w": torch.ones(8), "f": lambda: 0}, commit.checkpoint_dir(str(save), 2))
+        checkpointer.pending += [(1, good, 0.0), (2, bad, 0.0)]
+        good.join()
+        bad.join()
+        if policy == "stop":
+            with pytest.raises(CheckpointError, match="iter_0000002.*not picklable"):
+                checkpointer.poll()
+        else:
+            checkpointer.poll()
+            assert "checkpoint of iteration 2 failed, training goes on" in capsys.readouterr().out
+            assert checkpointer.pending == [] and [r["iteration"] for r in checkpointer.records] == [1]
+        assert commit.read_latest(str(save)) == 1
+    finally:
+        checkpointer.close()

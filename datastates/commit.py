@@ -95,21 +95,21 @@ def clean_stale(save_dir: str) -> list[str]:
     return removed
 
 
-def _remove_dir(path: str) -> None:
-    """Rename first (atomic), then delete, so a half-deleted directory never looks like a checkpoint."""
+def retire(path: str) -> str:
+    """Take a checkpoint out of sight in one atomic rename; returns the new name, for the caller to delete
+    (deleting large files can take long, e.g. on file systems mounted with discard). A crash before the
+    deletion leaves a `.deleting` leftover that `clean_stale` removes."""
     doomed = f"{path}{DELETING}.{os.getpid()}.{time.monotonic_ns()}"
     os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    return doomed
 
 
-def apply_retention(save_dir: str, keep_last: int, protect: int) -> list[int]:
-    """Delete all but the newest `keep_last` published checkpoints, never `protect` (the one just published)."""
+def apply_retention(save_dir: str, keep_last: int, protect: int) -> list[str]:
+    """Retire all but the newest `keep_last` published checkpoints, never `protect` (the one just published);
+    returns the retired directories, to be deleted off the critical path."""
     its = published_iterations(save_dir)
     keep = set(its[-keep_last:]) | {protect}
-    doomed = [i for i in its if i not in keep]
-    for i in doomed:
-        _remove_dir(checkpoint_dir(save_dir, i))
-    return doomed
+    return [retire(checkpoint_dir(save_dir, i)) for i in its if i not in keep]
 
 
 def _rank_status(partial: str, world_size: int) -> tuple[list[int], dict[int, str]]:
@@ -156,18 +156,19 @@ def wait_for_ranks(partial: str, world_size: int, timeout_s: float) -> None:
     _poll(check, timeout_s, timed_out)
 
 
-def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> None:
-    """Rank 0: write metadata.json, move the directory to its final name, update the tracker."""
+def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> list[str]:
+    """Rank 0: write metadata.json, move the directory to its final name, update the tracker. Returns the
+    retired directory of an earlier save of the same iteration, if any, for the caller to delete."""
     fmt.write_json_atomic(os.path.join(partial, fmt.METADATA), metadata, fsync)
     parent = os.path.dirname(final) or "."
-    if os.path.exists(final):  # re-saving an iteration: the new one replaces it
-        _remove_dir(final)
+    retired = [retire(final)] if os.path.exists(final) else []  # re-saving an iteration: the new one wins
     os.rename(partial, final)
     if fsync:
         fmt.fsync_dir(parent)
     iteration = iteration_of(final)
     if iteration is not None:
         write_latest(parent, iteration, fsync)
+    return retired
 
 
 def wait_published(partial: str, final: str, rank: int, manifest_crc: int, world_size: int,

@@ -110,6 +110,7 @@ class CheckpointEngine:
         self.io = _native.IOPool(writer_threads)
         self._plans: dict[tuple, Plan] = {}
         self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete")  # retention, off the save path
         self._pending: list[SaveHandle] = []
         self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
         self._threads = [threading.Thread(target=fn, name=f"ds-{name}", daemon=True) for name, fn in (
@@ -189,6 +190,7 @@ class CheckpointEngine:
             for t in self._threads:
                 t.join()
             self._pickler.shutdown()
+            self._deleter.shutdown()
             self.io.close()
             self.pool.close()
 
@@ -344,9 +346,12 @@ class CheckpointEngine:
                     "bytes": sum(m["data_bytes"] for m in manifests.values()),
                     "manifests": {r: m["manifest_crc32c"] for r, m in manifests.items()},
                     "created_unix": time.time()}
-        commit.publish(job.partial, job.final, metadata, self.fsync)
+        retired = commit.publish(job.partial, job.final, metadata, self.fsync)
         if self.keep_last is not None and commit.iteration_of(job.final) is not None:
-            commit.apply_retention(os.path.dirname(job.final), self.keep_last, commit.iteration_of(job.final))
+            retired += commit.apply_retention(os.path.dirname(job.final), self.keep_last,
+                                              commit.iteration_of(job.final))
+        for path in retired:
+            self._deleter.submit(shutil.rmtree, path, ignore_errors=True)
 
 
 def _describe(error: BaseException, path: str) -> CheckpointError:

@@ -167,8 +167,10 @@ class CheckpointEngine:
 
     def maybe_finalize(self) -> list[SaveHandle]:
         """Non-blocking: the saves that finished since the last call (failed ones carry `.error`)."""
-        finished = [h for h in self._pending if h.done()]
-        self._pending = [h for h in self._pending if not h.done()]
+        finished, pending = [], []
+        for h in self._pending:  # one look per handle: one finishing meanwhile lands in exactly one list
+            (finished if h.done() else pending).append(h)
+        self._pending = pending
         return finished
 
     def load(self, path: str, template: Any = None, rank: int | None = None) -> Any:

@@ -207,11 +207,10 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path!r} item {target.id!r} is a {saved.kind}, "
                                       f"the target wants an object")
             return rank, saved
-        for r in sorted(range(self.world_size), key=lambda r: r != rank):
-            for it in self.items(r).values():
-                if it.scope == "global" and it.name == target.name and it.write:
-                    return r, it
-        raise CheckpointError(f"checkpoint {self.path!r} has no object named {target.name!r}")
+        holders = [(r, it) for r, it in self.global_index().get(target.name, []) if it.kind == "object"]
+        if not holders:
+            raise CheckpointError(f"checkpoint {self.path!r} has no object named {target.name!r}")
+        return min(holders, key=lambda h: h[0] != rank)  # this rank's own copy when it wrote one
 
     def _saved_tensor(self, target: Item, own: dict[str, Item], rank: int) -> Item:
         saved = self._item(own, target.id, rank)

@@ -34,7 +34,6 @@ from .restore import CheckpointReader
 from .snapshot import SlotFiller, copy_tensor_bytes, make_backend
 from .staging import StagingPool
 
-SKELETON_ID = "__skeleton__"
 _STOP = object()
 
 
@@ -128,7 +127,7 @@ class CheckpointEngine:
             raise CheckpointError("save() on a closed CheckpointEngine")
         t0 = time.perf_counter()
         skeleton, entries = self.registry.flatten(state)
-        entries.append(Entry(Item(id=SKELETON_ID, kind="object"), skeleton))
+        entries.append(Entry(Item(id=fmt.SKELETON_ID, kind="object"), skeleton))
         plan = self._plan_for([e.item for e in entries])
         handle = SaveHandle(os.path.normpath(path))
         job = _Job(handle, entries, plan, [], self.backend.begin_save(), t0)

@@ -25,6 +25,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 SCHEMA_VERSION = 1
 FORMAT_NAME = "datastates"
 METADATA = "metadata.json"
+SKELETON_ID = "__skeleton__"  # the pickled structure of a rank's state, whose leaves are item ids
 
 
 def data_file(rank: int) -> str:

@@ -19,7 +19,6 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .plan import ALIGN, Item, dtype_from_name, dtype_name
 from .providers import ProviderRegistry, unflatten
 
-SKELETON_ID = "__skeleton__"
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -169,9 +168,9 @@ class CheckpointReader:
         # a rank beyond the saved world (loading into more ranks) can still fill global items
         own = self.items(rank) if template is None or rank < self.world_size else {}
         if template is None:
-            skeleton = self._read_object(rank, self._item(own, SKELETON_ID, rank))
+            skeleton = self._read_object(rank, self._item(own, fmt.SKELETON_ID, rank))
             wanted = [(it, torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) if it.kind == "tensor" else None)
-                      for it in own.values() if it.id != SKELETON_ID]
+                      for it in own.values() if it.id != fmt.SKELETON_ID]
         else:
             skeleton, entries = self.registry.flatten(template)
             wanted = [(e.item, _writable(e.source) if e.item.kind == "tensor" else None) for e in entries]

@@ -65,9 +65,9 @@ from datastates.providers import (ContainerProvider, ItemRef, ObjectProvider, Pr
 from datastates.restore import CheckpointReader  # noqa: E402
 
 try:
-    from tools.inspect_checkpoint import SKELETON_ID, Problems, Scan, UsageError  # noqa: E402
+    from tools.inspect_checkpoint import Problems, Scan, UsageError  # noqa: E402
 except ImportError:  # run as a script: tools/ is on sys.path
-    from inspect_checkpoint import SKELETON_ID, Problems, Scan, UsageError  # noqa: E402
+    from inspect_checkpoint import Problems, Scan, UsageError  # noqa: E402
 
 FORMATS_IN = ("datastates", "torch_dist")
 FORMATS_OUT = ("datastates", "torch_dist", "safetensors")
@@ -191,9 +191,9 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
         bundle.tensors = loaded["t"]
         globals_ = loaded["o"]
         own = reader.items(0)
-        skeleton = reader.read_item(0, own[SKELETON_ID])
+        skeleton = reader.read_item(0, own[fmt.SKELETON_ID])
         local_values = {it.id: reader.read_item(0, it) for it in own.values()
-                        if it.scope == "local" and it.id != SKELETON_ID}
+                        if it.scope == "local" and it.id != fmt.SKELETON_ID}
     except CheckpointError as e:
         raise ConvertError(f"reading {ckpt!r} failed: {e}") from None
     finally:

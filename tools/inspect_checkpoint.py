@@ -39,7 +39,6 @@ from datastates.errors import CheckpointError  # noqa: E402
 from datastates.plan import ALIGN, Item  # noqa: E402
 
 RANK_FILE_RE = re.compile(r"^rank_(\d{5,})\.(data|manifest\.json|failed)$")
-SKELETON_ID = "__skeleton__"
 
 
 class UsageError(Exception):
@@ -209,7 +208,7 @@ class Scan:
             if it.write and (it.offset < 0 or it.offset + it.nbytes > data_bytes or len(it.crcs) != len(it.chunks())):
                 p.add(mpath, f"item {it.id!r} has an invalid extent (offset {it.offset}, {it.nbytes} bytes, "
                              f"{len(it.crcs)} checksums) for {data_bytes} data bytes")
-        if not any(it.id == SKELETON_ID for it in items):
+        if not any(it.id == fmt.SKELETON_ID for it in items):
             p.add(mpath, "manifest has no state skeleton item")
         self.ranks[r] = {"manifest": doc, "items": items, "data_size": data_size, "data_bytes": data_bytes,
                          "manifest_path": mpath, "data_path": dpath}
@@ -265,7 +264,7 @@ class Scan:
                     continue
                 if it.scope == "global":
                     glob.setdefault(it.name, []).append({"rank": r, "write": it.write, "nbytes": it.nbytes})
-                elif it.id != SKELETON_ID:
+                elif it.id != fmt.SKELETON_ID:
                     local.append({"rank": r, "id": it.id, "nbytes": it.nbytes})
         for name, where in glob.items():
             if not any(w["write"] for w in where):

@@ -1,7 +1,9 @@
 #include "io.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -175,10 +177,10 @@ uint64_t piece_count(const IOPool::Segment& s) {
 
 }  // namespace
 
-IOPool::IOPool(int threads) {
+IOPool::IOPool(int threads, int nice) {
   if (threads < 1) throw std::invalid_argument("IOPool needs at least one thread");
   try {
-    for (int i = 0; i < threads; i++) threads_.emplace_back(&IOPool::worker, this);
+    for (int i = 0; i < threads; i++) threads_.emplace_back(&IOPool::worker, this, nice);
   } catch (...) {
     close();
     throw;
@@ -241,7 +243,9 @@ uint64_t IOPool::submit(bool write, std::shared_ptr<File> file, uintptr_t ptr, u
   return id;
 }
 
-void IOPool::worker() {
+void IOPool::worker(int nice) {
+  // Best effort: a thread's nice value only ever goes up without privileges, which is all this asks for.
+  if (nice > 0) (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), ::getpriority(PRIO_PROCESS, 0) + nice);
   for (;;) {
     Chunk c;
     {

@@ -72,7 +72,9 @@ class IOPool {
  public:
   using Segment = std::pair<uint64_t, uint64_t>;  // (start relative to ptr, length)
 
-  explicit IOPool(int threads);
+  // `nice` > 0 lowers the workers' scheduling priority (Linux per-thread nice): checksums and writes of a
+  // background flush then yield the CPU to training and to the snapshot copies, which are on the critical path.
+  explicit IOPool(int threads, int nice = 0);
   ~IOPool();
   IOPool(const IOPool&) = delete;
   IOPool& operator=(const IOPool&) = delete;
@@ -101,7 +103,7 @@ class IOPool {
     uint64_t start, len;
   };
 
-  void worker();
+  void worker(int nice);
   void run_chunk(const Chunk& c);
   void finish(Ticket& t);
 

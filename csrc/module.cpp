@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "copy.h"
 #include "crc32c.h"
 #include "io.h"
 
@@ -135,7 +136,7 @@ PYBIND11_MODULE(_native, m) {
       });
 
   py::class_<ds::IOPool>(m, "IOPool")
-      .def(py::init<int>(), py::arg("threads"))
+      .def(py::init<int, int>(), py::arg("threads"), py::arg("nice") = 0)
       .def(
           "submit_write",
           [](ds::IOPool& p, std::shared_ptr<ds::File> file, uintptr_t ptr, uint64_t nbytes, uint64_t offset,
@@ -164,4 +165,19 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("bytes_read", &ds::IOPool::bytes_read)
       .def_property_readonly("writes", &ds::IOPool::writes)
       .def_property_readonly("reads", &ds::IOPool::reads);
+
+  py::class_<ds::CopyBatch, std::shared_ptr<ds::CopyBatch>>(
+      m, "CopyBatch", "The completion of the copies queued into it (e.g. those filling one staging slot).")
+      .def(py::init<>())
+      .def("wait", &ds::CopyBatch::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block until every copy queued into this batch has landed.")
+      .def("done", &ds::CopyBatch::done);
+
+  py::class_<ds::CopyPool>(m, "CopyPool")
+      .def(py::init<int>(), py::arg("threads"))
+      .def("copy", &ds::CopyPool::copy, py::arg("batch"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Queue memcpy(dst, src, nbytes) on the pool's threads, counted in `batch`. Both ranges must stay "
+           "valid until the batch is done.")
+      .def("close", &ds::CopyPool::close, py::call_guard<py::gil_scoped_release>());
 }

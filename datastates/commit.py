@@ -1,10 +1,10 @@
 """Publication: a checkpoint becomes visible in one atomic step, only once every rank has finished.
 
-Ranks write into `iter_XXXXXXX.partial/`. A rank is done when its manifest exists there (written to a temp
-name, fsynced, renamed); a rank that failed leaves `rank_XXXXX.failed` with the cause. Rank 0 waits on these
-files (no collective, so training never blocks on one), writes `metadata.json`, renames the directory to its
-final name, and replaces `latest_checkpointed_iteration.txt` atomically. A crash at any point leaves either the
-old state or the new one; stale `.partial` directories are removed by `clean_stale`.
+Ranks write into `iter_XXXXXXX.partial/` and report through the store (`coordination`). Rank 0 then writes
+`metadata.json` (the global index; fsync, rename, fsync of the directory, which also makes every rank's file
+entries durable), renames the directory to its final name (fsync of the parent), and replaces
+`latest_checkpointed_iteration.txt` atomically. A crash at any point leaves either the old state or the new
+one; stale `.partial` directories are removed by `clean_stale`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import shutil
 import time
 
 from . import format as fmt
-from .errors import CheckpointError, CheckpointTimeoutError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -112,50 +111,6 @@ def apply_retention(save_dir: str, keep_last: int, protect: int) -> list[str]:
     return [retire(checkpoint_dir(save_dir, i)) for i in its if i not in keep]
 
 
-def _rank_status(partial: str, world_size: int) -> tuple[list[int], dict[int, str]]:
-    missing, failed = [], {}
-    for r in range(world_size):
-        failed_path = os.path.join(partial, fmt.failed_file(r))
-        if os.path.exists(failed_path):
-            try:
-                with open(failed_path) as f:
-                    failed[r] = f.read().strip()
-            except OSError as e:
-                failed[r] = f"(cannot read {failed_path}: {e.strerror})"
-        elif not os.path.exists(os.path.join(partial, fmt.manifest_file(r))):
-            missing.append(r)
-    return missing, failed
-
-
-def _poll(condition, timeout_s: float, on_timeout):
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while True:
-        result = condition()
-        if result is not None:
-            return result
-        if time.monotonic() > deadline:
-            on_timeout()
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-
-
-def wait_for_ranks(partial: str, world_size: int, timeout_s: float) -> None:
-    """Rank 0: wait until every rank's manifest is in `partial`; raise naming the ranks that failed or are late."""
-    def check():
-        missing, failed = _rank_status(partial, world_size)
-        if failed:
-            causes = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
-            raise CheckpointError(f"checkpoint {partial!r} not published: {causes}")
-        return True if not missing else None
-
-    def timed_out():
-        missing, _ = _rank_status(partial, world_size)
-        raise CheckpointTimeoutError(f"checkpoint {partial!r} not published: rank(s) {missing} did not finish "
-                                     f"within {timeout_s:.0f} s")
-    _poll(check, timeout_s, timed_out)
-
-
 def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> list[str]:
     """Rank 0: write metadata.json, move the directory to its final name, update the tracker. Returns the
     retired directory of an earlier save of the same iteration, if any, for the caller to delete."""
@@ -169,28 +124,3 @@ def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> lis
     if iteration is not None:
         write_latest(parent, iteration, fsync)
     return retired
-
-
-def wait_published(partial: str, final: str, rank: int, manifest_crc: int, world_size: int,
-                   timeout_s: float) -> None:
-    """Ranks other than 0: wait until rank 0 published this save (its metadata lists our manifest's crc)."""
-    def check():
-        meta_path = os.path.join(final, fmt.METADATA)
-        if os.path.exists(meta_path):
-            try:
-                manifests = fmt.read_json(meta_path, "metadata").get("manifests", {})
-                if manifests.get(str(rank)) == manifest_crc:
-                    return True
-            except CheckpointError:
-                pass
-        _, failed = _rank_status(partial, world_size)
-        if failed:
-            causes = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
-            raise CheckpointError(f"checkpoint {final!r} not published: {causes}")
-        return None
-
-    def timed_out():
-        missing, _ = _rank_status(partial, world_size)
-        who = f"rank(s) {missing} did not finish" if missing else "rank 0 did not publish it"
-        raise CheckpointTimeoutError(f"checkpoint {final!r} not published within {timeout_s:.0f} s: {who}")
-    _poll(check, timeout_s, timed_out)

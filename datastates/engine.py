@@ -5,14 +5,17 @@ Lifecycle of a save, each stage on its own thread so that none waits on another'
     save()      training thread: flatten the state, bind it to a cached plan, start pickling objects; returns
     copier      copies tensors into staging slots (CPU thread or CUDA side stream), then places pickled objects
     flusher     waits for a slot's copy to land, hands it to the native writer pool (pwrite + crc32c)
-    completer   collects checksums, returns slots to the pool, fsyncs and writes the rank's manifest
-    publisher   rank 0: waits for every rank's manifest, publishes; other ranks: wait to see it published
+    completer   collects checksums, returns slots to the pool, fsyncs, writes the rank's manifest and reports it
+    publisher   rank 0: gathers every rank's report, publishes with the global index, then tells the others;
+                other ranks: wait for rank 0's verdict (`coordination`, through the torch.distributed store)
 
 `wait_for_snapshot()` is the fence the training loop calls before it mutates saved state; `wait()` waits until
-everything is durable and published.
+everything is durable and published and `latest` names it. If a stage thread dies, every pending save fails
+with the cause, the fence opens, and later saves fail at once: nothing waits forever.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
@@ -27,12 +30,19 @@ import torch
 from . import _native
 from . import commit
 from . import format as fmt
-from .errors import CheckpointError
+from .coordination import Coordinator, default_store
+from .errors import CheckpointError, CheckpointTimeoutError
 from .plan import Entry, Item, Plan
 from .providers import ProviderRegistry, default_registry
 from .restore import CheckpointReader
-from .snapshot import SlotFiller, copy_tensor_bytes, make_backend
+from .snapshot import CopyBackend, SlotFiller, copy_tensor_bytes, make_backend
 from .staging import StagingPool
+
+log = logging.getLogger(__name__)
+
+# Writers run at a lower priority than training and the snapshot copies: a flush may take a little longer,
+# the copies the fence waits for and the next step do not.
+WRITER_NICE = 5
 
 _STOP = object()
 
@@ -67,15 +77,17 @@ class SaveHandle:
 
 
 class _Job:
-    def __init__(self, handle: SaveHandle, entries: list[Entry], plan: Plan, objects: list[tuple[Entry, Future]],
-                 ordering, t0: float):
+    def __init__(self, seq: int, handle: SaveHandle, entries: list[Entry], plan: Plan,
+                 objects: list[tuple[Entry, Future]], ordering, t0: float):
+        self.seq = seq  # the same on every rank: ranks save in the same order
         self.handle = handle
+        self.reported = False
         self.final = handle.path
         self.partial = commit.partial_dir(handle.path)
         self.entries, self.plan, self.objects, self.ordering, self.t0 = entries, plan, objects, ordering, t0
         self.file: _native.File | None = None
         self.size = 0
-        self.manifest_crc: int | None = None
+        self.manifest: dict | None = None
 
     def fail(self, error: BaseException) -> None:
         if self.handle.error is None:
@@ -92,7 +104,10 @@ class CheckpointEngine:
     def __init__(self, host_buffer_bytes: int = 4 << 30, writer_threads: int = 4, direct_io="auto",
                  fsync: bool = True, rank: int | None = None, world_size: int | None = None,
                  keep_last: int | None = None, publish_timeout_s: float = 600.0,
-                 registry: ProviderRegistry | None = None):
+                 registry: ProviderRegistry | None = None, copy_threads: int | None = None,
+                 copy_backend: CopyBackend | None = None, store: torch.distributed.Store | None = None):
+        """`store` (a torch.distributed Store shared by the ranks) carries the agreement on each save; by
+        default the default process group's. `copy_backend` replaces the device backend (see `snapshot`)."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -104,15 +119,24 @@ class CheckpointEngine:
         self.keep_last = keep_last
         self.publish_timeout_s = publish_timeout_s
         self.registry = registry or default_registry
-        self.backend = make_backend()
+        if store is None and self.world_size > 1 and initialized:
+            store = default_store()
+        self._store = store
+        self.coordinator: Coordinator | None = None  # made at the first save: an engine that only loads needs none
+        self.backend = copy_backend or make_backend(copy_threads)
         self.pool = StagingPool(host_buffer_bytes, writer_threads, pinned=torch.cuda.is_available())
-        self.io = _native.IOPool(writer_threads)
+        self.io = _native.IOPool(writer_threads, WRITER_NICE)
         self._plans: dict[tuple, Plan] = {}
+        self._seq = 0
+        self._jobs: dict[SaveHandle, _Job] = {}  # saves not finished yet, for failing them if a stage dies
+        self._jobs_lock = threading.Lock()
+        self._broken: CheckpointError | None = None
         self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete")  # retention, off the save path
         self._pending: list[SaveHandle] = []
         self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
-        self._threads = [threading.Thread(target=fn, name=f"ds-{name}", daemon=True) for name, fn in (
+        self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
+                         for name, fn in (
             ("copy", self._copier), ("flush", self._flusher), ("complete", self._completer),
             ("publish", self._publisher))]
         for t in self._threads:
@@ -125,21 +149,28 @@ class CheckpointEngine:
         """Start saving `state` to the checkpoint directory `path`; returns before anything is copied."""
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointEngine")
+        if self._broken is not None:
+            raise CheckpointError(f"cannot save {path!r}: {self._broken}")
         t0 = time.perf_counter()
+        if self.coordinator is None:
+            self.coordinator = Coordinator(self._store, self.rank, self.world_size)
         skeleton, entries = self.registry.flatten(state)
+        for e in entries:
+            if e.item.kind == "tensor" and e.item.write:
+                self.backend.check(e.source, f"saving {path!r}: item {e.item.id!r}")
         entries.append(Entry(Item(id=fmt.SKELETON_ID, kind="object"), skeleton))
         plan = self._plan_for([e.item for e in entries])
         handle = SaveHandle(os.path.normpath(path))
-        job = _Job(handle, entries, plan, [], self.backend.begin_save(), t0)
+        self._seq += 1
+        job = _Job(self._seq, handle, entries, plan, [], self.backend.begin_save(), t0)
         try:
             os.makedirs(job.partial, exist_ok=True)
-            for name in (fmt.manifest_file(self.rank), fmt.failed_file(self.rank)):
-                if os.path.exists(os.path.join(job.partial, name)):
-                    os.unlink(os.path.join(job.partial, name))
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {job.partial!r}: {e.strerror}") from e
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == "object" and e.item.write]
+        with self._jobs_lock:
+            self._jobs[handle] = job
         self._pending.append(handle)
         self._queues["copy"].put(job)
         handle.stats["blocking_s"] += time.perf_counter() - t0
@@ -187,11 +218,13 @@ class CheckpointEngine:
             self.wait()
         finally:
             self._closed = True
-            self._queues["copy"].put(_STOP)
+            for q in (self._queues.values() if self._broken else [self._queues["copy"]]):
+                q.put(_STOP)  # a dead stage cannot pass the stop on
             for t in self._threads:
                 t.join()
             self._pickler.shutdown()
             self._deleter.shutdown()
+            self.backend.close()
             self.io.close()
             self.pool.close()
 
@@ -220,6 +253,34 @@ class CheckpointEngine:
         return cached
 
     # ----- background stages -----
+
+    def _guard(self, name: str, stage) -> None:
+        """Run a stage; if it dies (an error outside its handlers), fail everything pending instead of hanging."""
+        try:
+            stage()
+        except BaseException as e:  # noqa: BLE001
+            self._die(name, e)
+
+    def _die(self, name: str, error: BaseException) -> None:
+        broken = CheckpointError(f"the checkpoint engine's {name} thread died ({type(error).__name__}: {error}); "
+                                 f"no save can complete in this engine")
+        broken.__cause__ = error
+        self._broken = broken
+        log.error("rank %d: %s", self.rank, broken)
+        with self._jobs_lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.fail(broken)
+            if not job.reported:  # the other ranks learn it now, not at their timeout
+                try:
+                    self._report(job)
+                except BaseException:  # noqa: BLE001 - the store may be what broke; they will time out
+                    pass
+            job.handle._snapshot_done.set()
+            job.handle._done.set()
+        self.pool.close()  # wakes a copier waiting for a slot that will never come back
+        for q in self._queues.values():
+            q.put(_STOP)
 
     @torch.no_grad()
     def _copier(self) -> None:
@@ -293,7 +354,8 @@ class CheckpointEngine:
         self._queues["publish"].put(_STOP)
 
     def _finish_rank(self, job: _Job) -> None:
-        """All slots of this rank are written: fsync the data, then write the manifest (the rank's done mark)."""
+        """All slots of this rank are written: fsync the data, write the manifest (the rank's written proof of its
+        part), and report it."""
         handle = job.handle
         handle.stats["peak_staging_bytes"] = self.pool.peak_bytes
         try:
@@ -305,52 +367,62 @@ class CheckpointEngine:
                 items = [e.item.to_json() for e in job.entries]
                 body = {"rank": self.rank, "world_size": self.world_size, "data_file": fmt.data_file(self.rank),
                         "data_bytes": job.size, "direct_io": job.file.direct, "items": items}
-                path = os.path.join(job.partial, fmt.manifest_file(self.rank))
-                # once written, rank 0 may publish (rename the directory) at any moment: never read it back
-                job.manifest_crc = fmt.write_manifest(path, body, self.fsync)
+                # the directory entry is made durable by rank 0's fsync of the directory at publication
+                job.manifest = fmt.write_manifest(os.path.join(job.partial, fmt.manifest_file(self.rank)), body,
+                                                  self.fsync)
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         if job.file is not None:
             job.file.close()
         handle.stats["bytes"] = job.size
-        if job.failed:
-            try:
-                with open(os.path.join(job.partial, fmt.failed_file(self.rank)), "w") as f:
-                    f.write(str(handle.error))
-            except OSError:
-                pass  # the directory itself may be what failed; rank 0 then reports us as missing
+        self._report(job)
+
+    def _report(self, job: _Job) -> None:
+        job.reported = True
+        self.coordinator.report(job.seq, None if job.failed else job.manifest,
+                                str(job.handle.error) if job.failed else None)
 
     def _publisher(self) -> None:
         while (job := self._queues["publish"].get()) is not _STOP:
+            what = f"checkpoint {job.final!r}"
             try:
-                if not job.failed:
-                    self._publish(job)
+                if self.rank == 0:
+                    self._publish(job, self.coordinator.gather(job.seq, what, self.publish_timeout_s))
+                    self.coordinator.announce(job.seq, None)
+                else:
+                    self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
             except BaseException as e:  # noqa: BLE001
                 job.fail(e)
-            handle = job.handle
-            if job.failed and self.world_size == 1:
-                shutil.rmtree(job.partial, ignore_errors=True)
-            handle.stats["durable_s"] = time.perf_counter() - job.t0
-            handle.stats["throughput_gbps"] = job.size / handle.stats["durable_s"] / 1e9
-            handle._done.set()
+                if self.rank == 0:
+                    self._abandon(job, timed_out=isinstance(e, CheckpointTimeoutError))
+            try:
+                self.coordinator.done(job.seq)
+            except BaseException as e:  # noqa: BLE001 - the verdict is in; cleaning the store is best effort
+                log.warning("rank %d: cannot clean the store keys of %s: %s", self.rank, what, e)
+            self._finished(job)
 
-    def _publish(self, job: _Job) -> None:
-        if self.rank != 0:
-            commit.wait_published(job.partial, job.final, self.rank, job.manifest_crc, self.world_size,
-                                  self.publish_timeout_s)
-            return
-        commit.wait_for_ranks(job.partial, self.world_size, self.publish_timeout_s)
-        manifests = {str(r): fmt.read_manifest(os.path.join(job.partial, fmt.manifest_file(r)))
-                     for r in range(self.world_size)}
-        metadata = {"format": fmt.FORMAT_NAME, "schema_version": fmt.SCHEMA_VERSION,
-                    "iteration": commit.iteration_of(job.final), "world_size": self.world_size,
-                    "bytes": sum(m["data_bytes"] for m in manifests.values()),
-                    "manifests": {r: m["manifest_crc32c"] for r, m in manifests.items()},
-                    "created_unix": time.time()}
+    def _abandon(self, job: _Job, timed_out: bool) -> None:
+        """Rank 0, on a failed save: tell every rank at once, then remove the unfinished directory."""
+        self.coordinator.announce(job.seq, str(job.handle.error))
+        if not timed_out:  # let the ranks still writing finish touching the directory (they will fail anyway)
+            self.coordinator.await_all_reports(job.seq, self.publish_timeout_s)
+        shutil.rmtree(job.partial, ignore_errors=True)
+
+    def _finished(self, job: _Job) -> None:
+        handle = job.handle
+        with self._jobs_lock:
+            self._jobs.pop(handle, None)
+        handle.stats["durable_s"] = time.perf_counter() - job.t0
+        handle.stats["throughput_gbps"] = job.size / handle.stats["durable_s"] / 1e9
+        handle._done.set()
+
+    def _publish(self, job: _Job, manifests: dict[int, dict]) -> None:
+        """Rank 0: write the global index, rename the directory into place, point `latest` at it, retire old ones."""
+        iteration = commit.iteration_of(job.final)
+        metadata = fmt.index_metadata(manifests, iteration, self.world_size)
         retired = commit.publish(job.partial, job.final, metadata, self.fsync)
-        if self.keep_last is not None and commit.iteration_of(job.final) is not None:
-            retired += commit.apply_retention(os.path.dirname(job.final), self.keep_last,
-                                              commit.iteration_of(job.final))
+        if self.keep_last is not None and iteration is not None:
+            retired += commit.apply_retention(os.path.dirname(job.final), self.keep_last, iteration)
         for path in retired:
             self._deleter.submit(shutil.rmtree, path, ignore_errors=True)
 

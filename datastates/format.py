@@ -4,10 +4,14 @@
         rank_00000.data            items of rank 0, each tensor item 4 KiB aligned, pickled objects after them
         rank_00000.manifest.json   written last by rank 0: schema, items, offsets, dtypes, shapes, checksums
         ...
-        metadata.json              written by the publisher once every rank's manifest is there
+        metadata.json              the global index, written by rank 0 at publication; its presence makes the
+                                   checkpoint loadable
 
-A manifest carries a crc32c of its own canonical body so that a damaged or hand-edited manifest is refused
-rather than trusted. Objects are unpickled by a restricted unpickler: a checkpoint cannot run code.
+Schema versions: 1 (metadata.json lists each rank's manifest checksum; loading reads every manifest) and 2
+(metadata.json also holds every rank's items: a load reads this one file, never W manifests). Version 2 is
+written; both are read. A manifest and the metadata each carry a crc32c of their own canonical body, so a
+damaged or hand-edited one is refused rather than trusted. Objects are unpickled by a restricted unpickler: a
+checkpoint cannot run code.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import io
 import json
 import os
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -22,7 +27,7 @@ import torch
 from . import _native
 from .errors import CheckpointCorruptError, CheckpointError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT_NAME = "datastates"
 METADATA = "metadata.json"
 SKELETON_ID = "__skeleton__"  # the pickled structure of a rank's state, whose leaves are item ids
@@ -34,10 +39,6 @@ def data_file(rank: int) -> str:
 
 def manifest_file(rank: int) -> str:
     return f"rank_{rank:05d}.manifest.json"
-
-
-def failed_file(rank: int) -> str:
-    return f"rank_{rank:05d}.failed"
 
 
 def _body_crc(body: dict) -> int:
@@ -52,25 +53,55 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str, obj: dict, fsync: bool = True) -> None:
-    """Write to a temporary name, fsync, rename over `path`, fsync the directory."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(os.path.dirname(path) or ".")
+def write_json_atomic(path: str, obj: dict, fsync: bool = True, sync_dir: bool = True) -> None:
+    """Write to a temporary name, fsync, rename over `path`, then fsync the directory (`sync_dir`) through a
+    descriptor opened before the rename: once the file is visible, another rank may rename the directory."""
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY) if fsync and sync_dir else None
+    try:
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(obj, f, separators=(",", ":"), sort_keys=True)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if dir_fd is not None:
+            os.fsync(dir_fd)
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
 
 
-def write_manifest(path: str, body: dict, fsync: bool = True) -> int:
-    """Write a rank's manifest atomically; returns its checksum (the rank's token in metadata.json)."""
+def write_manifest(path: str, body: dict, fsync: bool = True) -> dict:
+    """Write a rank's manifest atomically (its directory entry is left to the publisher's directory fsync);
+    returns the manifest as written, checksum included."""
     body = dict(body, schema_version=SCHEMA_VERSION, format=FORMAT_NAME)
-    crc = _body_crc(body)
-    write_json_atomic(path, dict(body, manifest_crc32c=crc), fsync)
-    return crc
+    doc = dict(body, manifest_crc32c=_body_crc(body))
+    write_json_atomic(path, doc, fsync, sync_dir=False)
+    return doc
+
+
+def index_metadata(manifests: dict[int, dict], iteration: int | None, world_size: int) -> dict:
+    """metadata.json: the global index of every rank's items (schema 2), with a checksum of itself."""
+    body = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "iteration": iteration,
+            "world_size": world_size, "bytes": sum(m["data_bytes"] for m in manifests.values()),
+            "manifests": {str(r): m["manifest_crc32c"] for r, m in manifests.items()},
+            "ranks": {str(r): {"data_file": m["data_file"], "data_bytes": m["data_bytes"], "items": m["items"]}
+                      for r, m in manifests.items()},
+            "created_unix": time.time()}
+    return dict(body, metadata_crc32c=_body_crc(body))
+
+
+def read_metadata(path: str) -> dict:
+    """A checkpoint's metadata.json, schema-checked; a schema-2 index must match its own checksum."""
+    doc = read_json(path, "checkpoint metadata")
+    check_schema(doc, path)
+    if doc["schema_version"] >= 2:
+        body = {k: v for k, v in doc.items() if k != "metadata_crc32c"}
+        if doc.get("metadata_crc32c") != _body_crc(body):
+            raise CheckpointCorruptError(f"checkpoint metadata {path!r} fails its checksum: it was modified or "
+                                         f"damaged")
+    return doc
 
 
 def read_json(path: str, what: str) -> dict:

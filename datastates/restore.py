@@ -1,9 +1,11 @@
 """Read a published checkpoint back: verify, and reshard into whatever layout the target asks for.
 
-Rank-local items are found by id in the same rank's manifest. Global items (shards of a logical tensor) are
-indexed by name across every rank's manifest; each target shard reads exactly the rows of the saved shards it
-overlaps, widened to whole checksum chunks so every byte read is verified. Reads go through the native pool
-in parallel, straight into the target tensor when its layout allows.
+Everything a load needs to know is in one file, the global index in metadata.json (schema 2; schema 1
+checkpoints are read through their per-rank manifests). Rank-local items are found by id among the same rank's
+items. Global items (shards of a logical tensor) are indexed by name across every rank's items; each target
+shard reads exactly the rows of the saved shards it overlaps, widened to whole checksum chunks so every byte
+read is verified. Only the data files holding wanted bytes are opened. Reads go through the native pool in
+parallel, straight into the target tensor when its layout allows.
 """
 from __future__ import annotations
 
@@ -92,12 +94,12 @@ class CheckpointReader:
         self.budget_bytes = budget_bytes
         self.registry = registry
         meta_path = os.path.join(self.path, fmt.METADATA)
-        self.metadata = fmt.read_json(meta_path, "checkpoint metadata")
-        fmt.check_schema(self.metadata, meta_path)
+        self.metadata = fmt.read_metadata(meta_path)
         self.world_size = self.metadata.get("world_size")
         if type(self.world_size) is not int or self.world_size < 1:
             raise CheckpointCorruptError(f"checkpoint metadata {meta_path!r} has no valid world_size")
         self._manifests: dict[int, dict[str, Item]] = {}
+        self._data_bytes: dict[int, int] = {}
         self._files: dict[int, _native.File] = {}
         self._global: dict[str, list[tuple[int, Item]]] | None = None
 
@@ -108,17 +110,24 @@ class CheckpointReader:
             if not 0 <= rank < self.world_size:
                 raise CheckpointError(f"checkpoint {self.path!r} was saved by {self.world_size} rank(s); "
                                       f"it has no rank {rank}")
-            path = os.path.join(self.path, fmt.manifest_file(rank))
-            doc = fmt.read_manifest(path)
-            expected = self.metadata.get("manifests", {}).get(str(rank))
-            if expected is not None and expected != doc["manifest_crc32c"]:
-                raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
-            self._manifests[rank] = self._parse_items(rank, path, doc)
+            if "ranks" in self.metadata:  # schema 2: the global index
+                where = f"{os.path.join(self.path, fmt.METADATA)!r} (rank {rank})"
+                doc = self.metadata["ranks"].get(str(rank)) if isinstance(self.metadata["ranks"], dict) else None
+                if not isinstance(doc, dict):
+                    raise CheckpointCorruptError(f"checkpoint index {where} is missing")
+            else:
+                path = os.path.join(self.path, fmt.manifest_file(rank))
+                where = repr(path)
+                doc = fmt.read_manifest(path)
+                expected = self.metadata.get("manifests", {}).get(str(rank))
+                if expected is not None and expected != doc["manifest_crc32c"]:
+                    raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
+            self._manifests[rank] = self._parse_items(rank, where, doc)
         return self._manifests[rank]
 
-    def _parse_items(self, rank: int, path: str, doc: dict) -> dict[str, Item]:
-        """The manifest's items, each checked against itself and the data file: a checksummed manifest can
-        still have been forged, and nothing it says may make a read overrun its destination."""
+    def _parse_items(self, rank: int, where: str, doc: dict) -> dict[str, Item]:
+        """A rank's items, each checked against itself: a checksummed index can still have been forged, and
+        nothing it says may make a read overrun its destination (the data file's size is checked on open)."""
         try:
             data_bytes = doc["data_bytes"]
             if type(data_bytes) is not int or data_bytes < 0:
@@ -131,14 +140,8 @@ class CheckpointReader:
                     raise ValueError(f"duplicate item id {it.id!r}")
                 items[it.id] = it
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
-            raise CheckpointCorruptError(f"manifest {path!r} is malformed: {type(e).__name__}: {e}") from None
-        data = self.data_path(rank)
-        try:
-            size = os.path.getsize(data)
-        except OSError as e:
-            raise CheckpointError(f"data file {data!r} of rank {rank}: {e.strerror}") from None
-        if size < data_bytes:
-            raise CheckpointCorruptError(f"data file {data!r} is truncated: {size} bytes, manifest says {data_bytes}")
+            raise CheckpointCorruptError(f"manifest {where} is malformed: {type(e).__name__}: {e}") from None
+        self._data_bytes[rank] = data_bytes
         return items
 
     def data_path(self, rank: int) -> str:
@@ -146,10 +149,19 @@ class CheckpointReader:
 
     def data_file(self, rank: int) -> _native.File:
         if rank not in self._files:
+            self.items(rank)  # its data size, from the index
+            data = self.data_path(rank)
             try:
-                self._files[rank] = _native.File(self.data_path(rank), "r")
+                f = _native.File(data, "r")
+                size = f.size()
             except OSError as e:
-                raise CheckpointError(f"cannot open {self.data_path(rank)!r}: {e.strerror or e}") from None
+                raise CheckpointError(f"cannot open {data!r}: {e.strerror or e}") from None
+            expected = self._data_bytes[rank]
+            if size < expected:
+                f.close()
+                raise CheckpointCorruptError(f"data file {data!r} is truncated: {size} bytes, the checkpoint's "
+                                             f"index says {expected}")
+            self._files[rank] = f
         return self._files[rank]
 
     def global_index(self) -> dict[str, list[tuple[int, Item]]]:

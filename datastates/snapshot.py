@@ -1,79 +1,152 @@
 """The lazy copy: staging a save's items into host slots in the background, off the training thread.
 
-The same code serves CPU and CUDA; only the device backend differs. On CUDA the copies are issued on a side
-stream that first waits on an event recorded on the compute stream at save() time, into pinned slots, and
-each slot carries an event the writer waits on before reading it. On CPU the copy thread copies directly.
+Every backend follows one protocol, the CUDA one:
+
+    begin_save()   on the training thread, at save(): what the copies must be ordered after
+    copy()         issue a copy into a slot (it may land later)
+    mark(slot)     record the completion of every copy issued into the slot
+    ready(slot)    the writer waits on that completion before it reads the slot
+    finish()       wait for every copy issued so far: the snapshot is done, the fence may open
+
+`HostCopyBackend` (CPU) copies host tensors on native threads without the GIL; `CudaCopyBackend` adds device
+tensors, copied on a side stream of the engine's device, ordered after the compute stream by an event, into
+pinned slots. Tests prove the protocol with a backend that completes copies late and out of order.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator
 
 import torch
 
+from . import _native
+from .errors import CheckpointError
 from .plan import Item, align_up
 from .staging import Slot, StagingPool
 
 
+def default_copy_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 class CopyBackend:
-    """CPU: copies are synchronous in the copy thread; nothing to order or wait for."""
+    """The protocol, with completions as callables that block until their copies landed."""
+
+    def __init__(self):
+        self._issued: list[Callable[[], None]] = []  # completions not yet attached to a slot
+        self._unfinished: list[Callable[[], None]] = []  # every completion since the last finish()
 
     def begin_save(self):
         return None
 
+    def check(self, tensor: torch.Tensor, where: str) -> None:
+        """Refuse, before anything is copied, a tensor this backend cannot copy."""
+        if tensor.device.type != "cpu":
+            raise CheckpointError(f"{where}: tensor on {tensor.device}, but this engine copies host memory only")
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, ordering) -> None:
-        dst.copy_(src)
+        raise NotImplementedError
+
+    def _completes(self, wait: Callable[[], None]) -> None:
+        self._issued.append(wait)
 
     def mark(self, slot: Slot) -> None:
-        pass
+        slot.waits, self._issued = self._issued, []
+        self._unfinished.extend(slot.waits)
 
     def ready(self, slot: Slot) -> None:
-        pass
+        for wait in slot.waits:
+            wait()
 
     def finish(self) -> None:
+        # the completions of the slot being filled stay issued: its mark() still attaches them
+        pending, self._unfinished = self._unfinished + self._issued, []
+        for wait in pending:
+            wait()
+
+    def close(self) -> None:
         pass
 
 
-class CudaCopyBackend(CopyBackend):
-    """Device->pinned-host copies on a side stream ordered after the compute stream by an event."""
+class HostCopyBackend(CopyBackend):
+    """Host memory: contiguous stretches are memcpy'd on native threads, the rest by torch in the caller."""
 
-    def __init__(self):
-        self.stream = torch.cuda.Stream()
-        self._pending = False
+    def __init__(self, threads: int | None = None):
+        super().__init__()
+        self.pool = _native.CopyPool(threads or default_copy_threads())
+        self._batch: _native.CopyBatch | None = None
+
+    def copy(self, dst, src, ordering):
+        if src.device.type == "cpu" and src.is_contiguous():
+            if self._batch is None:
+                self._batch = _native.CopyBatch()
+                self._completes(self._batch.wait)
+            self.pool.copy(self._batch, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        else:
+            dst.copy_(src)  # strided views: torch copies them in place, synchronously
+
+    def mark(self, slot):
+        self._batch = None
+        super().mark(slot)
+
+    def close(self):
+        self.pool.close()
+
+
+class CudaCopyBackend(HostCopyBackend):
+    """Device tensors of the engine's device: copied on a side stream into pinned slots; host ones as above."""
+
+    def __init__(self, device: torch.device, threads: int | None = None):
+        super().__init__(threads)
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._event_pending = False
 
     def begin_save(self):
         """Called on the training thread at save(): everything queued so far on the compute stream (the step
         that produced the state) must finish before the side stream reads the state."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
+        event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def check(self, tensor, where):
+        if tensor.device.type == "cuda" and tensor.device != self.device:
+            raise CheckpointError(f"{where}: tensor on {tensor.device}, but this engine copies from {self.device} "
+                                  f"(one engine per device)")
+        if tensor.device.type not in ("cuda", "cpu"):
+            raise CheckpointError(f"{where}: tensor on {tensor.device}: only {self.device} and host tensors save")
 
     def copy(self, dst, src, ordering):
         if not src.is_cuda:
-            dst.copy_(src)
+            super().copy(dst, src, ordering)
             return
         with torch.cuda.stream(self.stream):
             if ordering is not None:
                 self.stream.wait_event(ordering)
             dst.copy_(src, non_blocking=True)
-        self._pending = True
+        self._event_pending = True
 
     def mark(self, slot):
-        if self._pending:
-            slot.event = torch.cuda.Event()
-            slot.event.record(self.stream)
-
-    def ready(self, slot):
-        if slot.event is not None:
-            slot.event.synchronize()
+        if self._event_pending:
+            event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
+            event.record(self.stream)
+            self._completes(event.synchronize)
+            self._event_pending = False
+        super().mark(slot)
 
     def finish(self):
-        if self._pending:
-            self.stream.synchronize()
-            self._pending = False
+        if self._event_pending:
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream)
+            self._completes(event.synchronize)
+            self._event_pending = False
+        super().finish()
 
 
-def make_backend() -> CopyBackend:
-    return CudaCopyBackend() if torch.cuda.is_available() else CopyBackend()
+def make_backend(copy_threads: int | None = None) -> CopyBackend:
+    if torch.cuda.is_available():
+        return CudaCopyBackend(torch.device("cuda", torch.cuda.current_device()), copy_threads)
+    return HostCopyBackend(copy_threads)
 
 
 def _flat_views(t: torch.Tensor, lo: int, hi: int) -> Iterator[torch.Tensor]:

@@ -1,11 +1,15 @@
-"""Bounded host staging: a pool of fixed-size, 4 KiB-aligned slots that never grows past its budget.
+"""Bounded host staging: a pool of fixed-size, page-aligned slots that never grows past its budget.
 
-Slots are allocated lazily (a small checkpoint never costs the full budget) and reused across saves, pinned
-when CUDA is present so device->host copies run asynchronously. When every slot is in flight the copier waits
-for a writer to hand one back: back-pressure, not growth.
+Slots are allocated lazily (a small checkpoint never costs the full budget) and reused across saves. Each slot
+is an anonymous memory mapping, so it starts on a page boundary (O_DIRECT needs it) and costs exactly its size.
+With CUDA, each slot is page-locked in place with cudaHostRegister: the pinned bytes are exactly the slot bytes.
+(PyTorch's pinned-memory allocator would round every allocation up to a power of two, pinning up to twice the
+budget while reporting the budget.) When every slot is in flight the copier waits for a writer to hand one
+back: back-pressure, not growth.
 """
 from __future__ import annotations
 
+import mmap
 import threading
 
 import torch
@@ -20,17 +24,19 @@ def slot_size(budget_bytes: int, writer_threads: int) -> int:
     """Slots small enough that every writer thread and the copier have one in flight, big enough to stream."""
     if budget_bytes < MIN_BUDGET:
         raise ValueError(f"host_buffer_bytes={budget_bytes} is too small: at least {MIN_BUDGET} bytes are needed")
-    size = min(MAX_SLOT_BYTES, budget_bytes // (2 * max(1, writer_threads) + 2) - ALIGN)
+    size = min(MAX_SLOT_BYTES, budget_bytes // (2 * max(1, writer_threads) + 2))
     return max(ALIGN, size // ALIGN * ALIGN)
 
 
 class Slot:
-    """One staging buffer and what it holds: (offset in slot, length, item, chunk index) segments."""
+    """One staging buffer and what it holds: (offset in slot, length, item, chunk index) segments, and the
+    completions of the copies into it (`waits`) that a writer must wait on before reading it."""
 
-    __slots__ = ("buffer", "file_offset", "fill", "segments", "job", "event")
+    __slots__ = ("buffer", "memory", "file_offset", "fill", "segments", "job", "waits")
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
+    def __init__(self, memory: mmap.mmap):
+        self.memory = memory  # owns the pages; the tensor is a view of them
+        self.buffer = torch.frombuffer(memory, dtype=torch.uint8)
         self.reset()
 
     def reset(self):
@@ -38,42 +44,52 @@ class Slot:
         self.fill = 0
         self.segments = []
         self.job = None
-        self.event = None
+        self.waits = []
+
+
+def _cuda_host_register(ptr: int, nbytes: int) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte staging slot failed (cudaError {int(err)}): "
+                           f"lower --ckpt-host-buffer-gb or raise the locked-memory limit (ulimit -l)")
 
 
 class StagingPool:
     def __init__(self, budget_bytes: int, writer_threads: int, pinned: bool = False):
         self.slot_bytes = slot_size(budget_bytes, writer_threads)
-        # each slot costs one extra ALIGN so it can start on an aligned address (O_DIRECT needs it)
-        self.max_slots = budget_bytes // (self.slot_bytes + ALIGN)
+        self.max_slots = budget_bytes // self.slot_bytes
         self.budget_bytes = budget_bytes
         self.pinned = pinned
+        self._slots: list[Slot] = []  # every slot allocated, to unpin at close
         self._free: list[Slot] = []
-        self._allocated = 0
         self._in_use = 0
         self.peak_bytes = 0
         self._cv = threading.Condition()
         self._closed = False
 
     def _allocate(self) -> Slot:
-        raw = torch.empty(self.slot_bytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
-        skip = (-raw.data_ptr()) % ALIGN
-        return Slot(raw[skip:skip + self.slot_bytes])
+        slot = Slot(mmap.mmap(-1, self.slot_bytes))
+        if self.pinned:
+            _cuda_host_register(slot.buffer.data_ptr(), self.slot_bytes)
+        return slot
 
     def acquire(self) -> Slot:
         with self._cv:
-            while not self._free and self._allocated >= self.max_slots and not self._closed:
+            while not self._free and len(self._slots) >= self.max_slots and not self._closed:
                 self._cv.wait()
             if self._closed:
                 raise RuntimeError("staging pool is closed")
-            if self._free:
-                slot = self._free.pop()
-            else:
-                self._allocated += 1
-                slot = None
             self._in_use += 1
             self.peak_bytes = max(self.peak_bytes, self._in_use * self.slot_bytes)
-        return slot if slot is not None else self._allocate()
+            if self._free:
+                return self._free.pop()
+            try:
+                slot = self._allocate()
+            except BaseException:
+                self._in_use -= 1
+                raise
+            self._slots.append(slot)
+            return slot
 
     def release(self, slot: Slot) -> None:
         slot.reset()
@@ -88,10 +104,19 @@ class StagingPool:
 
     @property
     def allocated_bytes(self) -> int:
-        return self._allocated * (self.slot_bytes + ALIGN)
+        """Host memory the pool holds: exactly its slots, no alignment slack."""
+        return len(self._slots) * self.slot_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked memory the pool holds: all of its slots with CUDA, none without."""
+        return self.allocated_bytes if self.pinned else 0
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            self._free.clear()
+            slots, self._slots, self._free = self._slots, [], []
             self._cv.notify_all()
+        if self.pinned:
+            for slot in slots:
+                torch.cuda.cudart().cudaHostUnregister(slot.buffer.data_ptr())

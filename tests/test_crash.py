@@ -108,8 +108,9 @@ def test_killed_during_retention_or_replacement(three):
 
 def test_rank0_missing_partial_never_loaded(tmp_path):
     """Rank 1 finished, rank 0 never did: rank 1 names it within the timeout; nothing loadable; cleaned later."""
+    store = torch.distributed.HashStore()
     engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=2,
-                                publish_timeout_s=0.5) for r in range(2)]
+                                publish_timeout_s=0.5, store=store) for r in range(2)]
     try:
         engines[1].save({"w": torch.ones(10)}, str(tmp_path / "iter_0000001"))
         with pytest.raises(CheckpointError, match=r"rank\(s\) \[0\] did not finish"):

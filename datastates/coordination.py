@@ -1,0 +1,131 @@
+"""Agreement on each save across ranks, through a torch.distributed key-value store, never the file system.
+
+Every message is O(1) per rank; rank 0 alone does O(W) work (reading the W reports). Nothing here runs on the
+training thread: the engine's publisher thread calls it, so training never blocks on a rank that is late or
+dead. Keys of save `seq` (under a prefix unique to this engine):
+
+    {seq}/r/{rank}   each rank's report: its manifest, or why it failed
+    {seq}/n          how many ranks reported (store.add); the rank that makes it W sets {seq}/all
+    {seq}/fail       failure log (store.append); a failing rank also sets {seq}/gate at once
+    {seq}/gate       rank 0 wakes on it: set by the last report, or by the first failure
+    {seq}/result     rank 0's verdict, set after `latest` names the checkpoint (or on failure)
+    {seq}/ack        ranks that read the verdict; the last one deletes the save's keys
+
+A dead or stuck rank shows as a timeout on rank 0, which names the ranks that did not report; a dead rank 0
+shows as a timeout on the others. The store is the launcher's (torchrun's TCPStore through the default
+process group), on its own client connection so blocking waits never hold up the training thread's store use.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch.distributed as dist
+
+from .errors import CheckpointError, CheckpointTimeoutError
+
+OK = "ok"
+
+
+def default_store() -> dist.Store:
+    """A fresh client of the default process group's store."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"cannot reach the default process group's store to coordinate saves ({e}); pass "
+                              f"CheckpointEngine(store=...)") from e
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError):
+        return store  # stores without clone() (a custom one) have no single connection to hold up
+
+
+class Coordinator:
+    """One rank's side of save agreement for one engine."""
+
+    def __init__(self, store: dist.Store | None, rank: int, world_size: int):
+        if world_size > 1 and store is None:
+            raise CheckpointError(f"world_size={world_size} needs a torch.distributed store to agree on saves: "
+                                  f"initialise the default process group or pass CheckpointEngine(store=...)")
+        self.rank, self.world_size = rank, world_size
+        self.store = store
+        if store is not None:
+            # every rank creates its engines in the same order, so the nth engine of each rank gets id n
+            engine_id = store.add(f"datastates/engines/{rank}", 1)
+            self.store = dist.PrefixStore(f"datastates/{engine_id}/", store)
+
+    def _wait(self, key: str, timeout_s: float) -> bool:
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 0.001)))
+            return True
+        except dist.DistStoreError:
+            return False
+
+    def _missing(self, seq: int) -> list[int]:
+        """The ranks that have not reported save `seq` (after a timeout only: this is O(W))."""
+        if self.store.check([f"{seq}/all"]):
+            return []
+        return [r for r in range(self.world_size) if not self.store.check([f"{seq}/r/{r}"])]
+
+    def report(self, seq: int, manifest: dict | None, error: str | None) -> None:
+        """Every rank: this rank's part of save `seq` is durable (manifest) or failed (error)."""
+        if self.world_size == 1:
+            self._local = (manifest, error)
+            return
+        body = {"manifest": manifest} if error is None else {"error": error}
+        self.store.set(f"{seq}/r/{self.rank}", json.dumps(body, separators=(",", ":")))
+        if error is not None:
+            self.store.append(f"{seq}/fail", f"rank {self.rank}: {error}\n")
+            self.store.set(f"{seq}/gate", "fail")
+        if self.store.add(f"{seq}/n", 1) == self.world_size:
+            self.store.set(f"{seq}/all", "1")
+            self.store.set(f"{seq}/gate", "all")
+
+    def gather(self, seq: int, what: str, timeout_s: float) -> dict[int, dict]:
+        """Rank 0: every rank's manifest of save `seq`; raises naming the ranks that failed or are missing."""
+        if self.world_size == 1:
+            manifest, error = self._local
+            if error is not None:
+                raise CheckpointError(f"{what} not published: rank 0: {error}")
+            return {0: manifest}
+        if not self._wait(f"{seq}/gate", timeout_s):
+            raise CheckpointTimeoutError(f"{what} not published: rank(s) {self._missing(seq)} did not finish "
+                                         f"within {timeout_s:g} s")
+        if self.store.check([f"{seq}/fail"]):  # the gate's value may be the last report's, set after a failure
+            causes = self.store.get(f"{seq}/fail").decode().strip().replace("\n", "; ")
+            raise CheckpointError(f"{what} not published: {causes}")
+        keys = [f"{seq}/r/{r}" for r in range(self.world_size)]
+        reports = [json.loads(v) for v in self.store.multi_get(keys)]
+        for key in keys:
+            self.store.delete_key(key)
+        return {r: rep["manifest"] for r, rep in enumerate(reports)}
+
+    def await_all_reports(self, seq: int, timeout_s: float) -> bool:
+        """Rank 0, after a failure: give the other ranks time to finish touching the save's directory."""
+        return self.world_size == 1 or self._wait(f"{seq}/all", timeout_s)
+
+    def announce(self, seq: int, error: str | None) -> None:
+        """Rank 0: the verdict on save `seq`, once it is published and `latest` names it (or it failed)."""
+        if self.world_size > 1:
+            self.store.set(f"{seq}/result", OK if error is None else error)
+
+    def verdict(self, seq: int, what: str, timeout_s: float) -> None:
+        """Ranks other than 0: wait for rank 0's verdict on save `seq`; raise it if the save failed. Waits a
+        little longer than rank 0 waits for the ranks, so that rank 0's verdict usually names a late rank; if it
+        does not come, this rank names the missing ranks itself."""
+        if self.world_size == 1:
+            return
+        timeout_s += min(5.0, 0.1 * timeout_s)
+        if not self._wait(f"{seq}/result", timeout_s):
+            missing = self._missing(seq)
+            who = f"rank(s) {missing} did not finish" if missing else "rank 0 did not publish it"
+            raise CheckpointTimeoutError(f"{what} not published within {timeout_s:g} s: {who}")
+        result = self.store.get(f"{seq}/result").decode()
+        if result != OK:
+            raise CheckpointError(result)
+
+    def done(self, seq: int) -> None:
+        """Every rank, after the verdict: the last one to get here removes the save's keys."""
+        if self.world_size > 1 and self.store.add(f"{seq}/ack", 1) == self.world_size:
+            for key in ("n", "all", "fail", "gate", "result", "ack"):
+                self.store.delete_key(f"{seq}/{key}")

@@ -48,6 +48,7 @@ class Coordinator:
             raise CheckpointError(f"world_size={world_size} needs a torch.distributed store to agree on saves: "
                                   f"initialise the default process group or pass CheckpointEngine(store=...)")
         self.rank, self.world_size = rank, world_size
+        self._local: dict[int, tuple[dict | None, str | None]] = {}
         self.store = store
         if store is not None:
             # every rank creates its engines in the same order, so the nth engine of each rank gets id n
@@ -58,7 +59,7 @@ class Coordinator:
         try:
             self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 0.001)))
             return True
-        except dist.DistStoreError:
+        except RuntimeError:  # DistStoreError from TCPStore, a plain RuntimeError("Wait timeout") from FileStore
             return False
 
     def _missing(self, seq: int) -> list[int]:
@@ -70,7 +71,7 @@ class Coordinator:
     def report(self, seq: int, manifest: dict | None, error: str | None) -> None:
         """Every rank: this rank's part of save `seq` is durable (manifest) or failed (error)."""
         if self.world_size == 1:
-            self._local = (manifest, error)
+            self._local[seq] = (manifest, error)  # the completer may report the next save before this is gathered
             return
         body = {"manifest": manifest} if error is None else {"error": error}
         self.store.set(f"{seq}/r/{self.rank}", json.dumps(body, separators=(",", ":")))
@@ -84,7 +85,7 @@ class Coordinator:
     def gather(self, seq: int, what: str, timeout_s: float) -> dict[int, dict]:
         """Rank 0: every rank's manifest of save `seq`; raises naming the ranks that failed or are missing."""
         if self.world_size == 1:
-            manifest, error = self._local
+            manifest, error = self._local.pop(seq)
             if error is not None:
                 raise CheckpointError(f"{what} not published: rank 0: {error}")
             return {0: manifest}

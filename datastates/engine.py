@@ -394,7 +394,10 @@ class CheckpointEngine:
             except BaseException as e:  # noqa: BLE001
                 job.fail(e)
                 if self.rank == 0:
-                    self._abandon(job, timed_out=isinstance(e, CheckpointTimeoutError))
+                    try:
+                        self._abandon(job, timed_out=isinstance(e, CheckpointTimeoutError))
+                    except BaseException as e2:  # noqa: BLE001 - e.g. the store is gone: ranks time out instead
+                        log.warning("rank 0: cannot tell the ranks that %s failed: %s", what, e2)
             try:
                 self.coordinator.done(job.seq)
             except BaseException as e:  # noqa: BLE001 - the verdict is in; cleaning the store is best effort

@@ -110,14 +110,15 @@ class CheckpointReader:
             if not 0 <= rank < self.world_size:
                 raise CheckpointError(f"checkpoint {self.path!r} was saved by {self.world_size} rank(s); "
                                       f"it has no rank {rank}")
-            if "ranks" in self.metadata:  # schema 2: the global index
-                where = f"{os.path.join(self.path, fmt.METADATA)!r} (rank {rank})"
-                doc = self.metadata["ranks"].get(str(rank)) if isinstance(self.metadata["ranks"], dict) else None
+            if self.metadata["schema_version"] >= 2:  # the global index
+                where = f"checkpoint index {os.path.join(self.path, fmt.METADATA)!r} (rank {rank})"
+                ranks = self.metadata.get("ranks")
+                doc = ranks.get(str(rank)) if isinstance(ranks, dict) else None
                 if not isinstance(doc, dict):
-                    raise CheckpointCorruptError(f"checkpoint index {where} is missing")
+                    raise CheckpointCorruptError(f"{where} is missing")
             else:
                 path = os.path.join(self.path, fmt.manifest_file(rank))
-                where = repr(path)
+                where = f"manifest {path!r}"
                 doc = fmt.read_manifest(path)
                 expected = self.metadata.get("manifests", {}).get(str(rank))
                 if expected is not None and expected != doc["manifest_crc32c"]:
@@ -140,7 +141,7 @@ class CheckpointReader:
                     raise ValueError(f"duplicate item id {it.id!r}")
                 items[it.id] = it
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
-            raise CheckpointCorruptError(f"manifest {where} is malformed: {type(e).__name__}: {e}") from None
+            raise CheckpointCorruptError(f"{where} is malformed: {type(e).__name__}: {e}") from None
         self._data_bytes[rank] = data_bytes
         return items
 

@@ -1,9 +1,10 @@
 """Bad input: damaged, edited, forged and foreign checkpoints are refused with a clear CheckpointError that names
 the file, never loaded as wrong data, never crash the process, never run code.
 
-Property-based (hypothesis) over manifest edits, random JSON and bytes, truncation offsets and bit-flip positions.
-Forged manifests (edited *and* re-signed with a valid checksum, i.e. a hostile file) run in a child process so
-that a memory-safety failure is reported as a failing test instead of killing the test session.
+Property-based (hypothesis) over edits of the checkpoint's index (metadata.json, the one file a load reads), random
+JSON and bytes, truncation offsets and bit-flip positions. Forged indexes (edited *and* re-signed with a valid
+checksum, i.e. a hostile file) run in a child process so that a memory-safety failure is reported as a failing
+test instead of killing the test session.
 """
 import copy
 import json
@@ -96,34 +97,46 @@ def _refused(engine, root, names, kind=CheckpointError):
     return info.value
 
 
-# ----- manifests -----
+# ----- the index -----
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) |
                     st.text(max_size=8), lambda kids: st.lists(kids, max_size=4) |
                     st.dictionaries(st.text(max_size=6), kids, max_size=4), max_leaves=12)
 ITEM_FIELDS = ["id", "kind", "scope", "name", "dtype", "shape", "global_shape", "global_offset", "write",
                "offset", "nbytes", "chunk_bytes", "crcs"]
-TOP_FIELDS = ["rank", "world_size", "data_file", "data_bytes", "direct_io", "items", "schema_version", "format"]
+FIELDS = {"top": ["world_size", "schema_version", "format", "iteration", "bytes", "manifests", "ranks"],
+          "rank": ["data_file", "data_bytes", "items"], "item": ITEM_FIELDS}
 
 
 @st.composite
-def manifest_edits(draw):
-    """A list of (target, field, action, value): field changes, deletions, type swaps, numeric nudges."""
+def index_edits(draw):
+    """A list of (target, index, field, action, value): field changes, deletions, type swaps, numeric nudges of
+    the metadata, of rank 0's entry in the index, or of one of its items."""
     edits = []
     for _ in range(draw(st.integers(1, 3))):
-        target = draw(st.sampled_from(["top", "item"]))
-        field = draw(st.sampled_from(TOP_FIELDS if target == "top" else ITEM_FIELDS))
+        target = draw(st.sampled_from(sorted(FIELDS)))
+        field = draw(st.sampled_from(FIELDS[target]))
         action = draw(st.sampled_from(["delete", "replace", "nudge", "swap_type"]))
         value = draw(JSON) if action == "replace" else draw(st.integers(-8192, 8192))
         edits.append((target, draw(st.integers(0, 10)), field, action, value))
     return edits
 
 
+def _target(doc, target, index):
+    """The dict an edit applies to, or the metadata itself once earlier edits broke the path to it."""
+    rank = doc.get("ranks", {}).get("0") if isinstance(doc.get("ranks"), dict) else None
+    if target == "top" or not isinstance(rank, dict):
+        return doc
+    items = rank.get("items")
+    if target == "rank" or not (isinstance(items, list) and items and isinstance(items[0], dict)):
+        return rank
+    return items[index % len(items)]
+
+
 def apply_edits(doc, edits):
     doc = copy.deepcopy(doc)
     for target, index, field, action, value in edits:
-        obj = doc if target == "top" else doc["items"][index % len(doc["items"])] if isinstance(
-            doc.get("items"), list) and doc["items"] and isinstance(doc["items"][0], dict) else doc
+        obj = _target(doc, target, index)
         if action == "delete":
             obj.pop(field, None)
         elif action == "replace":
@@ -140,75 +153,60 @@ def apply_edits(doc, edits):
     return doc
 
 
-def _resign(manifest_path, meta_path, doc):
-    """What a hostile tool would do: a valid checksum over the edited body, and metadata pointing at it."""
-    body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
-    doc = dict(doc, manifest_crc32c=fmt._body_crc(body))
-    manifest_path.write_text(json.dumps(doc))
-    meta = json.loads(meta_path.read_text())
-    meta["manifests"]["0"] = doc["manifest_crc32c"]
-    meta_path.write_text(json.dumps(meta))
+def _resign(meta_path, doc):
+    """What a hostile tool would do: a valid checksum over the edited index."""
+    body = {k: v for k, v in doc.items() if k != "metadata_crc32c"}
+    meta_path.write_text(json.dumps(dict(doc, metadata_crc32c=fmt._body_crc(body))))
 
 
 @FAST
-@given(edits=manifest_edits())
-def test_edited_manifest_is_refused(saved, engine, tmp_path_factory, edits):
+@given(edits=index_edits())
+def test_edited_index_is_refused(saved, engine, tmp_path_factory, edits):
     root = tmp_path_factory.mktemp("edit")
     shutil.copytree(saved, root, dirs_exist_ok=True)
-    _, manifest, _, _ = _paths(root)
-    doc = json.loads(manifest.read_text())
+    _, _, _, meta = _paths(root)
+    doc = json.loads(meta.read_text())
     edited = apply_edits(doc, edits)
-    _count("edited manifests (checksum kept)")
+    _count("edited indexes (checksum kept)")
     if edited == doc:
         assert all(same(x, make_state()) for x in _load_both(engine, root))
         return
-    manifest.write_text(json.dumps(edited))
-    _refused(engine, root, [manifest])
+    meta.write_text(json.dumps(edited))
+    _refused(engine, root, [meta])
     shutil.rmtree(root)
 
 
 @FAST
-@given(doc=JSON)
-def test_random_json_manifest_is_refused(saved, engine, tmp_path_factory, doc):
-    root = tmp_path_factory.mktemp("json")
-    shutil.copytree(saved, root, dirs_exist_ok=True)
-    _, manifest, _, _ = _paths(root)
-    manifest.write_text(json.dumps(doc))
-    _count("random JSON manifests")
-    _refused(engine, root, [manifest])
-    shutil.rmtree(root)
-
-
-@FAST
-@given(raw=st.binary(max_size=64), where=st.sampled_from(["manifest", "metadata"]))
-def test_random_bytes_as_manifest_or_metadata_are_refused(saved, engine, tmp_path_factory, raw, where):
+@given(raw=st.one_of(st.binary(max_size=64), JSON.map(lambda doc: json.dumps(doc).encode())))
+def test_random_bytes_or_json_as_index_are_refused(saved, engine, tmp_path_factory, raw):
     """Also bytes that are not UTF-8."""
     root = tmp_path_factory.mktemp("bytes")
     shutil.copytree(saved, root, dirs_exist_ok=True)
-    _, manifest, _, meta = _paths(root)
-    target = manifest if where == "manifest" else meta
-    target.write_bytes(raw)
-    _count("random bytes as manifest/metadata")
-    _refused(engine, root, [target, root])
+    _, _, _, meta = _paths(root)
+    meta.write_bytes(raw)
+    _count("random bytes or JSON as the index")
+    _refused(engine, root, [meta, root])
     shutil.rmtree(root)
 
 
-def test_non_utf8_manifest_is_a_checkpoint_error(work, engine):
-    _, manifest, _, _ = _paths(work)
+def test_damaged_manifest_does_not_matter_to_a_load(work, engine):
+    """A rank's manifest is its written proof, not something a load reads: the index alone is."""
+    _, manifest, _, meta = _paths(work)
     manifest.write_bytes(b"\xff\xfe{\"format\": 1}")
-    _refused(engine, work, [manifest], CheckpointCorruptError)
+    assert all(same(x, make_state()) for x in _load_both(engine, work))
+    meta.write_bytes(b"\xff\xfe{\"format\": 1}")
+    _refused(engine, work, [meta], CheckpointCorruptError)
 
 
 def test_newer_schema_and_foreign_format_are_refused(work, engine):
-    _, manifest, _, meta = _paths(work)
-    doc = json.loads(manifest.read_text())
-    _resign(manifest, meta, dict(doc, schema_version=fmt.SCHEMA_VERSION + 1))
-    err = _refused(engine, work, [manifest])
+    _, _, _, meta = _paths(work)
+    doc = json.loads(meta.read_text())
+    _resign(meta, dict(doc, schema_version=fmt.SCHEMA_VERSION + 1))
+    err = _refused(engine, work, [meta])
     assert "schema version" in str(err) and "upgrade" in str(err)
-    _resign(manifest, meta, dict(doc, format="torch_dist"))
-    assert "not a datastates checkpoint" in str(_refused(engine, work, [manifest]))
-    m = json.loads(meta.read_text())
-    meta.write_text(json.dumps(dict(m, schema_version=fmt.SCHEMA_VERSION + 7)))
+    _resign(meta, dict(doc, format="torch_dist"))
+    assert "not a datastates checkpoint" in str(_refused(engine, work, [meta]))
+    meta.write_text(json.dumps(dict(doc, schema_version=fmt.SCHEMA_VERSION + 7)))
     assert "schema version" in str(_refused(engine, work, [meta]))
     _count("newer schema / foreign format")
 
@@ -216,12 +214,12 @@ def test_newer_schema_and_foreign_format_are_refused(work, engine):
 FORGE_CHILD = os.environ.get("DS_FORGE_CHILD") == "1"
 
 
-def test_forged_manifests_never_crash_or_load_wrong_data(tmp_path):
-    """Edited AND re-signed manifests (hostile files): structural validation alone must hold. Runs the property
+def test_forged_indexes_never_crash_or_load_wrong_data(tmp_path):
+    """Edited AND re-signed indexes (hostile files): structural validation alone must hold. Runs the property
     in a child process: reading more bytes than a tensor holds would corrupt memory, not raise."""
     if not FORGE_CHILD:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            f"{os.path.abspath(__file__)}::test_forged_manifests_never_crash_or_load_wrong_data"],
+                            f"{os.path.abspath(__file__)}::test_forged_indexes_never_crash_or_load_wrong_data"],
                            env=dict(os.environ, DS_FORGE_CHILD="1"), capture_output=True, text=True, timeout=600,
                            cwd=os.path.dirname(HERE))
         assert r.returncode == 0, (f"child exit {r.returncode} (-11/139 = segfault)\n" + r.stdout[-6000:]
@@ -231,29 +229,28 @@ def test_forged_manifests_never_crash_or_load_wrong_data(tmp_path):
     with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2) as eng:
         eng.save(make_state(), str(base / "iter_0000001"))
         eng.wait()
-        doc0 = json.loads(_paths(base)[1].read_text())
+        doc0 = json.loads(_paths(base)[3].read_text())
 
         @FAST
-        @given(edits=manifest_edits())
+        @given(edits=index_edits())
         def prop(edits):
             root = tmp_path / "f"
             shutil.rmtree(root, ignore_errors=True)
             shutil.copytree(base, root)
-            _, manifest, _, meta = _paths(root)
-            _resign(manifest, meta, apply_edits(doc0, edits))
+            _resign(_paths(root)[3], apply_edits(doc0, edits))
             try:
                 template = make_state()
                 out = eng.load(str(root), template=template)
             except CheckpointError as e:
                 assert str(root) in str(e), f"message does not name the checkpoint: {e}"
                 return
-            assert same(out, make_state()), f"forged manifest {edits} loaded as different data"
+            assert same(out, make_state()), f"forged index {edits} loaded as different data"
         prop()
 
 
 def test_forged_item_larger_than_its_tensor_is_refused(tmp_path):
-    """A re-signed manifest whose small tensor item claims a big item's bytes must be refused before any read
-    (today the native pread writes past the end of the 40-byte tensor: heap overflow, SIGSEGV)."""
+    """A re-signed index whose small tensor item claims a big item's bytes must be refused before any read
+    (unchecked, the native pread would write past the end of the 40-byte tensor: heap overflow, SIGSEGV)."""
     script = f"""
 import json, os, torch
 from datastates import CheckpointEngine, CheckpointError, format as fmt
@@ -262,14 +259,10 @@ with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
     eng.save({{"a": torch.zeros(10), "big": torch.arange(200000, dtype=torch.float32)}}, root + "/iter_0000001")
     eng.wait()
     d = root + "/iter_0000001"
-    mp = os.path.join(d, fmt.manifest_file(0))
-    doc = json.load(open(mp))
-    a, b = (next(i for i in doc["items"] if i["id"] == k) for k in ("a", "big"))
-    a.update(offset=b["offset"], nbytes=b["nbytes"], chunk_bytes=b["chunk_bytes"], crcs=b["crcs"])
-    doc["manifest_crc32c"] = fmt._body_crc({{k: v for k, v in doc.items() if k != "manifest_crc32c"}})
-    json.dump(doc, open(mp, "w"))
     meta = json.load(open(d + "/metadata.json"))
-    meta["manifests"]["0"] = doc["manifest_crc32c"]
+    a, b = (next(i for i in meta["ranks"]["0"]["items"] if i["id"] == k) for k in ("a", "big"))
+    a.update(offset=b["offset"], nbytes=b["nbytes"], chunk_bytes=b["chunk_bytes"], crcs=b["crcs"])
+    meta["metadata_crc32c"] = fmt._body_crc({{k: v for k, v in meta.items() if k != "metadata_crc32c"}})
     json.dump(meta, open(d + "/metadata.json", "w"))
     for template in (None, {{"a": torch.zeros(10), "big": torch.zeros(200000)}}):
         try:
@@ -281,7 +274,7 @@ with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     _count("forged item extents")
     assert r.returncode == 0, f"exit {r.returncode} (-11 = SIGSEGV): {r.stderr[-2000:]}"
-    assert r.stdout.count("REFUSED") == 2 and "rank_00000" in r.stdout, r.stdout
+    assert r.stdout.count("REFUSED") == 2 and "rank 0" in r.stdout, r.stdout
 
 
 # ----- data files -----
@@ -299,10 +292,10 @@ def test_truncated_data_file_is_refused(saved, engine, tmp_path_factory, frac):
     shutil.rmtree(root)
 
 
-def _covered(manifest_path):
-    """Byte ranges of the data file that hold written item bytes (the rest is alignment padding)."""
-    doc = json.loads(manifest_path.read_text())
-    return [(it["offset"], it["offset"] + it["nbytes"], it["id"]) for it in doc["items"]
+def _covered(meta_path):
+    """Byte ranges of rank 0's data file that hold written item bytes (the rest is alignment padding)."""
+    items = json.loads(meta_path.read_text())["ranks"]["0"]["items"]
+    return [(it["offset"], it["offset"] + it["nbytes"], it["id"]) for it in items
             if it.get("write", True) and it["nbytes"]]
 
 
@@ -311,12 +304,12 @@ def _covered(manifest_path):
 def test_every_bit_flip_in_item_bytes_is_detected(saved, engine, tmp_path_factory, pos, bit):
     root = tmp_path_factory.mktemp("flip")
     shutil.copytree(saved, root, dirs_exist_ok=True)
-    _, manifest, data, _ = _paths(root)
+    _, _, data, meta = _paths(root)
     raw = bytearray(data.read_bytes())
     at = int(pos * len(raw))
     raw[at] ^= 1 << bit
     data.write_bytes(bytes(raw))
-    hit = [i for lo, hi, i in _covered(manifest) if lo <= at < hi]
+    hit = [i for lo, hi, i in _covered(meta) if lo <= at < hi]
     if hit:
         _count("bit flips in item bytes")
         err = _refused(engine, root, [data], CheckpointCorruptError)
@@ -329,11 +322,11 @@ def test_every_bit_flip_in_item_bytes_is_detected(saved, engine, tmp_path_factor
 
 def test_flip_in_every_item_and_padding_exhaustive_edges(work, engine):
     """The first and last byte of every item are covered; the byte right after an item (padding) is not read."""
-    _, manifest, data, _ = _paths(work)
+    _, _, data, meta = _paths(work)
     original = data.read_bytes()
-    for lo, hi, item_id in _covered(manifest):
+    for lo, hi, item_id in _covered(meta):
         for at, inside in ((lo, True), (hi - 1, True), (hi, False)):
-            if at >= len(original) or (not inside and any(a <= at < b for a, b, _ in _covered(manifest))):
+            if at >= len(original) or (not inside and any(a <= at < b for a, b, _ in _covered(meta))):
                 continue
             raw = bytearray(original)
             raw[at] ^= 0x80

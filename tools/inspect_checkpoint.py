@@ -38,7 +38,7 @@ from datastates import format as fmt  # noqa: E402
 from datastates.errors import CheckpointError  # noqa: E402
 from datastates.plan import ALIGN, Item  # noqa: E402
 
-RANK_FILE_RE = re.compile(r"^rank_(\d{5,})\.(data|manifest\.json|failed)$")
+RANK_FILE_RE = re.compile(r"^rank_(\d{5,})\.(data|manifest\.json)$")
 
 
 class UsageError(Exception):
@@ -114,11 +114,7 @@ class Scan:
         meta_path = os.path.join(path, fmt.METADATA)
         if fmt.METADATA in names:
             try:
-                doc = fmt.read_json(meta_path, "checkpoint metadata")
-                if not isinstance(doc, dict):
-                    raise CheckpointError(f"checkpoint metadata {meta_path!r} is not a JSON object")
-                fmt.check_schema(doc, meta_path)
-                self.metadata = doc
+                self.metadata = fmt.read_metadata(meta_path)
             except CheckpointError as e:
                 p.add(meta_path, str(e))
         elif not path.endswith(commit.PARTIAL):
@@ -153,14 +149,7 @@ class Scan:
                 p.add(meta_path, f"metadata lists manifests of rank(s) {extra} beyond world size {self.world_size}")
         for r in range(self.world_size):
             self._scan_rank(r, published)
-        for r, kinds in sorted(rank_files.items()):
-            if "failed" in kinds:
-                fpath = os.path.join(path, fmt.failed_file(r))
-                try:
-                    why = open(fpath).read().strip()
-                except OSError as e:
-                    why = f"(unreadable: {e.strerror})"
-                p.add(fpath, f"rank {r} reported a failed save: {why}")
+        for r in sorted(rank_files):
             if r >= self.world_size and self.world_size > 0:
                 p.warn(os.path.join(path, f"rank_{r:05d}.*"), f"files of rank {r}, beyond world size "
                                                              f"{self.world_size}: not part of this checkpoint")
@@ -184,6 +173,9 @@ class Scan:
         except CheckpointError as e:
             p.add(mpath, str(e))
             return
+        index = (self.metadata or {}).get("ranks", {}).get(str(r))
+        if index is not None and index != {k: doc.get(k) for k in ("data_file", "data_bytes", "items")}:
+            p.add(mpath, f"manifest of rank {r} differs from rank {r}'s entry in the index (metadata.json)")
         if str(r) in published and published[str(r)] != doc.get("manifest_crc32c"):
             p.add(mpath, f"manifest crc32c {doc.get('manifest_crc32c')} differs from the one metadata.json "
                          f"published for rank {r} ({published[str(r)]}): it is not the manifest of this checkpoint")
@@ -377,10 +369,8 @@ def scan_root(root: str, problems: Problems) -> dict:
         ranks = sorted({int(m.group(1)) for n in os.listdir(full) if (m := RANK_FILE_RE.match(n))})
         if name.endswith(commit.PARTIAL):
             done = sum(os.path.exists(os.path.join(full, fmt.manifest_file(r))) for r in ranks)
-            failed = [r for r in ranks if os.path.exists(os.path.join(full, fmt.failed_file(r)))]
             e["state"] = "UNPUBLISHED leftover (.partial)"
             e["ranks_done"] = done
-            e["ranks_failed"] = failed
         elif commit.is_published(full):
             try:
                 meta = fmt.read_json(os.path.join(full, fmt.METADATA), "metadata")
@@ -472,8 +462,7 @@ def print_root(rep: dict, out=None) -> None:
         if e.get("state") == "published":
             extra = f"  world size {e.get('world_size')}, {human(e.get('bytes') or 0)}"
         elif "ranks_done" in e:
-            extra = f"  ranks with a manifest: {e['ranks_done']}" + \
-                (f", failed: {e['ranks_failed']}" if e["ranks_failed"] else "")
+            extra = f"  ranks with a manifest: {e['ranks_done']}"
         w(f"  {e['name']:<28} {e['state']}{extra}{'  <- latest' if e.get('latest') else ''}\n")
 
 

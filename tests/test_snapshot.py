@@ -1,0 +1,212 @@
+"""The snapshot protocol (issue a copy, record its completion, wait on it before reading the slot) and what
+happens when a stage thread dies. A backend that completes copies late and out of order stands in for a GPU's
+side stream: if the writer read a slot early, or the fence opened early, the bytes on disk would show it."""
+import mmap
+import random
+import threading
+
+import pytest
+import torch
+
+from datastates import CheckpointEngine, CheckpointError
+from datastates.snapshot import CopyBackend, HostCopyBackend
+from datastates.staging import StagingPool
+
+POISON = 0xAB
+
+
+class LateCopyBackend(CopyBackend):
+    """Lands every copy late, in random order, on a thread of its own; poisons the slot bytes until then."""
+
+    def __init__(self, seed: int, max_delay_s: float = 0.003):
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.max_delay_s = max_delay_s
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, threading.Event]] = []
+        self.cv = threading.Condition()
+        self.landed = 0
+        self.closed = False
+        self.thread = threading.Thread(target=self._land, daemon=True)
+        self.thread.start()
+
+    def copy(self, dst, src, ordering):
+        dst.view(torch.uint8).fill_(POISON)  # what a writer reading too early would write
+        done = threading.Event()
+        with self.cv:
+            self.pending.append((dst, src, done))
+            self.cv.notify()
+        self._completes(done.wait)
+
+    def _land(self):
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.pending or self.closed)
+                if not self.pending:
+                    return
+            threading.Event().wait(self.rng.uniform(0, self.max_delay_s))
+            with self.cv:
+                dst, src, done = self.pending.pop(self.rng.randrange(len(self.pending)))
+            dst.copy_(src)  # reads the live state now, not at save(): only the fence keeps it unchanged
+            self.landed += 1
+            done.set()
+
+    def close(self):
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join()
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(300_000, generator=g)  # larger than a slot: chunked across slots
+    return {"big": big, "w": torch.randn(64, 48, generator=g),
+            "cols": torch.randn(48, 64, generator=g).t(),  # non-contiguous: copied view by view
+            "half": torch.randn(1000, generator=g).to(torch.bfloat16),
+            "many": [torch.randn(17 + i, generator=g) for i in range(40)], "step": seed}
+
+
+def _mutate(state: dict) -> None:
+    """What optimizer.step() does to the saved tensors, in place."""
+    for t in (state["big"], state["w"], state["cols"], state["half"], *state["many"]):
+        t.add_(1000)
+
+
+def _expected(state: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else [t.clone() for t in v] if isinstance(v, list) else v)
+            for k, v in state.items()}
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    for k, v in want.items():
+        if isinstance(v, list):
+            assert all(torch.equal(a, b) for a, b in zip(got[k], v)), k
+        elif isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_late_out_of_order_copies_never_read_early(tmp_path, seed):
+    """Every save: fence, then mutate in place at once. Disk must hold the state at save(), never the poison
+    of an unlanded copy, never the mutated values. A small budget makes slots cycle while copies are late."""
+    backend = LateCopyBackend(seed)
+    state = _state(seed)
+    wanted = []
+    with CheckpointEngine(host_buffer_bytes=512 << 10, writer_threads=2, copy_backend=backend) as eng:
+        for it in range(1, 5):
+            wanted.append(_expected(state))
+            eng.save(state, str(tmp_path / f"iter_{it:07d}"))
+            eng.wait_for_snapshot()
+            assert not backend.pending, "the fence opened before every copy landed"
+            _mutate(state)
+        eng.wait()
+        for it, want in enumerate(wanted, 1):
+            _assert_equal(eng.load(str(tmp_path / f"iter_{it:07d}")), want)
+    assert backend.landed > 4 * 40
+
+
+def test_native_host_copies_hold_the_state_at_save(tmp_path):
+    """The default CPU backend (native copy threads, no GIL) under the same fence-then-mutate discipline."""
+    state = _state(7)
+    wanted = []
+    with CheckpointEngine(host_buffer_bytes=512 << 10, writer_threads=2, copy_threads=2) as eng:
+        assert isinstance(eng.backend, HostCopyBackend)
+        for it in range(1, 4):
+            wanted.append(_expected(state))
+            eng.save(state, str(tmp_path / f"iter_{it:07d}"))
+            eng.wait_for_snapshot()
+            _mutate(state)
+        eng.wait()
+        for it, want in enumerate(wanted, 1):
+            _assert_equal(eng.load(str(tmp_path / f"iter_{it:07d}")), want)
+
+
+def test_staging_costs_exactly_its_slots():
+    """Slots are page-aligned mappings of exactly slot_bytes: the pool holds what it says, within budget."""
+    pool = StagingPool(10 << 20, writer_threads=2)
+    slots = [pool.acquire() for _ in range(pool.max_slots)]
+    assert all(s.buffer.data_ptr() % mmap.PAGESIZE == 0 and s.buffer.numel() == pool.slot_bytes for s in slots)
+    assert pool.allocated_bytes == len(slots) * pool.slot_bytes <= pool.budget_bytes
+    assert pool.pinned_bytes == 0
+    for s in slots:
+        pool.release(s)
+    pool.close()
+
+
+class _CopyError(HostCopyBackend):
+    """A copy backend that fails the way a CUDA error does: on every call, also inside the error handling."""
+
+    def finish(self):
+        super().finish()
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class _LosingIO:
+    """Delegates to the real writer pool but forgets tickets, as a bug in the completer's bookkeeping would."""
+
+    def __init__(self, io):
+        self.io = io
+
+    def __getattr__(self, name):
+        return getattr(self.io, name)
+
+    def wait(self, ticket):
+        self.io.wait(ticket)
+        raise ValueError(f"unknown ticket {ticket} (never submitted, or already waited)")
+
+
+def _dies_cleanly(eng, tmp_path, thread_name, first_error):
+    state = {"w": torch.randn(10_000)}
+    handle = eng.save(state, str(tmp_path / "iter_0000001"))
+    fence = threading.Thread(target=eng.wait_for_snapshot)
+    fence.start()
+    fence.join(30)
+    assert not fence.is_alive(), "the fence hangs after a stage thread died"
+    assert handle.join(30), "the save never finished after a stage thread died"
+    with pytest.raises(CheckpointError, match=first_error):
+        handle.wait()
+    with pytest.raises(CheckpointError, match=f"iter_0000002.*{thread_name} thread died"):
+        eng.save(state, str(tmp_path / "iter_0000002"))  # fails fast instead of queueing forever
+    raised = []
+
+    def close():
+        try:
+            eng.close()
+        except CheckpointError as e:
+            raised.append(e)
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "close() hangs after a stage thread died"
+    assert raised and raised[0] is handle.error
+    assert not (tmp_path / "iter_0000001").exists()
+
+
+def test_copier_death_fails_pending_saves(tmp_path):
+    _dies_cleanly(CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, copy_backend=_CopyError(1)),
+                  tmp_path, "copy", "CUDA error")
+
+
+def test_completer_death_fails_pending_saves(tmp_path):
+    eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1)
+    eng.io = _LosingIO(eng.io)
+    _dies_cleanly(eng, tmp_path, "complete", "complete thread died.*unknown ticket")
+
+
+def test_dead_rank_stage_fails_the_other_rank_at_once(tmp_path):
+    """Rank 1's completer dies: rank 0 hears it through the store at once, not at its publish timeout."""
+    store = torch.distributed.HashStore()
+    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=2, store=store,
+                                publish_timeout_s=300) for r in range(2)]
+    engines[1].io = _LosingIO(engines[1].io)
+    path = str(tmp_path / "iter_0000001")
+    handles = [eng.save({"w": torch.full((1000,), float(r))}, path) for r, eng in enumerate(engines)]
+    assert handles[0].join(30), "rank 0 waited for the dead rank's timeout"
+    with pytest.raises(CheckpointError, match="rank 1.*complete thread died"):
+        handles[0].wait()
+    for eng in engines:
+        with pytest.raises(CheckpointError):
+            eng.close()
+    assert not (tmp_path / "iter_0000001").exists() and not (tmp_path / "iter_0000001.partial").exists()

@@ -82,19 +82,25 @@ class Coordinator:
             self.store.set(f"{seq}/all", "1")
             self.store.set(f"{seq}/gate", "all")
 
-    def gather(self, seq: int, what: str, timeout_s: float) -> dict[int, dict]:
-        """Rank 0: every rank's manifest of save `seq`; raises naming the ranks that failed or are missing."""
+    def await_reports(self, seq: int, what: str, timeout_s: float) -> None:
+        """Rank 0: wait until every rank reported save `seq`; raise naming the ranks that failed or are missing."""
         if self.world_size == 1:
-            manifest, error = self._local.pop(seq)
+            error = self._local[seq][1]
             if error is not None:
+                del self._local[seq]
                 raise CheckpointError(f"{what} not published: rank 0: {error}")
-            return {0: manifest}
+            return
         if not self._wait(f"{seq}/gate", timeout_s):
             raise CheckpointTimeoutError(f"{what} not published: rank(s) {self._missing(seq)} did not finish "
                                          f"within {timeout_s:g} s")
         if self.store.check([f"{seq}/fail"]):  # the gate's value may be the last report's, set after a failure
             causes = self.store.get(f"{seq}/fail").decode().strip().replace("\n", "; ")
             raise CheckpointError(f"{what} not published: {causes}")
+
+    def manifests(self, seq: int) -> dict[int, dict]:
+        """Rank 0, after `await_reports`: every rank's manifest of save `seq` (one round trip, O(W) bytes)."""
+        if self.world_size == 1:
+            return {0: self._local.pop(seq)[0]}
         keys = [f"{seq}/r/{r}" for r in range(self.world_size)]
         reports = [json.loads(v) for v in self.store.multi_get(keys)]
         for key in keys:

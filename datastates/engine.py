@@ -387,8 +387,12 @@ class CheckpointEngine:
             what = f"checkpoint {job.final!r}"
             try:
                 if self.rank == 0:
-                    self._publish(job, self.coordinator.gather(job.seq, what, self.publish_timeout_s))
+                    t0 = time.perf_counter()
+                    self.coordinator.await_reports(job.seq, what, self.publish_timeout_s)
+                    t1 = time.perf_counter()
+                    self._publish(job, self.coordinator.manifests(job.seq))
                     self.coordinator.announce(job.seq, None)
+                    job.handle.stats.update(wait_ranks_s=t1 - t0, publish_s=time.perf_counter() - t1)
                 else:
                     self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
             except BaseException as e:  # noqa: BLE001

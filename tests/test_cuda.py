@@ -27,3 +27,29 @@ def test_device_state_snapshot_is_lazy_pinned_and_fenced(tmp_path):
     for k, v in expected.items():
         assert out[k] is template[k] and out[k].is_cuda
         assert torch.equal(out[k].cpu(), v), k
+
+
+def test_pinned_staging_is_exactly_the_budget_and_copies_overlap(tmp_path):
+    """Slots are pinned in place (cudaHostRegister), not through the power-of-two caching host allocator, and
+    save() returns while the side-stream copies are still running."""
+    state = {f"p{i}": torch.randn(16 << 20, device="cuda") for i in range(8)}  # 512 MiB on the device
+    budget = 96 << 20
+    with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2) as eng:
+        handle = eng.save(state, str(tmp_path / "iter_0000001"))
+        assert not handle.snapshot_done, "save() waited for the device->host copies"
+        eng.wait_for_snapshot()
+        assert handle.snapshot_done
+        eng.wait()
+        slots = eng.pool._slots
+        assert slots and all(s.buffer.is_pinned() for s in slots)
+        assert eng.pool.pinned_bytes == eng.pool.allocated_bytes == len(slots) * eng.pool.slot_bytes <= budget
+        assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == 0
+
+
+def test_tensor_on_another_device_is_refused(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from datastates import CheckpointError
+    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=1) as eng:
+        with pytest.raises(CheckpointError, match=r"'w'.*cuda:1.*one engine per device"):
+            eng.save({"w": torch.ones(4, device="cuda:1")}, str(tmp_path / "iter_0000001"))

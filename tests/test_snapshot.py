@@ -210,3 +210,10 @@ def test_dead_rank_stage_fails_the_other_rank_at_once(tmp_path):
         with pytest.raises(CheckpointError):
             eng.close()
     assert not (tmp_path / "iter_0000001").exists() and not (tmp_path / "iter_0000001.partial").exists()
+
+
+def test_tensor_the_backend_cannot_copy_is_refused_at_save(tmp_path):
+    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1) as eng:
+        with pytest.raises(CheckpointError, match=r"iter_0000001.*'w'.*meta"):
+            eng.save({"w": torch.empty(4, device="meta")}, str(tmp_path / "iter_0000001"))
+    assert not (tmp_path / "iter_0000001").exists()

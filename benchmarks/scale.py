@@ -1,0 +1,259 @@
+"""Publication and load at scale: simulated worlds of 16 to 4,096 ranks on one machine.
+
+Every rank is a real client of one TCPStore and writes the real file layout. Two ranks are real engines in
+processes of their own, watched with strace: rank 0 (which gathers the reports, writes the global index and
+publishes) and rank 1 (an ordinary rank). The other W-2 ranks are lightweight: each writes a tiny row shard and
+its manifest with the engine's own format code and reports through the engine's own `Coordinator`, as a real
+rank does once its data is durable. For each W this reports:
+
+    publish_s        rank 0, from the last report to `latest` naming the checkpoint (stats["publish_s"])
+    load_s           rank 1 loading its shard of the W-rank checkpoint (reads the index, then one data file)
+    report_s         a lightweight rank's report, mean (O(1) store messages)
+    syscalls_save    file-metadata syscalls (path-taking calls, fsync, getdents) of rank 1 for one checkpoint
+    syscalls_save_r0 the same for rank 0
+    json_opened_load JSON files rank 1 opens to load
+    index_bytes      size of metadata.json
+
+    python benchmarks/scale.py [--worlds 16 64 256 1024 4096] [--out benchmarks/results]
+
+Targets (docs/benchmarking.md): per-rank costs flat in W; rank-0 publication linear in W and under 1 s at
+4,096 ranks; loading at 4,096 ranks under 1 s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+ROW = 256  # floats per rank: the global tensor "w" is (W, ROW), rank r holds row r
+MARK = "/nonexistent/datastates-scale-mark-"  # an os.stat of this path delimits phases in the strace log
+
+
+def _store(port: int, master: bool = False):
+    import datetime
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", port, is_master=master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=600))
+
+
+WORLD = [0]  # the simulated world size, for the provider below
+
+
+def _registry():
+    """A rank's row ("row", rank, tensor) is a global item, as a megatron ShardedTensor would be."""
+    from datastates.providers import ProviderRegistry, StateProvider, default_registry
+
+    class RowProvider(StateProvider):
+        def accepts(self, value):
+            return isinstance(value, tuple) and len(value) == 3 and value[0] == "row"
+
+        def flatten(self, value, path, ctx):
+            _, rank, t = value
+            return ctx.add_tensor(f"w@{rank}", t, scope="global", name="w", global_shape=(WORLD[0], ROW),
+                                  global_offset=(rank, 0))
+    registry = ProviderRegistry(default_registry.providers)
+    registry.register(RowProvider())
+    return registry
+
+
+def _row(rank: int):
+    import torch
+    return torch.full((1, ROW), float(rank))
+
+
+def _mark(label: str) -> None:
+    try:
+        os.stat(MARK + label)
+    except FileNotFoundError:
+        pass
+
+
+def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
+    """A real engine as rank 0 or 1: save `iters` checkpoints, then (rank 1) load its row back."""
+    import torch
+    from datastates import CheckpointEngine, commit
+    WORLD[0] = world
+    store = _store(port)
+    out = {}
+    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, copy_threads=1, rank=rank, world_size=world,
+                          store=store, registry=_registry(), publish_timeout_s=600) as eng:
+        for it in range(1, iters + 1):
+            store.wait([f"go/{it}"])
+            _mark(f"save{it}-begin")
+            eng.save({"w": ("row", rank, _row(rank))}, commit.checkpoint_dir(root, it))
+            stats = eng.wait()[0]
+            _mark(f"save{it}-end")
+        out.update(publish_s=stats.get("publish_s"), durable_s=stats["durable_s"])
+        if rank == 1:
+            template = torch.zeros(1, ROW)
+            _mark("load-begin")
+            t0 = time.perf_counter()
+            eng.load(root, template={"w": ("row", rank, template)})
+            out["load_s"] = time.perf_counter() - t0
+            _mark("load-end")
+            assert torch.equal(template, _row(rank)), "rank 1 loaded wrong bytes"
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, queue) -> None:
+    """Lightweight ranks: the real file layout and the real Coordinator, without an engine's threads."""
+    from datastates import _native, commit, format as fmt
+    from datastates.coordination import Coordinator
+    store = _store(port)
+    coords = {r: Coordinator(store, r, world) for r in ranks}
+    times = []
+    for it in range(1, iters + 1):
+        store.wait([f"go/{it}"])
+        partial = commit.partial_dir(commit.checkpoint_dir(root, it))
+        for r in ranks:
+            t0 = time.perf_counter()
+            os.makedirs(partial, exist_ok=True)
+            data = _row(r).numpy().tobytes()
+            with open(os.path.join(partial, fmt.data_file(r)), "wb") as f:
+                f.write(data)
+                os.fsync(f.fileno())
+            item = {"id": f"w@{r}", "kind": "tensor", "scope": "global", "name": "w", "dtype": "float32",
+                    "shape": [1, ROW], "global_shape": [world, ROW], "global_offset": [r, 0], "write": True,
+                    "offset": 0, "nbytes": len(data), "chunk_bytes": len(data), "crcs": [_native.crc32c(data)]}
+            body = {"rank": r, "world_size": world, "data_file": fmt.data_file(r), "data_bytes": len(data),
+                    "direct_io": False, "items": [item]}
+            coords[r].report(it, fmt.write_manifest(os.path.join(partial, fmt.manifest_file(r)), body), None)
+            times.append(time.perf_counter() - t0)
+        for r in ranks:
+            coords[r].verdict(it, f"checkpoint {it}", 600)
+            coords[r].done(it)
+    queue.put(times)
+
+
+_FILE_CALL = re.compile(r"^\d+\s+(\w+)\(")
+FILE_CALLS = {"open", "openat", "openat2", "creat", "stat", "lstat", "fstat", "newfstatat", "statx", "access",
+              "faccessat", "faccessat2", "rename", "renameat", "renameat2", "unlink", "unlinkat", "mkdir", "mkdirat",
+              "rmdir", "getdents64", "fsync", "fdatasync", "readlink", "readlinkat", "chdir", "truncate",
+              "ftruncate", "fallocate"}
+
+
+def _phase(trace: str, label: str) -> tuple[int, int]:
+    """(file-metadata syscalls, JSON files opened) between the begin and end marks of a phase."""
+    inside, calls, json_opened = False, 0, 0
+    with open(trace) as f:
+        for line in f:
+            if MARK + label + "-begin" in line:
+                inside = True
+                continue
+            if MARK + label + "-end" in line:
+                break
+            m = _FILE_CALL.match(line)
+            if inside and m and m.group(1) in FILE_CALLS:
+                calls += 1
+                json_opened += m.group(1).startswith("open") and ".json\"" in line and "O_RDONLY" in line
+    return calls, json_opened
+
+
+def run_world(world: int, iters: int = 2, workers: int = 2) -> dict:
+    root = tempfile.mkdtemp(prefix=f"ds-scale-{world}-", dir=os.environ.get("DS_SCALE_DIR"))
+    store = _store(0, master=True)
+    port = store.port
+    strace = shutil.which("strace")
+    procs, traces = {}, {}
+    for rank in (0, 1):
+        cmd = [sys.executable, os.path.abspath(__file__), "--observer", str(rank), "--world", str(world),
+               "--port", str(port), "--root", root, "--iters", str(iters)]
+        if strace:
+            traces[rank] = os.path.join(root, f"strace{rank}.txt")
+            cmd = [strace, "-f", "-qq", "-e", "trace=%file,%desc", "-o", traces[rank]] + cmd
+        procs[rank] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    rest = list(range(2, world))
+    light = [ctx.Process(target=light_ranks, args=(rest[i::workers], world, port, root, iters, queue))
+             for i in range(workers) if rest[i::workers]]
+    for p in light:
+        p.start()
+    for it in range(1, iters + 1):
+        store.set(f"go/{it}", "1")
+        while not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt")) or \
+                open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip() != str(it):
+            time.sleep(0.01)
+    report_times = [t for _ in light for t in queue.get()]
+    for p in light:
+        p.join()
+    results = {}
+    for rank, p in procs.items():
+        out, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise SystemExit(f"observer rank {rank} failed (exit {p.returncode}):\n{out[-3000:]}")
+        results[rank] = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    row = {"world": world, "publish_s": results[0]["publish_s"], "load_s": results[1]["load_s"],
+           "report_s": sum(report_times) / max(1, len(report_times)),
+           "index_bytes": os.path.getsize(os.path.join(root, f"iter_{iters:07d}", "metadata.json"))}
+    if strace:
+        row["syscalls_save"] = _phase(traces[1], f"save{iters}")[0]
+        row["syscalls_save_r0"] = _phase(traces[0], f"save{iters}")[0]
+        row["json_opened_load"] = _phase(traces[1], "load")[1]
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def plot(rows: list[dict], out: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no plot (pip install -e '.[bench]')")
+        return
+    metrics = [k for k in ("publish_s", "load_s", "report_s", "syscalls_save", "syscalls_save_r0", "index_bytes")
+               if k in rows[0]]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3))
+    worlds = [r["world"] for r in rows]
+    for ax, k in zip(axes, metrics):
+        ax.plot(worlds, [r[k] for r in rows], "o-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks (W)")
+        ax.set_title(k, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "scale.png"), dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--observer", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--iters", type=int, default=2, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.observer is not None:
+        observer(a.observer, a.world, a.port, a.root, a.iters)
+        return
+    rows = []
+    header = f"{'W':>6} {'publish s':>10} {'load s':>8} {'report ms':>10} {'syscalls/ckpt r1':>17} " \
+             f"{'r0':>6} {'json at load':>13} {'index KB':>9}"
+    print(header)
+    for w in a.worlds:
+        r = run_world(w)
+        rows.append(r)
+        print(f"{w:>6} {r['publish_s']:>10.3f} {r['load_s']:>8.3f} {r['report_s'] * 1e3:>10.2f} "
+              f"{r.get('syscalls_save', '-'):>17} {r.get('syscalls_save_r0', '-'):>6} "
+              f"{r.get('json_opened_load', '-'):>13} {r['index_bytes'] / 1024:>9.1f}", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "scale.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    plot(rows, a.out)
+    print(f"wrote {a.out}/scale.json, scale.png")
+
+
+if __name__ == "__main__":
+    main()

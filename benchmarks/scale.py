@@ -160,10 +160,19 @@ def _phase(trace: str, label: str) -> tuple[int, int]:
 
 
 def run_world(world: int, iters: int = 2, workers: int = 2) -> dict:
+    """Timings from a plain run, syscall counts from a second run under strace (which slows every call)."""
+    row = _run_world(world, iters, workers, strace=None)
+    strace = shutil.which("strace")
+    if strace:
+        traced = _run_world(world, iters, workers, strace)
+        row.update({k: traced[k] for k in ("syscalls_save", "syscalls_save_r0", "json_opened_load")})
+    return row
+
+
+def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict:
     root = tempfile.mkdtemp(prefix=f"ds-scale-{world}-", dir=os.environ.get("DS_SCALE_DIR"))
     store = _store(0, master=True)
     port = store.port
-    strace = shutil.which("strace")
     procs, traces = {}, {}
     for rank in (0, 1):
         cmd = [sys.executable, os.path.abspath(__file__), "--observer", str(rank), "--world", str(world),

@@ -9,7 +9,7 @@ dead. Keys of save `seq` (under a prefix unique to this engine):
     {seq}/fail       failure log (store.append); a failing rank also sets {seq}/gate at once
     {seq}/gate       rank 0 wakes on it: set by the last report, or by the first failure
     {seq}/result     rank 0's verdict, set after `latest` names the checkpoint (or on failure)
-    {seq}/ack        ranks that read the verdict; the last one deletes the save's keys
+    {seq}/ack        ranks that read the verdict (each deletes its report); the last one deletes the rest
 
 A dead or stuck rank shows as a timeout on rank 0, which names the ranks that did not report; a dead rank 0
 shows as a timeout on the others. The store is the launcher's (torchrun's TCPStore through the default
@@ -103,8 +103,6 @@ class Coordinator:
             return {0: self._local.pop(seq)[0]}
         keys = [f"{seq}/r/{r}" for r in range(self.world_size)]
         reports = [json.loads(v) for v in self.store.multi_get(keys)]
-        for key in keys:
-            self.store.delete_key(key)
         return {r: rep["manifest"] for r, rep in enumerate(reports)}
 
     def await_all_reports(self, seq: int, timeout_s: float) -> bool:
@@ -132,7 +130,10 @@ class Coordinator:
             raise CheckpointError(result)
 
     def done(self, seq: int) -> None:
-        """Every rank, after the verdict: the last one to get here removes the save's keys."""
-        if self.world_size > 1 and self.store.add(f"{seq}/ack", 1) == self.world_size:
+        """Every rank, after the verdict: removes its report; the last one to get here removes the rest."""
+        if self.world_size == 1:
+            return
+        self.store.delete_key(f"{seq}/r/{self.rank}")
+        if self.store.add(f"{seq}/ack", 1) == self.world_size:
             for key in ("n", "all", "fail", "gate", "result", "ack"):
                 self.store.delete_key(f"{seq}/{key}")

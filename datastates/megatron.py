@@ -317,7 +317,7 @@ def _saved_global_shapes(engine, path: str):
 
     def shape_of(key):
         shards = index.get(key)
-        return None if not shards or shards[0][1].kind != "tensor" else tuple(shards[0][1].global_shape)
+        return None if not shards or shards[0].kind != "tensor" else shards[0].global_shape
     return shape_of
 
 

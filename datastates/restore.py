@@ -10,7 +10,7 @@ parallel, straight into the target tensor when its layout allows.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -101,29 +101,37 @@ class CheckpointReader:
         self._manifests: dict[int, dict[str, Item]] = {}
         self._data_bytes: dict[int, int] = {}
         self._files: dict[int, _native.File] = {}
-        self._global: dict[str, list[tuple[int, Item]]] | None = None
+        self._v1_manifests: dict[int, dict] = {}
+        self._global: dict[str, list[Shard]] | None = None
 
     # ----- manifests and files -----
 
+    def _rank_doc(self, rank: int) -> tuple[str, dict]:
+        """Where a rank's items are described (for messages), and the description: its entry in the index
+        (schema 2), or its manifest (schema 1)."""
+        if not 0 <= rank < self.world_size:
+            raise CheckpointError(f"checkpoint {self.path!r} was saved by {self.world_size} rank(s); "
+                                  f"it has no rank {rank}")
+        if self.metadata["schema_version"] >= 2:
+            where = f"checkpoint index {os.path.join(self.path, fmt.METADATA)!r} (rank {rank})"
+            ranks = self.metadata.get("ranks")
+            doc = ranks.get(str(rank)) if isinstance(ranks, dict) else None
+            if not isinstance(doc, dict):
+                raise CheckpointCorruptError(f"{where} is missing")
+            return where, doc
+        path = os.path.join(self.path, fmt.manifest_file(rank))
+        if rank not in self._v1_manifests:
+            doc = fmt.read_manifest(path)
+            expected = self.metadata.get("manifests", {}).get(str(rank))
+            if expected is not None and expected != doc["manifest_crc32c"]:
+                raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
+            self._v1_manifests[rank] = doc
+        return f"manifest {path!r}", self._v1_manifests[rank]
+
     def items(self, rank: int) -> dict[str, Item]:
+        """A rank's items, parsed and validated (only for the ranks a load actually reads from)."""
         if rank not in self._manifests:
-            if not 0 <= rank < self.world_size:
-                raise CheckpointError(f"checkpoint {self.path!r} was saved by {self.world_size} rank(s); "
-                                      f"it has no rank {rank}")
-            if self.metadata["schema_version"] >= 2:  # the global index
-                where = f"checkpoint index {os.path.join(self.path, fmt.METADATA)!r} (rank {rank})"
-                ranks = self.metadata.get("ranks")
-                doc = ranks.get(str(rank)) if isinstance(ranks, dict) else None
-                if not isinstance(doc, dict):
-                    raise CheckpointCorruptError(f"{where} is missing")
-            else:
-                path = os.path.join(self.path, fmt.manifest_file(rank))
-                where = f"manifest {path!r}"
-                doc = fmt.read_manifest(path)
-                expected = self.metadata.get("manifests", {}).get(str(rank))
-                if expected is not None and expected != doc["manifest_crc32c"]:
-                    raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
-            self._manifests[rank] = self._parse_items(rank, where, doc)
+            self._manifests[rank] = self._parse_items(rank, *self._rank_doc(rank))
         return self._manifests[rank]
 
     def _parse_items(self, rank: int, where: str, doc: dict) -> dict[str, Item]:
@@ -165,14 +173,27 @@ class CheckpointReader:
             self._files[rank] = f
         return self._files[rank]
 
-    def global_index(self) -> dict[str, list[tuple[int, Item]]]:
+    def global_index(self) -> dict[str, list[Shard]]:
+        """Every written global item by name, from the raw index: O(items) lookups, no parsing; the shards a
+        load reads are parsed and validated with their rank's items (`shard_item`)."""
         if self._global is None:
-            self._global = {}
+            index: dict[str, list[Shard]] = {}
             for r in range(self.world_size):
-                for it in self.items(r).values():
-                    if it.scope == "global" and it.write:
-                        self._global.setdefault(it.name, []).append((r, it))
+                where, doc = self._rank_doc(r)
+                try:
+                    for d in doc["items"]:
+                        if d.get("scope") == "global" and d.get("write", True):
+                            index.setdefault(d["name"], []).append(Shard(
+                                r, d["id"], d["kind"], d.get("dtype"), tuple(d.get("shape") or ()),
+                                tuple(d.get("global_shape") or ()), tuple(d.get("global_offset") or ())))
+                except (KeyError, TypeError, AttributeError) as e:
+                    raise CheckpointCorruptError(f"{where} is malformed: {type(e).__name__}: {e}") from None
+            self._global = index
         return self._global
+
+    def shard_item(self, shard: "Shard") -> Item:
+        """The validated item behind a shard of the global index."""
+        return self.items(shard.rank)[shard.id]
 
     # ----- load -----
 
@@ -219,10 +240,11 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path!r} item {target.id!r} is a {saved.kind}, "
                                       f"the target wants an object")
             return rank, saved
-        holders = [(r, it) for r, it in self.global_index().get(target.name, []) if it.kind == "object"]
+        holders = [sh for sh in self.global_index().get(target.name, []) if sh.kind == "object"]
         if not holders:
             raise CheckpointError(f"checkpoint {self.path!r} has no object named {target.name!r}")
-        return min(holders, key=lambda h: h[0] != rank)  # this rank's own copy when it wrote one
+        shard = min(holders, key=lambda sh: sh.rank != rank)  # this rank's own copy when it wrote one
+        return shard.rank, self.shard_item(shard)
 
     def _saved_tensor(self, target: Item, own: dict[str, Item], rank: int) -> Item:
         saved = self._item(own, target.id, rank)
@@ -271,15 +293,19 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.path!r} has no tensor named {target.name!r}")
         t_off, t_shape = tuple(target.global_offset), tuple(dst.shape)
         covered, staged = 0, 0
-        for rank, saved in shards:
-            if tuple(saved.global_shape) != tuple(target.global_shape) or saved.dtype != dtype_name(dst.dtype):
+        for shard in shards:
+            if shard.global_shape != tuple(target.global_shape) or shard.dtype != dtype_name(dst.dtype):
                 raise CheckpointError(
-                    f"checkpoint {self.path!r}: {target.name!r} is {saved.dtype} with global shape "
-                    f"{tuple(saved.global_shape)}, the target wants {dtype_name(dst.dtype)} "
-                    f"{tuple(target.global_shape)}")
-            box = _overlap(t_off, t_shape, tuple(saved.global_offset), tuple(saved.shape))
+                    f"checkpoint {self.path!r}: {target.name!r} is {shard.dtype} with global shape "
+                    f"{shard.global_shape}, the target wants {dtype_name(dst.dtype)} {tuple(target.global_shape)}")
+            try:
+                box = _overlap(t_off, t_shape, shard.global_offset, shard.shape)
+            except TypeError as e:  # a forged index; the item itself is validated below only if it overlaps
+                raise CheckpointCorruptError(f"checkpoint {self.path!r}: shard {shard.id!r} of rank {shard.rank} "
+                                             f"has a malformed box: {e}") from None
             if box is None:
                 continue
+            rank, saved = shard.rank, self.shard_item(shard)
             covered += _volume(box[1])
             if tuple(saved.global_offset) == t_off and tuple(saved.shape) == t_shape:
                 staged += self._read_whole(rank, saved, dst, reads)
@@ -311,6 +337,18 @@ class CheckpointReader:
             dst[tuple(slice(o - to, o - to + n) for o, to, n in zip(b_off, t_off, b_shape))].copy_(src)
         reads.read_chunks(rank, saved, first, last, buf, then=place)
         return end - base
+
+
+class Shard(NamedTuple):
+    """One written global item as the index lists it, before validation."""
+
+    rank: int
+    id: str
+    kind: str
+    dtype: str | None
+    shape: tuple
+    global_shape: tuple
+    global_offset: tuple
 
 
 def _writable(t: torch.Tensor) -> torch.Tensor:

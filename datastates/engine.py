@@ -126,6 +126,8 @@ class CheckpointEngine:
         self.backend = copy_backend or make_backend(copy_threads)
         self.pool = StagingPool(host_buffer_bytes, writer_threads, pinned=torch.cuda.is_available())
         self.io = _native.IOPool(writer_threads, WRITER_NICE)
+        self._writer_threads = writer_threads
+        self._read_io: _native.IOPool | None = None  # loads run at normal priority: a restart waits on them
         self._plans: dict[tuple, Plan] = {}
         self._seq = 0
         self._jobs: dict[SaveHandle, _Job] = {}  # saves not finished yet, for failing them if a stage dies
@@ -208,8 +210,13 @@ class CheckpointEngine:
 
         Without a template the state saved by `rank` is rebuilt. With one, its tensors are filled in place
         (resharded from whatever layout was saved) and the rebuilt template is returned."""
-        reader = CheckpointReader(path, self.io, self.pool.budget_bytes, self.registry)
-        return reader.load(self.rank if rank is None else rank, template)
+        return self.reader(path).load(self.rank if rank is None else rank, template)
+
+    def reader(self, path: str) -> CheckpointReader:
+        """A reader of the published checkpoint at `path` (its index, verified reads), on the engine's read pool."""
+        if self._read_io is None:
+            self._read_io = _native.IOPool(self._writer_threads)
+        return CheckpointReader(path, self._read_io, self.pool.budget_bytes, self.registry)
 
     def close(self) -> None:
         if self._closed:
@@ -226,6 +233,8 @@ class CheckpointEngine:
             self._deleter.shutdown()
             self.backend.close()
             self.io.close()
+            if self._read_io is not None:
+                self._read_io.close()
             self.pool.close()
 
     def __enter__(self):

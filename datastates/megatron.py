@@ -312,8 +312,7 @@ def _fit_saved_shapes(sharded_state_dict: dict, saved_shapes) -> dict:
 
 
 def _saved_global_shapes(engine, path: str):
-    from .restore import CheckpointReader
-    index = CheckpointReader(path, engine.io, engine.pool.budget_bytes, engine.registry).global_index()
+    index = engine.reader(path).global_index()
 
     def shape_of(key):
         shards = index.get(key)

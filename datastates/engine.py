@@ -171,7 +171,9 @@ class CheckpointEngine:
             raise CheckpointError(f"cannot create checkpoint directory {job.partial!r}: {e.strerror}") from e
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == "object" and e.item.write]
-        with self._jobs_lock:
+        with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
+            if self._broken is not None:
+                raise CheckpointError(f"cannot save {path!r}: {self._broken}")
             self._jobs[handle] = job
         self._pending.append(handle)
         self._queues["copy"].put(job)
@@ -274,9 +276,9 @@ class CheckpointEngine:
         broken = CheckpointError(f"the checkpoint engine's {name} thread died ({type(error).__name__}: {error}); "
                                  f"no save can complete in this engine")
         broken.__cause__ = error
-        self._broken = broken
         log.error("rank %d: %s", self.rank, broken)
         with self._jobs_lock:
+            self._broken = broken
             jobs, self._jobs = list(self._jobs.values()), {}
         for job in jobs:
             job.fail(broken)

@@ -368,7 +368,8 @@ class CheckpointEngine:
         """All slots of this rank are written: fsync the data, write the manifest (the rank's written proof of its
         part), and report it."""
         handle = job.handle
-        handle.stats["peak_staging_bytes"] = self.pool.peak_bytes
+        handle.stats.update(peak_staging_bytes=self.pool.peak_bytes, staging_allocated_bytes=self.pool.allocated_bytes,
+                            staging_pinned_bytes=self.pool.pinned_bytes)
         try:
             if not job.failed:
                 job.file.truncate(job.size)

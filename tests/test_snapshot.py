@@ -118,9 +118,11 @@ def test_native_host_copies_hold_the_state_at_save(tmp_path):
             eng.save(state, str(tmp_path / f"iter_{it:07d}"))
             eng.wait_for_snapshot()
             _mutate(state)
-        eng.wait()
+        stats = eng.wait()[-1]
         for it, want in enumerate(wanted, 1):
             _assert_equal(eng.load(str(tmp_path / f"iter_{it:07d}")), want)
+    assert 0 < stats["peak_staging_bytes"] <= stats["staging_allocated_bytes"] <= 512 << 10
+    assert stats["staging_pinned_bytes"] == 0  # no CUDA here: nothing page-locked
 
 
 def test_staging_costs_exactly_its_slots():

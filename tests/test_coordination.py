@@ -1,0 +1,69 @@
+"""Agreement on each save through the store: a rank's wait() returns only once `latest` names the checkpoint,
+a failure on rank 0 reaches the others at once, and nothing of a failed save is left behind. Two engines in one
+process share a HashStore, as the ranks of a job share torchrun's TCPStore."""
+import threading
+
+import pytest
+import torch
+
+from datastates import CheckpointEngine, CheckpointError, commit
+
+
+def _engines(n=2, **kw):
+    store = torch.distributed.HashStore()
+    return [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=n, store=store, **kw)
+            for r in range(n)]
+
+
+def test_every_rank_returns_only_once_latest_names_the_checkpoint(tmp_path):
+    """Rank 1 finishes its part first every time; its wait() must still see the tracker updated."""
+    engines = _engines(keep_last=2)
+    try:
+        for it in range(1, 13):
+            path = commit.checkpoint_dir(str(tmp_path), it)
+            engines[1].save({"w": torch.full((100,), float(it))}, path)
+            engines[1].wait_for_snapshot()
+            done = threading.Event()
+
+            def rank0():  # rank 0 starts late: its publication is what rank 1's wait() has to wait for
+                engines[0].save({"w": torch.full((200_000,), float(it))}, path)
+                engines[0].wait()
+                done.set()
+            t = threading.Thread(target=rank0)
+            t.start()
+            engines[1].wait()
+            with open(tmp_path / commit.TRACKER) as f:
+                assert f.read().strip() == str(it), f"rank 1 returned before latest named iteration {it}"
+            t.join(60)
+            assert done.is_set()
+    finally:
+        for eng in engines:
+            eng.close()
+
+
+def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypatch):
+    engines = _engines(publish_timeout_s=300)
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device", "metadata.json")
+    monkeypatch.setattr(commit, "publish", refuse)
+    path = commit.checkpoint_dir(str(tmp_path), 1)
+    handles = [eng.save({"w": torch.full((1000,), float(r))}, path) for r, eng in enumerate(engines)]
+    assert handles[1].join(30), "rank 1 waited for its timeout instead of hearing rank 0's failure"
+    for eng in engines:
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            eng.wait()
+    assert not (tmp_path / "iter_0000001.partial").exists() and not (tmp_path / "iter_0000001").exists()
+    monkeypatch.undo()
+    for r, eng in enumerate(engines):  # the engines carry on: the next save publishes
+        eng.save({"w": torch.full((1000,), float(r))}, commit.checkpoint_dir(str(tmp_path), 2))
+    for eng in engines:
+        eng.wait()
+        eng.close()
+    assert commit.read_latest(str(tmp_path)) == 2
+
+
+def test_more_ranks_than_a_store_needs_is_a_clear_error(tmp_path):
+    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=0, world_size=2) as eng:
+        with pytest.raises(CheckpointError, match="world_size=2 needs a torch.distributed store"):
+            eng.save({"w": torch.ones(4)}, str(tmp_path / "iter_0000001"))

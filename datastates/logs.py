@@ -23,7 +23,9 @@ def _env_rank() -> int:
 
 
 class _RankFilter(logging.Filter):
-    """Stamps each record with the rank; drops INFO and below on ranks other than 0 unless all ranks speak."""
+    """Stamps each record with the rank; drops INFO and below on ranks other than 0 unless all ranks speak, or
+    the record says it is meant for whichever rank logs it (`extra={"any_rank": True}`, e.g. the loss line
+    that only the last pipeline stage knows)."""
 
     def __init__(self, rank: int, all_ranks: bool):
         super().__init__()
@@ -31,7 +33,8 @@ class _RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = self.rank
-        return self.all_ranks or self.rank == 0 or record.levelno >= logging.WARNING
+        return (self.all_ranks or self.rank == 0 or record.levelno >= logging.WARNING
+                or getattr(record, "any_rank", False))
 
 
 def setup_logging(rank: int | None = None, all_ranks: bool | None = None, level: int | str = logging.INFO,

@@ -4,7 +4,9 @@
    bit (the printed loss is the repr of the float).
 2. SIGKILL while a later checkpoint is still flushing (its objects pickle slowly on the engine's background
    thread): the run resumes from the last *published* checkpoint and again matches the uninterrupted losses.
+3. --ckpt-on-failure stop with a save that fails on one rank only: every rank stops at the same iteration.
 """
+import re
 import os
 
 import pytest
@@ -41,10 +43,10 @@ def test_exact_resume_tp2_dp2(tmp_path, reference):
 def test_sigkill_while_flushing_resumes_from_last_published(tmp_path, reference):
     ck = str(tmp_path / "ck")
     flags = TP2DP2 + ["--save", ck, "--load", ck, "--save-interval", "2", "--async-ckpt"]
-    rc, log1 = torchrun(4, flags, check=False,
-                        env={"MEGATRON_TEST_SLOW_CKPT_ITER": "4:20", "MEGATRON_TEST_SIGKILL_AFTER_SAVE": "4"})
+    rc, log1 = torchrun(4, flags, check=False, faults=True,
+                        env={"FAULT_SLOW_SAVE": "4:20", "FAULT_KILL_AFTER_SAVE": "4"})
     assert rc != 0, log1[-3000:]
-    assert "test hook: SIGKILL after the save call of iteration 4" in log1
+    assert "FAULT-KILL rank 0 after the save call of iteration 4" in log1
     # iteration 2 was published; iteration 4 was still flushing when every rank died
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "2"
     assert not os.path.isdir(os.path.join(ck, "iter_0000004"))
@@ -53,3 +55,17 @@ def test_sigkill_while_flushing_resumes_from_last_published(tmp_path, reference)
     resumed = losses(log2)
     assert sorted(resumed) == list(range(3, 2 * N + 1))
     assert resumed == {i: reference[i] for i in resumed}
+
+
+def test_failure_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
+    """Rank 3's save of iteration 2 fails; the ranks learn it at different moments, yet all stop together at
+    the next point every rank reaches (the save of iteration 4), and iteration 2 is never published."""
+    ck = str(tmp_path / "ck")
+    flags = TP2DP2 + ["--save", ck, "--save-interval", "2", "--async-ckpt", "--ckpt-on-failure", "stop",
+                      "--log-all-ranks"]
+    rc, log = torchrun(4, flags, check=False, faults=True, env={"FAULT_FAIL_SAVE": "3:2"})
+    assert rc != 0, log[-3000:]
+    stops = re.findall(r"rank (\d): stopping at iteration (\d+): a checkpoint failed", log)
+    assert sorted(stops) == [(str(r), "4") for r in range(4)], log[-4000:]
+    assert not os.path.isdir(os.path.join(ck, "iter_0000002"))
+    assert not os.path.isdir(os.path.join(ck, "iter_0000002.partial"))

@@ -83,6 +83,8 @@ def _add_training_args(p):
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-all-ranks", action="store_true",
+                   help="every rank logs its INFO lines (default: rank 0 only; warnings and errors always)")
     g.add_argument("--eval-iters", type=int, default=0, help="only 0 is supported (no evaluation loop)")
     g.add_argument("--eval-interval", type=int, default=None)
 

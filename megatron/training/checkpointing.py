@@ -17,6 +17,7 @@ finished writing it; the datastates engine does this off the training thread, th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import sys
@@ -37,16 +38,19 @@ from datastates.megatron import Common, ReplicaOwnership, load_sharded, make_reg
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
+log = logging.getLogger(__name__)
+
 
 def print_rank_0(msg: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
+    """Megatron's name for an INFO line of rank 0 (`datastates.logs` shows rank 0's INFO by default)."""
+    log.info(msg)
 
 
 def print_rank_last(msg: str) -> None:
+    """An INFO line of the last rank (where the loss is known with PP), shown whatever rank it is."""
     if not torch.distributed.is_initialized() or \
             torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-        print(msg, flush=True)
+        log.info(msg, extra={"any_rank": True})
 
 
 # ----- pieces of the state -----
@@ -234,6 +238,7 @@ class Checkpointer:
         self.engine = None
         self.ownership = ReplicaOwnership()
         self.pending: list[tuple[int, object, float]] = []  # (iteration, handle, stall_s)
+        self.failures: list[tuple[int, BaseException]] = []  # failed saves, under --ckpt-on-failure stop
         self.records: list[dict] = []
         fmt = args.ckpt_format
         if fmt == "datastates" and (args.save or args.load):
@@ -249,7 +254,7 @@ class Checkpointer:
         """Remove what saves killed before publication left behind; one rank, while no one saves."""
         if self.rank == 0:
             for path in commit.clean_stale(save_dir):
-                print(f"removed the leftovers of an unfinished checkpoint: {path}", flush=True)
+                log.info("removed the leftovers of an unfinished checkpoint: %s", path)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
@@ -261,8 +266,8 @@ class Checkpointer:
         ckpt_dir = commit.checkpoint_dir(args.save, iteration)
         t0 = time.perf_counter()
         state = build_state(args, self.model, self.optimizer, self.scheduler, iteration, consumed, fmt=fmt)
-        _test_hook_slow_checkpoint(state, iteration)
         if fmt == "datastates":
+            self.agree_on_failures(iteration)
             handle = save_sharded(self.engine, state, ckpt_dir, ownership=self.ownership)
             print_rank_0(f"saving checkpoint at iteration {iteration:8d} to {args.save} in datastates format "
                          f"({'lazy async' if args.async_ckpt else 'sync'})")
@@ -271,6 +276,7 @@ class Checkpointer:
             self.pending.append((iteration, handle, time.perf_counter() - t0))
             if not args.async_ckpt:
                 self.poll()
+                self.agree_on_failures(iteration)
             return
         nbytes = _state_nbytes(state)
         if fmt == "torch_dist":
@@ -340,10 +346,29 @@ class Checkpointer:
 
     def _failed(self, iteration: int, error: BaseException) -> None:
         if self.args.ckpt_on_failure == "stop":
-            raise error
-        print(f"WARNING: rank {self.rank}: checkpoint of iteration {iteration} failed, training goes on "
-              f"(--ckpt-on-failure warn); the last published checkpoint is still "
-              f"{commit.read_latest(self.args.save)}: {error}", flush=True)
+            self.failures.append((iteration, error))  # acted on where every rank agrees: agree_on_failures()
+            return
+        log.warning("rank %d: checkpoint of iteration %d failed, training goes on (--ckpt-on-failure warn); the "
+                    "last published checkpoint is still %s: %s", self.rank, iteration,
+                    commit.read_latest(self.args.save), error)
+
+    def agree_on_failures(self, iteration: int) -> None:
+        """--ckpt-on-failure stop: at a point every rank reaches (each save, the end of training) the ranks agree
+        whether any of them has seen a save fail; if one has, every rank stops here, at the same iteration.
+        (Ranks learn a failure at different moments; stopping where each learns it would split the job.)"""
+        if self.args.ckpt_on_failure != "stop" or self.engine is None:
+            return
+        seen = torch.tensor([1.0 if self.failures else 0.0], device=getattr(self.args, "device", "cpu"))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+        if seen.item() == 0:
+            return
+        log.error("rank %d: stopping at iteration %d: a checkpoint failed (--ckpt-on-failure stop)", self.rank,
+                  iteration)
+        if self.failures:
+            raise self.failures[0][1]
+        raise CheckpointError(f"a checkpoint failed on another rank (see its log); rank {self.rank} stops with it "
+                              f"at iteration {iteration}")
 
     def _record(self, iteration: int, stats: dict, stall_s: float) -> None:
         rec = dict(iteration=iteration, format=self.args.ckpt_format,
@@ -353,7 +378,7 @@ class Checkpointer:
                    bytes=int(stats.get("bytes", 0)))
         rec["throughput_gbps"] = rec["bytes"] / (rec["durable_ms"] / 1e3) / 1e9 if rec["durable_ms"] > 0 else 0.0
         self.records.append(rec)
-        print_rank_0(f"checkpoint iteration {iteration:8d} | format: {rec['format']} ({rec['mode']}) | "
+        log.info(f"checkpoint iteration {iteration:8d} | format: {rec['format']} ({rec['mode']}) | "
                      f"blocking ms: {rec['stall_ms']:.2f} | snapshot ms: {rec['snapshot_ms']:.2f} | "
                      f"time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
                      f"throughput GB/s: {rec['throughput_gbps']:.3f} (rank 0)")
@@ -361,9 +386,11 @@ class Checkpointer:
     def finalize(self) -> None:
         """Wait until every pending save is durable and published; log them and a cross-rank summary."""
         if self.engine is not None:
+            last = max((it for it, _, _ in self.pending), default=None)
             for _, h, _ in self.pending:
                 h.join()
             self.poll()
+            self.agree_on_failures(last if last is not None else -1)
         # A safe point for a collective: every rank reaches the end of training.
         all_records = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(all_records, self.records)
@@ -373,10 +400,10 @@ class Checkpointer:
                 total = sum(r["bytes"] for r in per_rank)
                 stall = max(r["stall_ms"] for r in per_rank)
                 durable = max(r["durable_ms"] for r in per_rank)
-                print(f"checkpoint summary iteration {rec['iteration']:8d} | format: {rec['format']} "
-                      f"({rec['mode']}) | max blocking ms over ranks: {stall:.2f} | max time to durable ms: "
-                      f"{durable:.2f} | bytes all ranks: {total} | throughput GB/s: "
-                      f"{(total / (durable / 1e3) / 1e9) if durable > 0 else 0.0:.3f}", flush=True)
+                log.info(f"checkpoint summary iteration {rec['iteration']:8d} | format: {rec['format']} "
+                         f"({rec['mode']}) | max blocking ms over ranks: {stall:.2f} | max time to durable ms: "
+                         f"{durable:.2f} | bytes all ranks: {total} | throughput GB/s: "
+                         f"{(total / (durable / 1e3) / 1e9) if durable > 0 else 0.0:.3f}")
 
     def close(self) -> None:
         if self.engine is not None:
@@ -504,26 +531,6 @@ class _LoadArgs:
         if name in self.__dict__.get("_over", {}):
             return self._over[name]
         return getattr(self._args, name)
-
-
-def _test_hook_slow_checkpoint(state: dict, iteration: int) -> None:
-    """Test hook: MEGATRON_TEST_SLOW_CKPT_ITER=<it>:<seconds> makes the save of iteration <it> take that long to
-    become durable (an object that pickles slowly on the engine's background thread)."""
-    spec = os.environ.get("MEGATRON_TEST_SLOW_CKPT_ITER")
-    if not spec:
-        return
-    it, secs = spec.split(":")
-    if int(it) == iteration:
-        state["_test_slow"] = _SlowPickle(float(secs))
-
-
-class _SlowPickle:
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def __reduce__(self):
-        time.sleep(self.seconds)
-        return (int, (0,))
 
 
 # ----- Megatron-style module API -----

@@ -4,9 +4,12 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import sys
 
 import numpy as np
 import torch
+
+from datastates.logs import setup_logging
 
 from . import cpu_shim
 from .arguments import parse_args, validate_args
@@ -34,6 +37,7 @@ def initialize_megatron(extra_args_provider=None, argv=None):
             backend=args.distributed_backend, rank=rank, world_size=args.world_size,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     args.rank = torch.distributed.get_rank()
+    setup_logging(args.rank, all_ranks=args.log_all_ranks or None, stream=sys.stdout)
     args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

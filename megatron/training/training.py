@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import time
 
 import torch
@@ -201,19 +200,6 @@ def train_step_cuda(args, model, optimizer, scheduler, forward_step_func, batche
 
 # ----- loop -----
 
-def _kill_hook(iteration: int, checkpointer) -> None:
-    """Test hook: MEGATRON_TEST_SIGKILL_AFTER_SAVE=<it> kills this process right after the save call of <it>
-    (earlier saves are first let finish, so that exactly the save of <it> is in flight)."""
-    spec = os.environ.get("MEGATRON_TEST_SIGKILL_AFTER_SAVE")
-    if spec and int(spec) == iteration:
-        for it, handle, _ in checkpointer.pending:
-            if it < iteration:
-                handle.wait()
-        print(f"[rank {dist.get_rank()}] test hook: SIGKILL after the save call of iteration {iteration}",
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpointer, iteration, consumed):
     batches = MicroBatches(dataset, args.micro_batch_size, ps.get_data_parallel_rank(),
                            ps.get_data_parallel_world_size(), device=args.device)
@@ -242,7 +228,6 @@ def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpo
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointer.save(iteration, consumed)
             saved_last = iteration
-            _kill_hook(iteration, checkpointer)
         checkpointer.poll()
         if args.exit_interval and iteration % args.exit_interval == 0:
             if args.save and saved_last != iteration:

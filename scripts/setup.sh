@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: a venv in .venv with CPU torch pinned, megatron-core, and this
-# project built in place (the native writer module is compiled here; a build failure stops everything).
+# Idempotent set-up on a fresh machine: a venv in .venv with this project installed in place from
+# pyproject.toml (the engine, the trainer's and tools' extras, the test tools), the native module compiled from
+# csrc/ (a build failure stops everything). Later runs do nothing unless pyproject.toml, setup.py or csrc/
+# changed. EXTRAS picks the extras (default megatron,tools,test; add bench for benchmarks/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-megatron,tools,test}
+# CPU torch, pinned: pip must never resolve a plain or newer torch (that is a multi-GB CUDA build).
+TORCH_PIN=${TORCH_PIN:-torch==2.13.0}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-if ! python -c "import torch, megatron.core, pybind11, pytest, hypothesis, psutil, safetensors" 2>/dev/null; then
-  # torch is pinned so pip never resolves a CUDA build; megatron-core 0.16.1 is the newest for Python 3.11.
-  pip install --quiet "torch==2.13.0" "megatron-core>=0.16.1,<0.20" psutil "pybind11>=2.12" pytest hypothesis safetensors numpy setuptools wheel
+stamp=".venv/.installed"
+want="$EXTRAS $TORCH_PIN $(cat pyproject.toml setup.py csrc/* | cksum)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import datastates._native" 2>/dev/null; then
+  exit 0
 fi
-if ! python -c "import datastates._native" 2>/dev/null || [ csrc -nt .venv/.native-built ] || [ -n "$(find csrc setup.py -newer .venv/.native-built 2>/dev/null)" ]; then
-  pip install --quiet --no-build-isolation --no-deps -e .
-  touch .venv/.native-built
-fi
+echo "setting up .venv (extras: $EXTRAS; $TORCH_PIN)..." >&2
+# build requirements first (no build isolation: the native module builds against this venv's pybind11)
+.venv/bin/python -m pip install --quiet "$TORCH_PIN" "pybind11>=2.12" "setuptools>=64" wheel
+.venv/bin/python -m pip install --quiet --no-build-isolation "$TORCH_PIN" -e ".[$EXTRAS]"
+echo "$want" > "$stamp"

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -59,6 +60,7 @@ import torch  # noqa: E402
 from datastates import _native, commit  # noqa: E402
 from datastates import format as fmt  # noqa: E402
 from datastates.errors import CheckpointError  # noqa: E402
+from datastates.logs import setup_logging  # noqa: E402
 from datastates.plan import dtype_from_name  # noqa: E402
 from datastates.providers import (ContainerProvider, ItemRef, ObjectProvider, ProviderRegistry,  # noqa: E402
                                   StateProvider, TensorProvider)
@@ -75,6 +77,8 @@ OBJ_NAME_RE = re.compile(r"^(?P<key>.+)@(?P<offset>\d+(?:,\d+)*)$")
 STACK_SEGMENTS = ("layers", "local_experts")
 COMMON_PREFIX = "common:"
 
+
+log = logging.getLogger("tools.convert_checkpoint")
 
 class ConvertError(Exception):
     """The input cannot be converted (exit status 1); the message names the path and the problem."""
@@ -184,12 +188,18 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
     template = {"t": {name: _Whole(name, torch.empty(t["global_shape"], dtype=dtype_from_name(t["dtype"])))
                       for name, t in tensors.items()},
                 "o": {name: _GlobalObject(name) for name in objects["global"]}}
+    from tqdm import tqdm
     io = _native.IOPool(threads)
     try:
         reader = CheckpointReader(ckpt, io, 1 << 30, registry)
-        loaded = reader.load(0, template)  # parallel reads, every chunk's crc32c checked, coverage checked
-        bundle.tensors = loaded["t"]
-        globals_ = loaded["o"]
+        # tensor by tensor for the progress bar; each load reads in parallel, checks every chunk's crc32c and
+        # the coverage of the tensor
+        total = sum(w.tensor.numel() * w.tensor.element_size() for w in template["t"].values())
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"read {ckpt}", disable=None) as bar:
+            for name, whole in template["t"].items():
+                bundle.tensors[name] = reader.load(0, {"t": {name: whole}})["t"][name]
+                bar.update(whole.tensor.numel() * whole.tensor.element_size())
+        globals_ = reader.load(0, {"o": template["o"]})["o"]
         own = reader.items(0)
         skeleton = reader.read_item(0, own[fmt.SKELETON_ID])
         local_values = {it.id: reader.read_item(0, it) for it in own.values()
@@ -465,6 +475,7 @@ def main(argv=None) -> int:
                     help="--to safetensors: keep layer-stacked tensors whole instead of one tensor per layer")
     ap.add_argument("--threads", type=int, default=4, help="native reader/writer threads [4]")
     args = ap.parse_args(argv)
+    setup_logging(rank=0)
     try:
         if args.src == "datastates":
             bundle = read_datastates(args.input, args.iteration, args.threads)
@@ -478,7 +489,7 @@ def main(argv=None) -> int:
             out = write_safetensors(bundle, args.output, args.exclude_prefix or ["optimizer."],
                                     not args.no_split_layers)
     except ConvertError as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     finally:
         close_megatron()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -36,8 +37,10 @@ import torch  # noqa: E402
 from datastates import _native, commit  # noqa: E402
 from datastates import format as fmt  # noqa: E402
 from datastates.errors import CheckpointError  # noqa: E402
+from datastates.logs import setup_logging  # noqa: E402
 from datastates.plan import ALIGN, Item  # noqa: E402
 
+log = logging.getLogger("tools.inspect_checkpoint")
 RANK_FILE_RE = re.compile(r"^rank_(\d{5,})\.(data|manifest\.json)$")
 
 
@@ -280,14 +283,18 @@ def verify_data(scan: Scan, threads: int = 4, budget_bytes: int = 256 << 20, req
 
     Reads run in parallel (`threads` native readers) with at most `budget_bytes` of buffers in flight."""
     p = scan.problems
+    from tqdm import tqdm
     pool = _native.IOPool(threads)
+    total = sum(it.nbytes for info in scan.ranks.values() for it in info["items"] if it.write)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=None)  # off when not a terminal
     stats = {"bytes_read": 0, "chunks": 0, "seconds": 0.0}
     t0 = time.perf_counter()
     pending: list = []
     in_flight = 0
 
     def settle(entry):
-        ticket, path, item, indices, _buf = entry
+        ticket, path, item, indices, buf = entry
+        bar.update(buf.numel())
         try:
             crcs = pool.wait(ticket)
         except OSError as e:
@@ -337,6 +344,7 @@ def verify_data(scan: Scan, threads: int = 4, budget_bytes: int = 256 << 20, req
             settle(entry)
     finally:
         pool.close()
+        bar.close()
     stats["seconds"] = time.perf_counter() - t0
     return stats
 
@@ -477,6 +485,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     ap.add_argument("--threads", type=int, default=4, help="native reader threads for --verify [4]")
     args = ap.parse_args(argv)
+    setup_logging(rank=0)
 
     problems = Problems()
     path = os.path.normpath(args.path)
@@ -512,7 +521,7 @@ def main(argv=None) -> int:
             scan = Scan(target, problems)
             out["checkpoint"] = iteration_report(scan, args.verify, args.threads)
     except UsageError as e:
-        print(f"inspect_checkpoint: error: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 2
 
     out["problems"] = problems.items
@@ -527,12 +536,12 @@ def main(argv=None) -> int:
         if "checkpoint" in out:
             print_iteration(out["checkpoint"])
     for wng in problems.warnings:
-        print(f"WARNING {wng['file']}: {wng['warning']}", file=sys.stderr)
+        log.warning("%s: %s", wng["file"], wng["warning"])
     for prob in problems.items:
-        print(f"PROBLEM {prob['file']}: {prob['problem']}", file=sys.stderr)
+        log.error("PROBLEM %s: %s", prob["file"], prob["problem"])
     if not args.json:
         if problems:
-            print(f"{len(problems.items)} problem(s) found", file=sys.stderr)
+            log.error("%d problem(s) found", len(problems.items))
         elif args.verify:
             print("verify: OK, every checksum matches")
     return 1 if problems else 0

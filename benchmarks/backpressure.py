@@ -137,6 +137,9 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from deps import require
+    require("psutil")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-mb", type=float, default=512)
     p.add_argument("--budget-mb", type=float, default=64)

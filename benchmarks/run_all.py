@@ -67,6 +67,9 @@ def parse_grid(a):
 
 
 def main():
+    from deps import require
+    require("matplotlib", "psutil", "tqdm")
+    from tqdm import tqdm
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", help="comma-separated total state sizes in GB (cross product with --ranks)")
     ap.add_argument("--ranks", help="comma-separated rank counts")
@@ -143,7 +146,7 @@ def main():
 
     all_probes = {}
     t_start = time.time()
-    for size, ranks in grid:
+    for size, ranks in tqdm(grid, desc="configurations", unit="config", disable=None):
         tag = f"s{size:g}gb_r{ranks}".replace(".", "p")
         print(f"\n=== {tag}: probes", flush=True)
         pr = probes.run_probes(ckpt_dir, int(min(max(size, 0.25), 1.0) * 1e9), reps=3)

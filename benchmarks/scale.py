@@ -214,13 +214,9 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict
 
 
 def plot(rows: list[dict], out: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing: no plot (pip install -e '.[bench]')")
-        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     metrics = [k for k in ("publish_s", "load_s", "report_s", "syscalls_save", "syscalls_save_r0", "index_bytes")
                if k in rows[0]]
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3))
@@ -247,6 +243,8 @@ def main(argv=None) -> None:
     if a.observer is not None:
         observer(a.observer, a.world, a.port, a.root, a.iters)
         return
+    from deps import require
+    require("matplotlib")
     rows = []
     header = f"{'W':>6} {'publish s':>10} {'load s':>8} {'report ms':>10} {'syscalls/ckpt r1':>17} " \
              f"{'r0':>6} {'json at load':>13} {'index KB':>9}"

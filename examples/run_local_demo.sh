@@ -6,36 +6,45 @@
 #   bash examples/run_local_demo.sh [OUT_DIR]          (about 4-5 minutes on 2 CPU cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup.sh  # idempotent: the same venv as the test command
 OUT=${1:-/tmp/datastates_demo}
 NPROC=${NPROC:-4}
 ITERS=${ITERS:-20}
 HALF=$((ITERS / 2))
 INTERVAL=${INTERVAL:-5}
-PY=${PYTHON:-python}
+PY=.venv/bin/python
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 MODEL=(--tensor-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4
        --seq-length 64 --vocab-size 512 --micro-batch-size 4 --global-batch-size 16
        --train-iters "$ITERS" --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine --mock-data --seed 1234)
-run() { "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "${PORT:-29650}" pretrain_gpt.py "$@"; }
 
-echo "== 1. lazy async checkpoints, stop at iteration $HALF"
-run "${MODEL[@]}" --save "$OUT/lazy" --load "$OUT/lazy" --save-interval "$INTERVAL" --async-ckpt \
-    --exit-interval "$HALF" 2>&1 | grep -v -i warn | tee "$OUT/lazy_part1.log" | grep -E "iteration .*lm loss|checkpoint|exiting"
+# step TITLE LOG ARGS...: one torchrun job; its whole output goes to LOG, the iteration and checkpoint lines to
+# the terminal as they come; on failure the end of LOG is shown and the demo stops.
+step() {
+  local title=$1 log=$2
+  shift 2
+  echo "== $title   (log: $log)"
+  if ! "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "${PORT:-29650}" pretrain_gpt.py "$@" \
+      2>&1 | tee "$log" | awk '/lm loss|checkpoint|exiting|loaded|training done|Error|error:/ {print "   " $0; fflush()}'; then
+    echo "!! '$title' failed; the last lines of $log:" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+}
+
+step "1/4 lazy async checkpoints every $INTERVAL iterations, stop at iteration $HALF" "$OUT/lazy_part1.log" \
+  "${MODEL[@]}" --save "$OUT/lazy" --load "$OUT/lazy" --save-interval "$INTERVAL" --async-ckpt --exit-interval "$HALF"
 echo "   latest_checkpointed_iteration.txt: $(cat "$OUT/lazy/latest_checkpointed_iteration.txt")"
+step "2/4 resume from $OUT/lazy and train to $ITERS" "$OUT/lazy_part2.log" \
+  "${MODEL[@]}" --save "$OUT/lazy" --load "$OUT/lazy" --save-interval "$INTERVAL" --async-ckpt
+step "3/4 the same state saved synchronously: datastates sync" "$OUT/sync.log" \
+  "${MODEL[@]}" --save "$OUT/sync" --save-interval "$INTERVAL" --ckpt-format datastates
+step "3/4 the same state saved synchronously: megatron-core torch_dist" "$OUT/torch_dist.log" \
+  "${MODEL[@]}" --save "$OUT/torch_dist" --save-interval "$INTERVAL" --ckpt-format torch_dist
 
-echo "== 2. resume from $OUT/lazy and train to $ITERS"
-run "${MODEL[@]}" --save "$OUT/lazy" --load "$OUT/lazy" --save-interval "$INTERVAL" --async-ckpt \
-    2>&1 | grep -v -i warn | tee "$OUT/lazy_part2.log" | grep -E "iteration .*lm loss|checkpoint|loaded"
-
-echo "== 3. the same state saved synchronously (datastates sync, then megatron-core torch_dist)"
-run "${MODEL[@]}" --save "$OUT/sync" --save-interval "$INTERVAL" --ckpt-format datastates \
-    2>&1 | grep -v -i warn > "$OUT/sync.log"
-run "${MODEL[@]}" --save "$OUT/torch_dist" --save-interval "$INTERVAL" --ckpt-format torch_dist \
-    2>&1 | grep -v -i warn > "$OUT/torch_dist.log"
-
-echo "== 4. training stall per checkpoint (max over ranks, ms)"
+echo "== 4/4 training stall per checkpoint (max over ranks, ms)"
 "$PY" - "$OUT" <<'PYEOF'
 import re, sys
 out = sys.argv[1]

@@ -78,6 +78,11 @@ class ReplicaOwnership:
     every rank saves at the same iteration); its result is cached under a digest of the local structure, so
     later saves of an unchanged structure cost nothing. The assignment is deterministic: shards are taken by
     decreasing size and each goes to the least-loaded of its holders (ties: lowest rank).
+
+    With `group` the data-parallel group, the exchange stays inside it (its cost does not grow with the world):
+    a shard is balanced across the DP ranks holding it when it is the main replica in every other dimension of
+    megatron-core's replica id (the last component is the DP one); other replicas never write. Without a group
+    the whole world balances every shard.
     """
 
     def __init__(self, group=None):
@@ -86,19 +91,25 @@ class ReplicaOwnership:
         self._owned: dict[tuple, bool] = {}
         self.bytes_per_rank: list[int] = []
 
+    def _candidate(self, sh) -> bool:
+        """Whether this rank's copy of `sh` may be chosen as the writer within the group."""
+        rid = sh.replica_id
+        return self.group is None or isinstance(rid, int) or all(r == 0 for r in tuple(rid)[:-1])
+
     def writes(self, ident: tuple, replica_id) -> bool:
         if ident in self._owned:
             return self._owned[ident]
         return _is_main_replica(replica_id)
 
     def compute(self, shards: list) -> None:
-        local = sorted({(shard_identity(sh), _nbytes(sh)) for sh in shards}, key=repr)
-        digest = hashlib.sha1(repr(local).encode()).hexdigest()
+        local = sorted({(shard_identity(sh), _nbytes(sh)) for sh in shards if self._candidate(sh)}, key=repr)
+        never = {shard_identity(sh): False for sh in shards if not self._candidate(sh)}
+        digest = hashlib.sha1(repr((local, sorted(never, key=repr))).encode()).hexdigest()
         if digest == self._digest:
             return
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
-            self._owned = {ident: True for ident, _ in local}
+            self._owned = {**never, **{ident: True for ident, _ in local}}
             self.bytes_per_rank = [sum(n for _, n in local)]
             self._digest = digest
             return
@@ -118,7 +129,7 @@ class ReplicaOwnership:
             r = min(holders[ident], key=lambda x: (load[x], x))
             owner[ident] = r
             load[r] += sizes[ident]
-        self._owned = {ident: owner[ident] == me for ident, _ in local}
+        self._owned = {**never, **{ident: owner[ident] == me for ident, _ in local}}
         self.bytes_per_rank = load
         self._digest = digest
 

@@ -236,7 +236,9 @@ class Checkpointer:
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.engine = None
-        self.ownership = ReplicaOwnership()
+        # replicas are balanced inside the DP group: one small exchange per structure, flat in the world size
+        self.ownership = ReplicaOwnership(group=ps.get_data_parallel_group(with_context_parallel=True)
+                                          if torch.distributed.is_initialized() else None)
         self.pending: list[tuple[int, object, float]] = []  # (iteration, handle, stall_s)
         self.failures: list[tuple[int, BaseException]] = []  # failed saves, under --ckpt-on-failure stop
         self.records: list[dict] = []

@@ -8,6 +8,7 @@ one; stale `.partial` directories are removed by `clean_stale`.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -64,11 +65,7 @@ def read_latest(save_dir: str) -> int | None:
 def write_latest(save_dir: str, iteration: int, fsync: bool = True) -> None:
     tracker = os.path.join(save_dir, TRACKER)
     tmp = f"{tracker}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
+    fmt.write_file(tmp, str(iteration).encode(), fsync)
     os.replace(tmp, tracker)
     if fsync:
         fmt.fsync_dir(save_dir)
@@ -103,12 +100,13 @@ def retire(path: str) -> str:
     return doomed
 
 
-def apply_retention(save_dir: str, keep_last: int, protect: int) -> list[str]:
-    """Retire all but the newest `keep_last` published checkpoints, never `protect` (the one just published);
-    returns the retired directories, to be deleted off the critical path."""
-    its = published_iterations(save_dir)
-    keep = set(its[-keep_last:]) | {protect}
-    return [retire(checkpoint_dir(save_dir, i)) for i in its if i not in keep]
+def apply_retention(save_dir: str, keep_last: int, protect: int, published: list[int]) -> list[str]:
+    """Retire all but the newest `keep_last` of the `published` iterations (sorted; updated in place), never
+    `protect` (the one just published); returns the retired directories, to be deleted off the critical path."""
+    keep = set(published[-keep_last:]) | {protect}
+    doomed = [i for i in published if i not in keep]
+    published[:] = [i for i in published if i in keep]
+    return [retire(checkpoint_dir(save_dir, i)) for i in doomed]
 
 
 def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> list[str]:
@@ -116,8 +114,14 @@ def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> lis
     retired directory of an earlier save of the same iteration, if any, for the caller to delete."""
     fmt.write_json_atomic(os.path.join(partial, fmt.METADATA), metadata, fsync)
     parent = os.path.dirname(final) or "."
-    retired = [retire(final)] if os.path.exists(final) else []  # re-saving an iteration: the new one wins
-    os.rename(partial, final)
+    retired = []
+    try:
+        os.rename(partial, final)
+    except OSError as e:  # re-saving an iteration: the new one wins
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        retired.append(retire(final))
+        os.rename(partial, final)
     if fsync:
         fmt.fsync_dir(parent)
     iteration = iteration_of(final)

@@ -34,7 +34,7 @@ from .coordination import Coordinator, default_store
 from .errors import CheckpointError, CheckpointTimeoutError
 from .plan import Entry, Item, Plan
 from .providers import ProviderRegistry, default_registry
-from .restore import CheckpointReader
+from .restore import CheckpointReader, resolve_checkpoint
 from .snapshot import CopyBackend, SlotFiller, copy_tensor_bytes, make_backend
 from .staging import StagingPool
 
@@ -128,8 +128,10 @@ class CheckpointEngine:
         self.io = _native.IOPool(writer_threads, WRITER_NICE)
         self._writer_threads = writer_threads
         self._read_io: _native.IOPool | None = None  # loads run at normal priority: a restart waits on them
+        self._reader: tuple[tuple | None, CheckpointReader] | None = None
         self._plans: dict[tuple, Plan] = {}
         self._seq = 0
+        self._published: dict[str, list[int]] = {}  # rank 0, with retention: published iterations per save root
         self._jobs: dict[SaveHandle, _Job] = {}  # saves not finished yet, for failing them if a stage dies
         self._jobs_lock = threading.Lock()
         self._broken: CheckpointError | None = None
@@ -215,10 +217,23 @@ class CheckpointEngine:
         return self.reader(path).load(self.rank if rank is None else rank, template)
 
     def reader(self, path: str) -> CheckpointReader:
-        """A reader of the published checkpoint at `path` (its index, verified reads), on the engine's read pool."""
+        """A reader of the published checkpoint at `path` (its index, verified reads), on the engine's read pool.
+
+        The last one is kept while its metadata.json is the same file: a resume that loads in several steps
+        reads the index once."""
         if self._read_io is None:
             self._read_io = _native.IOPool(self._writer_threads)
-        return CheckpointReader(path, self._read_io, self.pool.budget_bytes, self.registry)
+        resolved = resolve_checkpoint(path)
+        try:
+            st = os.stat(os.path.join(resolved, fmt.METADATA))
+            key = (resolved, st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = None  # gone meanwhile: the reader reports it
+        if key is None or self._reader is None or self._reader[0] != key:
+            if self._reader is not None:
+                self._reader[1].close()
+            self._reader = (key, CheckpointReader(resolved, self._read_io, self.pool.budget_bytes, self.registry))
+        return self._reader[1]
 
     def close(self) -> None:
         if self._closed:
@@ -235,6 +250,8 @@ class CheckpointEngine:
             self._deleter.shutdown()
             self.backend.close()
             self.io.close()
+            if self._reader is not None:
+                self._reader[1].close()
             if self._read_io is not None:
                 self._read_io.close()
             self.pool.close()
@@ -441,7 +458,14 @@ class CheckpointEngine:
         metadata = fmt.index_metadata(manifests, iteration, self.world_size)
         retired = commit.publish(job.partial, job.final, metadata, self.fsync)
         if self.keep_last is not None and iteration is not None:
-            retired += commit.apply_retention(os.path.dirname(job.final), self.keep_last, iteration)
+            root = os.path.dirname(job.final)
+            if root not in self._published:  # scanned once per save root, then kept up to date here
+                self._published[root] = commit.published_iterations(root)
+            published = self._published[root]
+            if iteration not in published:
+                published.append(iteration)
+                published.sort()
+            retired += commit.apply_retention(root, self.keep_last, iteration, published)
         for path in retired:
             self._deleter.submit(shutil.rmtree, path, ignore_errors=True)
 

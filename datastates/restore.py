@@ -153,6 +153,12 @@ class CheckpointReader:
         self._data_bytes[rank] = data_bytes
         return items
 
+    def close(self) -> None:
+        """Close the data files this reader opened."""
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
     def data_path(self, rank: int) -> str:
         return os.path.join(self.path, fmt.data_file(rank))
 

@@ -206,13 +206,13 @@ def read_tracker(load_dir: str):
 
 def detect_format(ckpt_dir: str) -> str:
     meta = os.path.join(ckpt_dir, "metadata.json")
+    if os.path.isfile(meta) and os.path.isfile(os.path.join(ckpt_dir, "rank_00000.data")):
+        return "datastates"  # told apart without reading the index (the engine reads it once, later)
     if os.path.isfile(meta):
         try:
             doc = json.load(open(meta))
         except (OSError, ValueError):
             doc = {}
-        if doc.get("format") == "datastates":
-            return "datastates"
         if "sharded_backend" in doc:
             return "torch_dist"
     if os.path.isdir(ckpt_dir) and any(n.startswith("mp_rank_") for n in os.listdir(ckpt_dir)):

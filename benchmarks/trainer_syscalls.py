@@ -1,0 +1,80 @@
+"""File-metadata system calls of the real trainer's checkpoints, per rank, under strace.
+
+Runs pretrain_gpt.py with 4 ranks (TP2 x DP2, tiny GPT, CPU) saving a lazy checkpoint every iteration with
+retention, then resumes from it; every rank runs under its own `strace -f -y`. Counts per rank the calls on
+paths of the checkpoint tree that touch file-system metadata (open, stat, mkdir, rename, unlink, getdents,
+fsync, ftruncate, fallocate; not the reads and writes of data), per checkpoint, and the JSON files each rank
+opens to resume.
+
+    python benchmarks/trainer_syscalls.py [--iters 6]
+
+Targets: at most 20 file-metadata syscalls per checkpoint per rank; at most 2 JSON files opened per rank at
+resume.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+        "--mock-data", "--seed", "1234", "--tensor-model-parallel-size", "2"]
+META_CALLS = {"open", "openat", "openat2", "creat", "stat", "lstat", "fstat", "newfstatat", "statx", "access",
+              "faccessat", "faccessat2", "rename", "renameat", "renameat2", "unlink", "unlinkat", "mkdir",
+              "mkdirat", "rmdir", "getdents64", "fsync", "fdatasync", "ftruncate", "truncate", "fallocate"}
+LINE = re.compile(r"^\d+\s+(\w+)\((.*)")
+
+
+def traced_run(args: list[str], trace_prefix: str) -> None:
+    """torchrun starts each worker as `strace ... python pretrain_gpt.py`: one trace file per rank."""
+    wrapper = (f'exec {shutil.which("strace")} -f -qq -y -e trace=%file,%desc -o "{trace_prefix}.$RANK" '
+               f'{sys.executable} {os.path.join(ROOT, "pretrain_gpt.py")} "$@"')
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29777",
+           "--no-python", "sh", "-c", wrapper, "worker", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise SystemExit(f"trainer failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
+
+
+def count(trace: str, tree: str) -> tuple[int, int]:
+    """(metadata calls on the checkpoint tree, JSON files opened there for reading) in one rank's trace."""
+    calls = jsons = 0
+    with open(trace) as f:
+        for line in f:
+            m = LINE.match(line)
+            if m and m.group(1) in META_CALLS and tree in m.group(2):
+                calls += 1
+                jsons += m.group(1).startswith("open") and '.json"' in m.group(2) and "O_RDONLY" in m.group(2)
+    return calls, jsons
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=6)
+    a = ap.parse_args(argv)
+    if not shutil.which("strace"):
+        raise SystemExit("strace is needed (apt-get install strace)")
+    work = tempfile.mkdtemp(prefix="ds-syscalls-")
+    ckpt = os.path.join(work, "ckpt")
+    flags = TINY + ["--train-iters", str(2 * a.iters), "--save", ckpt, "--load", ckpt, "--save-interval", "1",
+                    "--async-ckpt", "--ckpt-keep-last", "2"]
+    traced_run(flags + ["--exit-interval", str(a.iters)], os.path.join(work, "save"))
+    traced_run(flags + ["--exit-interval", str(a.iters + 1)], os.path.join(work, "resume"))
+    for rank in range(4):
+        saved, _ = count(os.path.join(work, f"save.{rank}"), ckpt)
+        resumed, jsons = count(os.path.join(work, f"resume.{rank}"), ckpt)
+        print(f"rank {rank}: {saved / a.iters:5.1f} file-metadata syscalls per checkpoint ({a.iters} checkpoints, "
+              f"start-up clean-up included); resume: {resumed} calls (its one save included), "
+              f"{jsons} JSON file(s) opened")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from syscalls import metadata_call, opens_json  # noqa: E402
 
 ROW = 256  # floats per rank: the global tensor "w" is (W, ROW), rank r holds row r
 MARK = "/nonexistent/datastates-scale-mark-"  # an os.stat of this path delimits phases in the strace log
@@ -135,13 +136,6 @@ def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, 
     queue.put(times)
 
 
-_FILE_CALL = re.compile(r"^\d+\s+(\w+)\(")
-FILE_CALLS = {"open", "openat", "openat2", "creat", "stat", "lstat", "fstat", "newfstatat", "statx", "access",
-              "faccessat", "faccessat2", "rename", "renameat", "renameat2", "unlink", "unlinkat", "mkdir", "mkdirat",
-              "rmdir", "getdents64", "fsync", "fdatasync", "readlink", "readlinkat", "chdir", "truncate",
-              "ftruncate", "fallocate"}
-
-
 def _phase(trace: str, label: str) -> tuple[int, int]:
     """(file-metadata syscalls, JSON files opened) between the begin and end marks of a phase."""
     inside, calls, json_opened = False, 0, 0
@@ -152,10 +146,10 @@ def _phase(trace: str, label: str) -> tuple[int, int]:
                 continue
             if MARK + label + "-end" in line:
                 break
-            m = _FILE_CALL.match(line)
-            if inside and m and m.group(1) in FILE_CALLS:
+            call = metadata_call(line) if inside else None
+            if call:
                 calls += 1
-                json_opened += m.group(1).startswith("open") and ".json\"" in line and "O_RDONLY" in line
+                json_opened += opens_json(call)
     return calls, json_opened
 
 

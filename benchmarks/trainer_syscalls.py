@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,10 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
         "--mock-data", "--seed", "1234", "--tensor-model-parallel-size", "2"]
-META_CALLS = {"open", "openat", "openat2", "creat", "stat", "lstat", "fstat", "newfstatat", "statx", "access",
-              "faccessat", "faccessat2", "rename", "renameat", "renameat2", "unlink", "unlinkat", "mkdir",
-              "mkdirat", "rmdir", "getdents64", "fsync", "fdatasync", "ftruncate", "truncate", "fallocate"}
-LINE = re.compile(r"^\d+\s+(\w+)\((.*)")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from syscalls import metadata_call, opens_json  # noqa: E402
 
 
 def traced_run(args: list[str], trace_prefix: str) -> None:
@@ -48,10 +45,10 @@ def count(trace: str, tree: str) -> tuple[int, int]:
     calls = jsons = 0
     with open(trace) as f:
         for line in f:
-            m = LINE.match(line)
-            if m and m.group(1) in META_CALLS and tree in m.group(2):
+            call = metadata_call(line)
+            if call and tree in call[1]:
                 calls += 1
-                jsons += m.group(1).startswith("open") and '.json"' in m.group(2) and "O_RDONLY" in m.group(2)
+                jsons += opens_json(call)
     return calls, jsons
 
 

@@ -101,8 +101,12 @@ def retire(path: str) -> str:
 
 
 def apply_retention(save_dir: str, keep_last: int, protect: int, published: list[int]) -> list[str]:
-    """Retire all but the newest `keep_last` of the `published` iterations (sorted; updated in place), never
-    `protect` (the one just published); returns the retired directories, to be deleted off the critical path."""
+    """`protect` was just published: add it to `published` (sorted; kept up to date in place), then retire all
+    but the newest `keep_last` of them, never `protect`; returns the retired directories, to be deleted off the
+    critical path."""
+    if protect not in published:
+        published.append(protect)
+        published.sort()
     keep = set(published[-keep_last:]) | {protect}
     doomed = [i for i in published if i not in keep]
     published[:] = [i for i in published if i in keep]

@@ -459,13 +459,9 @@ class CheckpointEngine:
         retired = commit.publish(job.partial, job.final, metadata, self.fsync)
         if self.keep_last is not None and iteration is not None:
             root = os.path.dirname(job.final)
-            if root not in self._published:  # scanned once per save root, then kept up to date here
+            if root not in self._published:  # scanned once per save root, then kept up to date by retention
                 self._published[root] = commit.published_iterations(root)
-            published = self._published[root]
-            if iteration not in published:
-                published.append(iteration)
-                published.sort()
-            retired += commit.apply_retention(root, self.keep_last, iteration, published)
+            retired += commit.apply_retention(root, self.keep_last, iteration, self._published[root])
         for path in retired:
             self._deleter.submit(shutil.rmtree, path, ignore_errors=True)
 

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_
 
 from datastates import CheckpointEngine, CheckpointError
 from datastates import commit
+from datastates import format as ds_format
 from datastates.megatron import Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -205,8 +206,8 @@ def read_tracker(load_dir: str):
 
 
 def detect_format(ckpt_dir: str) -> str:
-    meta = os.path.join(ckpt_dir, "metadata.json")
-    if os.path.isfile(meta) and os.path.isfile(os.path.join(ckpt_dir, "rank_00000.data")):
+    meta = os.path.join(ckpt_dir, ds_format.METADATA)
+    if os.path.isfile(meta) and os.path.isfile(os.path.join(ckpt_dir, ds_format.data_file(0))):
         return "datastates"  # told apart without reading the index (the engine reads it once, later)
     if os.path.isfile(meta):
         try:
@@ -381,18 +382,18 @@ class Checkpointer:
         rec["throughput_gbps"] = rec["bytes"] / (rec["durable_ms"] / 1e3) / 1e9 if rec["durable_ms"] > 0 else 0.0
         self.records.append(rec)
         log.info(f"checkpoint iteration {iteration:8d} | format: {rec['format']} ({rec['mode']}) | "
-                     f"blocking ms: {rec['stall_ms']:.2f} | snapshot ms: {rec['snapshot_ms']:.2f} | "
-                     f"time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
-                     f"throughput GB/s: {rec['throughput_gbps']:.3f} (rank 0)")
+                 f"blocking ms: {rec['stall_ms']:.2f} | snapshot ms: {rec['snapshot_ms']:.2f} | "
+                 f"time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
+                 f"throughput GB/s: {rec['throughput_gbps']:.3f} (rank 0)")
 
     def finalize(self) -> None:
         """Wait until every pending save is durable and published; log them and a cross-rank summary."""
         if self.engine is not None:
-            last = max((it for it, _, _ in self.pending), default=None)
+            last = max((it for it, _, _ in self.pending), default=-1)
             for _, h, _ in self.pending:
                 h.join()
             self.poll()
-            self.agree_on_failures(last if last is not None else -1)
+            self.agree_on_failures(last)
         # A safe point for a collective: every rank reaches the end of training.
         all_records = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(all_records, self.records)

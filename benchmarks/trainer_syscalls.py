@@ -40,16 +40,22 @@ def traced_run(args: list[str], trace_prefix: str) -> None:
         raise SystemExit(f"trainer failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
 
 
-def count(trace: str, tree: str) -> tuple[int, int]:
-    """(metadata calls on the checkpoint tree, JSON files opened there for reading) in one rank's trace."""
+def count(trace: str, tree: str) -> tuple[int, int, float]:
+    """(metadata calls on the checkpoint tree, JSON files opened there for reading, calls per checkpoint in the
+    steady state) in one rank's trace. The steady state runs from the first save's mkdir to the last one's: one
+    whole checkpoint per save in between, without the run's start-up and shutdown."""
     calls = jsons = 0
+    starts = []
     with open(trace) as f:
         for line in f:
             call = metadata_call(line)
             if call and tree in call[1]:
+                if call[0] == "mkdir" and '.partial"' in call[1]:
+                    starts.append(calls)
                 calls += 1
                 jsons += opens_json(call)
-    return calls, jsons
+    steady = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else float("nan")
+    return calls, jsons, steady
 
 
 def main(argv=None) -> None:
@@ -65,11 +71,11 @@ def main(argv=None) -> None:
     traced_run(flags + ["--exit-interval", str(a.iters)], os.path.join(work, "save"))
     traced_run(flags + ["--exit-interval", str(a.iters + 1)], os.path.join(work, "resume"))
     for rank in range(4):
-        saved, _ = count(os.path.join(work, f"save.{rank}"), ckpt)
-        resumed, jsons = count(os.path.join(work, f"resume.{rank}"), ckpt)
-        print(f"rank {rank}: {saved / a.iters:5.1f} file-metadata syscalls per checkpoint ({a.iters} checkpoints, "
-              f"start-up clean-up included); resume: {resumed} calls (its one save included), "
-              f"{jsons} JSON file(s) opened")
+        saved, _, steady = count(os.path.join(work, f"save.{rank}"), ckpt)
+        resumed, jsons, _ = count(os.path.join(work, f"resume.{rank}"), ckpt)
+        print(f"rank {rank}: {steady:5.1f} file-metadata syscalls per checkpoint ({saved / a.iters:.1f} with the "
+              f"run's start-up and shutdown spread over its {a.iters} checkpoints); resume: {resumed} calls (its "
+              f"one save included), {jsons} JSON file(s) opened")
     shutil.rmtree(work, ignore_errors=True)
 
 

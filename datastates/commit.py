@@ -1,10 +1,10 @@
 """Publication: a checkpoint becomes visible in one atomic step, only once every rank has finished.
 
 Ranks write into `iter_XXXXXXX.partial/` and report through the store (`coordination`). Rank 0 then writes
-`metadata.json` (the global index; fsync, rename, fsync of the directory, which also makes every rank's file
-entries durable), renames the directory to its final name (fsync of the parent), and replaces
-`latest_checkpointed_iteration.txt` atomically. A crash at any point leaves either the old state or the new
-one; stale `.partial` directories are removed by `clean_stale`.
+`metadata.json` (the global index), renames the directory to its final name, retires old checkpoints and
+replaces `latest_checkpointed_iteration.txt` (`publish` gives the fsync order). A crash at any point leaves
+either the old state or the new one; stale `.partial` and `.deleting` directories are removed by
+`clean_stale`. Retired checkpoints are deleted by the ranks that wrote them (`deletes`).
 """
 from __future__ import annotations
 
@@ -62,12 +62,14 @@ def read_latest(save_dir: str) -> int | None:
     return its[-1] if its else None
 
 
-def write_latest(save_dir: str, iteration: int, fsync: bool = True) -> None:
+def write_latest(save_dir: str, iteration: int, fsync: bool = True, sync_dir: bool = True) -> None:
+    """Replace the tracker atomically (a reader never sees it empty); `sync_dir=False` leaves the fsync of
+    `save_dir` to the caller."""
     tracker = os.path.join(save_dir, TRACKER)
     tmp = f"{tracker}.tmp.{os.getpid()}"
     fmt.write_file(tmp, str(iteration).encode(), fsync)
     os.replace(tmp, tracker)
-    if fsync:
+    if fsync and sync_dir:
         fmt.fsync_dir(save_dir)
 
 
@@ -113,10 +115,40 @@ def apply_retention(save_dir: str, keep_last: int, protect: int, published: list
     return [retire(checkpoint_dir(save_dir, i)) for i in doomed]
 
 
-def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> list[str]:
-    """Rank 0: write metadata.json, move the directory to its final name, update the tracker. Returns the
-    retired directory of an earlier save of the same iteration, if any, for the caller to delete."""
-    fmt.write_json_atomic(os.path.join(partial, fmt.METADATA), metadata, fsync)
+def deletes(rank: int, world_size: int) -> list[str]:
+    """The files of a retired checkpoint that `rank` deletes: its own; rank 1 also rank 0's and the index. Rank 0,
+    which publishes, only renames the directory out of sight and removes it once it is empty, so no rank's
+    share of a deletion grows with the world size. Alone, rank 0 deletes everything."""
+    if world_size == 1:
+        return [fmt.METADATA, fmt.data_file(0), fmt.manifest_file(0)]
+    mine = [fmt.data_file(rank), fmt.manifest_file(rank)] if rank else []
+    return mine + ([fmt.METADATA, fmt.data_file(0), fmt.manifest_file(0)] if rank == 1 else [])
+
+
+def _sync_dir(path: str, fd: int | None) -> None:
+    if fd is None:
+        fmt.fsync_dir(path)
+    else:
+        os.fsync(fd)
+
+
+def publish(partial: str, final: str, metadata: dict, fsync: bool = True, keep_last: int | None = None,
+            published: list[int] | None = None, root_fd: int | None = None) -> list[str]:
+    """Rank 0: make a checkpoint visible, retire old ones, point `latest` at it. Returns the retired directories
+    (renamed out of sight, durably): those of retention and an earlier save of the same iteration, if any.
+
+    Order, each step durable before the next depends on it:
+      1. metadata.json is written into the unpublished directory and fsynced, then the directory is fsynced: the
+         index and every rank's file entries are durable (no temporary name: the directory is not visible yet);
+      2. the directory is renamed into place, the parent fsynced: the checkpoint is durable;
+      3. old checkpoints are renamed out of sight (`keep_last`, `published` as in `apply_retention`) and the
+         tracker is replaced; one fsync of the parent makes both durable.
+    A crash leaves `latest` naming the new checkpoint or the previous one (`read_latest` skips a tracker that
+    names a retired one), and no rank deletes from a retired directory before its rename is durable.
+    `root_fd` is an open descriptor of the parent, to spare an open per publication."""
+    fmt.write_file(os.path.join(partial, fmt.METADATA), fmt.encode_json(metadata), fsync)
+    if fsync:
+        fmt.fsync_dir(partial)
     parent = os.path.dirname(final) or "."
     retired = []
     try:
@@ -127,8 +159,12 @@ def publish(partial: str, final: str, metadata: dict, fsync: bool = True) -> lis
         retired.append(retire(final))
         os.rename(partial, final)
     if fsync:
-        fmt.fsync_dir(parent)
+        _sync_dir(parent, root_fd)
     iteration = iteration_of(final)
     if iteration is not None:
-        write_latest(parent, iteration, fsync)
+        if keep_last is not None:
+            retired += apply_retention(parent, keep_last, iteration, published)
+        write_latest(parent, iteration, fsync, sync_dir=False)
+        if fsync:
+            _sync_dir(parent, root_fd)
     return retired

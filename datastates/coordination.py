@@ -8,7 +8,8 @@ dead. Keys of save `seq` (under a prefix unique to this engine):
     {seq}/n          how many ranks reported (store.add); the rank that makes it W sets {seq}/all
     {seq}/fail       failure log (store.append); a failing rank also sets {seq}/gate at once
     {seq}/gate       rank 0 wakes on it: set by the last report, or by the first failure
-    {seq}/result     rank 0's verdict, set after `latest` names the checkpoint (or on failure)
+    {seq}/result     rank 0's verdict, set after `latest` names the checkpoint (or on failure), with the
+                     checkpoints it retired, for each rank to delete its files from
     {seq}/ack        ranks that read the verdict (each deletes its report); the last one deletes the rest
 
 A dead or stuck rank shows as a timeout on rank 0, which names the ranks that did not report; a dead rank 0
@@ -24,7 +25,6 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, CheckpointTimeoutError
 
-OK = "ok"
 
 
 def default_store() -> dist.Store:
@@ -109,25 +109,28 @@ class Coordinator:
         """Rank 0, after a failure: give the other ranks time to finish touching the save's directory."""
         return self.world_size == 1 or self._wait(f"{seq}/all", timeout_s)
 
-    def announce(self, seq: int, error: str | None) -> None:
-        """Rank 0: the verdict on save `seq`, once it is published and `latest` names it (or it failed)."""
+    def announce(self, seq: int, error: str | None, retired: list[str] = ()) -> None:
+        """Rank 0: the verdict on save `seq`, once it is published and `latest` names it (or it failed), with the
+        directories it retired."""
         if self.world_size > 1:
-            self.store.set(f"{seq}/result", OK if error is None else error)
+            body = {"retired": list(retired)} if error is None else {"error": error}
+            self.store.set(f"{seq}/result", json.dumps(body, separators=(",", ":")))
 
-    def verdict(self, seq: int, what: str, timeout_s: float) -> None:
-        """Ranks other than 0: wait for rank 0's verdict on save `seq`; raise it if the save failed. Waits a
-        little longer than rank 0 waits for the ranks, so that rank 0's verdict usually names a late rank; if it
-        does not come, this rank names the missing ranks itself."""
+    def verdict(self, seq: int, what: str, timeout_s: float) -> list[str]:
+        """Ranks other than 0: wait for rank 0's verdict on save `seq`; raise it if the save failed, else return
+        the directories rank 0 retired. Waits a little longer than rank 0 waits for the ranks, so that rank 0's
+        verdict usually names a late rank; if it does not come, this rank names the missing ranks itself."""
         if self.world_size == 1:
-            return
+            return []
         timeout_s += min(5.0, 0.1 * timeout_s)
         if not self._wait(f"{seq}/result", timeout_s):
             missing = self._missing(seq)
             who = f"rank(s) {missing} did not finish" if missing else "rank 0 did not publish it"
             raise CheckpointTimeoutError(f"{what} not published within {timeout_s:g} s: {who}")
-        result = self.store.get(f"{seq}/result").decode()
-        if result != OK:
-            raise CheckpointError(result)
+        result = json.loads(self.store.get(f"{seq}/result"))
+        if "error" in result:
+            raise CheckpointError(result["error"])
+        return result["retired"]
 
     def done(self, seq: int) -> None:
         """Every rank, after the verdict: removes its report; the last one to get here removes the rest."""

@@ -132,6 +132,8 @@ class CheckpointEngine:
         self._plans: dict[tuple, Plan] = {}
         self._seq = 0
         self._published: dict[str, list[int]] = {}  # rank 0, with retention: published iterations per save root
+        self._root_fds: dict[str, int] = {}  # rank 0: a descriptor of each save root, for its fsyncs
+        self._emptying: list[list] = []  # rank 0: retired directories the ranks are emptying, [path, looks]
         self._jobs: dict[SaveHandle, _Job] = {}  # saves not finished yet, for failing them if a stage dies
         self._jobs_lock = threading.Lock()
         self._broken: CheckpointError | None = None
@@ -168,7 +170,7 @@ class CheckpointEngine:
         self._seq += 1
         job = _Job(self._seq, handle, entries, plan, [], self.backend.begin_save(), t0)
         try:
-            os.makedirs(job.partial, exist_ok=True)
+            _make_dir(job.partial)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {job.partial!r}: {e.strerror}") from e
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
@@ -247,7 +249,10 @@ class CheckpointEngine:
             for t in self._threads:
                 t.join()
             self._pickler.shutdown()
+            self._deleter.submit(_logged, self._sweep)
             self._deleter.shutdown()
+            for fd in self._root_fds.values():
+                os.close(fd)
             self.backend.close()
             self.io.close()
             if self._reader is not None:
@@ -419,11 +424,12 @@ class CheckpointEngine:
                     t0 = time.perf_counter()
                     self.coordinator.await_reports(job.seq, what, self.publish_timeout_s)
                     t1 = time.perf_counter()
-                    self._publish(job, self.coordinator.manifests(job.seq))
-                    self.coordinator.announce(job.seq, None)
+                    retired = self._publish(job, self.coordinator.manifests(job.seq))
+                    self.coordinator.announce(job.seq, None, retired)
                     job.handle.stats.update(wait_ranks_s=t1 - t0, publish_s=time.perf_counter() - t1)
                 else:
-                    self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
+                    retired = self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
+                self._deleter.submit(_logged, self._delete, retired)
             except BaseException as e:  # noqa: BLE001
                 job.fail(e)
                 if self.rank == 0:
@@ -452,18 +458,70 @@ class CheckpointEngine:
         handle.stats["throughput_gbps"] = job.size / handle.stats["durable_s"] / 1e9
         handle._done.set()
 
-    def _publish(self, job: _Job, manifests: dict[int, dict]) -> None:
-        """Rank 0: write the global index, rename the directory into place, point `latest` at it, retire old ones."""
+    def _publish(self, job: _Job, manifests: dict[int, dict]) -> list[str]:
+        """Rank 0: write the global index, rename the directory into place, retire old ones, point `latest` at
+        it; returns the retired directories."""
         iteration = commit.iteration_of(job.final)
         metadata = fmt.index_metadata(manifests, iteration, self.world_size)
-        retired = commit.publish(job.partial, job.final, metadata, self.fsync)
+        root = os.path.dirname(job.final) or "."
+        published = None
         if self.keep_last is not None and iteration is not None:
-            root = os.path.dirname(job.final)
             if root not in self._published:  # scanned once per save root, then kept up to date by retention
                 self._published[root] = commit.published_iterations(root)
-            retired += commit.apply_retention(root, self.keep_last, iteration, self._published[root])
+            published = self._published[root]
+        if self.fsync and root not in self._root_fds:
+            self._root_fds[root] = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        return commit.publish(job.partial, job.final, metadata, self.fsync, self.keep_last, published,
+                              self._root_fds.get(root))
+
+    def _delete(self, retired: list[str]) -> None:
+        """Deleter thread, off the save path: every rank deletes its share of the retired checkpoints
+        (`commit.deletes`); rank 0 then removes the emptied directories, looking again at each publication, and
+        after a few looks (a rank died, or the checkpoint came from a larger world) removes what is left itself."""
         for path in retired:
-            self._deleter.submit(shutil.rmtree, path, ignore_errors=True)
+            for name in commit.deletes(self.rank, self.world_size):
+                try:
+                    os.unlink(os.path.join(path, name))
+                except FileNotFoundError:
+                    pass
+        if self.rank != 0:
+            return
+        still = []
+        for entry in self._emptying:
+            try:
+                os.rmdir(entry[0])
+            except FileNotFoundError:
+                pass
+            except OSError:
+                entry[1] += 1
+                if entry[1] < 3:
+                    still.append(entry)
+                else:
+                    shutil.rmtree(entry[0], ignore_errors=True)
+        self._emptying = still + [[path, 0] for path in retired]
+
+    def _sweep(self) -> None:
+        """Deleter thread, at close: rank 0 removes the retired directories still there."""
+        for path, _ in self._emptying:
+            shutil.rmtree(path, ignore_errors=True)
+        self._emptying = []
+
+def _logged(fn, *args) -> None:
+    """Run a clean-up step, logging its failure (a leftover is removed at the next start, never fatal)."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        log.warning("deleting retired checkpoints: %s", e)
+
+
+def _make_dir(path: str) -> None:
+    """One mkdir where the save root exists (the other ranks' mkdir of the same directory may come first)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)
 
 
 def _describe(error: BaseException, path: str) -> CheckpointError:

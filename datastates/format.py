@@ -66,27 +66,17 @@ def write_file(path: str, data: bytes, fsync: bool) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str, obj: dict, fsync: bool = True, sync_dir: bool = True) -> None:
-    """Write to a temporary name, fsync, rename over `path`, then fsync the directory (`sync_dir`) through a
-    descriptor opened before the rename: once the file is visible, another rank may rename the directory."""
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY) if fsync and sync_dir else None
-    try:
-        tmp = f"{path}.tmp.{os.getpid()}"
-        write_file(tmp, json.dumps(obj, separators=(",", ":"), sort_keys=True).encode(), fsync)
-        os.replace(tmp, path)
-        if dir_fd is not None:
-            os.fsync(dir_fd)
-    finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
+def encode_json(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
 def write_manifest(path: str, body: dict, fsync: bool = True) -> dict:
-    """Write a rank's manifest atomically (its directory entry is left to the publisher's directory fsync);
-    returns the manifest as written, checksum included."""
+    """Write a rank's manifest into its unpublished checkpoint directory, fsynced (no temporary name: nobody reads
+    it before publication; its directory entry is left to the publisher's directory fsync); returns the manifest
+    as written, checksum included."""
     body = dict(body, schema_version=SCHEMA_VERSION, format=FORMAT_NAME)
     doc = dict(body, manifest_crc32c=_body_crc(body))
-    write_json_atomic(path, doc, fsync, sync_dir=False)
+    write_file(path, encode_json(doc), fsync)
     return doc
 
 

@@ -67,3 +67,47 @@ def test_more_ranks_than_a_store_needs_is_a_clear_error(tmp_path):
     with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=0, world_size=2) as eng:
         with pytest.raises(CheckpointError, match="world_size=2 needs a torch.distributed store"):
             eng.save({"w": torch.ones(4)}, str(tmp_path / "iter_0000001"))
+
+
+def _save_all(engines, root, it, numel=1000):
+    for r, eng in enumerate(engines):
+        eng.save({"w": torch.full((numel,), float(it + r))}, commit.checkpoint_dir(str(root), it))
+    for eng in engines:
+        eng.wait()
+
+
+def test_each_rank_deletes_its_share_of_retired_checkpoints(tmp_path):
+    """Rank 0 only renames a retired checkpoint out of sight and removes the emptied directory; the files go
+    with the ranks' own deletions, and nothing is left once the engines close."""
+    engines = _engines(n=3, keep_last=1)
+    try:
+        for it in range(1, 5):
+            _save_all(engines, tmp_path, it)
+            for eng in engines:
+                eng._deleter.submit(lambda: None).result()  # the deletions of this publication are done
+            retired = [n for n in sorted(tmp_path.iterdir()) if commit.DELETING in n.name]
+            assert all(not any(d.iterdir()) for d in retired), "a retired checkpoint still has files"
+            assert len(retired) <= 1, retired  # rank 0 removed the directories emptied before this save
+        for r, eng in enumerate(engines):
+            assert torch.equal(eng.load(str(tmp_path))["w"], torch.full((1000,), float(4 + r)))
+    finally:
+        for eng in engines:
+            eng.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", commit.TRACKER]
+
+
+def test_retired_checkpoint_of_a_larger_world_is_removed_whole(tmp_path):
+    """A checkpoint written by 3 ranks, retired by a 2-rank job: rank 0 removes the files nobody owns."""
+    three = _engines(n=3)
+    _save_all(three, tmp_path, 1)
+    for eng in three:
+        eng.close()
+    engines = _engines(n=2, keep_last=1)
+    try:
+        for it in (2, 3, 4, 5):
+            _save_all(engines, tmp_path, it)
+    finally:
+        for eng in engines:
+            eng.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", commit.TRACKER]
+

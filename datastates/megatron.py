@@ -153,10 +153,14 @@ def _global_rank() -> int:
 
 
 class MegatronProvider(StateProvider):
-    """ShardedTensor -> global tensor item; ShardedObject -> global object item; Common -> rank-0 object."""
+    """ShardedTensor -> global tensor item; ShardedObject -> global object item; Common -> rank-0 object.
 
-    def __init__(self, ownership: Optional[ReplicaOwnership] = None):
+    `self_contained`: every rank writes every shard it holds and the common state, so that one rank's files
+    restore that rank alone (the memory tier's per-rank checkpoints); no exchange between ranks."""
+
+    def __init__(self, ownership: Optional[ReplicaOwnership] = None, self_contained: bool = False):
         self.ownership = ownership or ReplicaOwnership()
+        self.self_contained = self_contained
 
     def accepts(self, value):
         return isinstance(value, (ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonpersistentObject,
@@ -165,12 +169,12 @@ class MegatronProvider(StateProvider):
     def flatten(self, value, path, ctx):
         if isinstance(value, Common):
             return ctx.add_object(f"common:{path}", value.value, scope="global", name=f"common:{path}",
-                                  write=_global_rank() == 0)
+                                  write=self.self_contained or _global_rank() == 0)
         if isinstance(value, (ShardedTensorFactory, LocalNonpersistentObject)):
             raise TypeError(f"{type(value).__name__} at {path!r}: call datastates.megatron.prepare_for_save / "
                             "prepare_for_load (or save_sharded/load_sharded) before handing the state to the engine")
         ident = shard_identity(value)
-        write = self.ownership.writes(ident, value.replica_id)
+        write = self.self_contained or self.ownership.writes(ident, value.replica_id)
         key = _item_key(ident)
         if isinstance(value, ShardedObject):
             return ctx.add_object(key, value.data, scope="global", name=key, write=write)
@@ -193,9 +197,10 @@ class MegatronProvider(StateProvider):
                               global_offset=tuple(int(x) for x in value.global_offset), write=write)
 
 
-def make_registry(ownership: Optional[ReplicaOwnership] = None) -> ProviderRegistry:
+def make_registry(ownership: Optional[ReplicaOwnership] = None, self_contained: bool = False) -> ProviderRegistry:
     """A provider registry that understands megatron-core's sharded state dicts (for CheckpointEngine(registry=))."""
-    return ProviderRegistry([MegatronProvider(ownership), ContainerProvider(), TensorProvider(), ObjectProvider()])
+    return ProviderRegistry([MegatronProvider(ownership, self_contained), ContainerProvider(), TensorProvider(),
+                             ObjectProvider()])
 
 
 def _provider(registry: ProviderRegistry) -> MegatronProvider:
@@ -277,9 +282,9 @@ def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optiona
     when not given). Collective on first use and whenever the structure changes; otherwise local.
     """
     sd = prepare_for_save(sharded_state_dict)
-    if ownership is None:
-        ownership = _provider(engine.registry).ownership
-    ownership.compute(_sharded_leaves(sd))
+    provider = _provider(engine.registry)
+    if not provider.self_contained:
+        (ownership or provider.ownership).compute(_sharded_leaves(sd))
     return engine.save(sd, path)
 
 

@@ -271,6 +271,11 @@ class CheckpointReader:
         reads.finish()
         return dst
 
+    def verify(self, rank: int) -> None:
+        """Read every item `rank` saved and check every checksum (raises on the first damage); nothing is kept."""
+        for item in self.items(rank).values():
+            self.read_item(rank, item)
+
     def _read_object(self, rank: int, item: Item) -> Any:
         buf = _aligned_empty(item.nbytes)
         reads = _Reads(self)

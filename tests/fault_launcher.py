@@ -8,6 +8,8 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_KILL_AFTER_SAVE=<it>       once the earlier saves are done, SIGKILL this process right after the save
                                      call of <it> returns (prints FAULT-KILL first)
     FAULT_FAIL_SAVE=<rank>:<it>      on that rank only, the save of <it> fails (an unpicklable object)
+    FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
+                                     SIGKILL the whole job: the launcher (torchrun) and every worker
 """
 import os
 import runpy
@@ -19,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from datastates import CheckpointEngine, commit  # noqa: E402
+from datastates.local_tier import LocalTier  # noqa: E402
 
 
 class _SlowPickle:
@@ -54,8 +57,26 @@ def save(self, state, path):
     return handle
 
 
+_replicate = LocalTier.replicate
+
+
+def replicate(self, iteration, handle):
+    _replicate(self, iteration, handle)
+    kill = _spec("FAULT_KILL_JOB_AFTER_LOCAL")
+    if kill and kill[0] == iteration:
+        import torch.distributed as dist
+        handle.wait()
+        self.drain()  # this rank's part is in its clique's memory
+        dist.barrier()  # ... on every rank
+        print(f"FAULT-KILL-JOB rank {self.rank} after the memory checkpoint of iteration {iteration}", flush=True)
+        if self.rank == 0:
+            os.kill(os.getppid(), signal.SIGKILL)  # the launcher: it must not restart or clean anything
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 if __name__ == "__main__":
     CheckpointEngine.save = save
+    LocalTier.replicate = replicate
     script = os.path.join(os.path.dirname(HERE), "pretrain_gpt.py")
     sys.argv = [script] + sys.argv[1:]
     runpy.run_path(script, run_name="__main__")

@@ -132,6 +132,19 @@ def _add_checkpoint_args(p):
                         "directory), in this run's TP/PP/DP layout; with --train-iters equal to that iteration "
                         "this converts a checkpoint to a new layout and exits")
     g.add_argument("--use-dist-ckpt", action="store_true", help="accepted for compatibility")
+    g = p.add_argument_group("memory tier (node-local checkpoints)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="every K iterations, a lazy checkpoint of each rank's part to node-local memory (the newest "
+                        "2 kept); --save-interval keeps writing to storage")
+    g.add_argument("--non-persistent-ckpt-type", choices=["local", "global", "in_memory"], default="local",
+                   help="only 'local' (node-local memory) is built here")
+    g.add_argument("--non-persistent-local-ckpt-dir", type=str, default="/dev/shm/datastates",
+                   help="where the memory tier lives; a directory per job is made under it")
+    g.add_argument("--replication", action="store_true",
+                   help="send each rank's memory-tier part to peers on other nodes (--replication-factor - 1)")
+    g.add_argument("--replication-factor", type=int, default=2)
+    g.add_argument("--replication-jump", type=int, default=None,
+                   help="rank distance between the copies of a part (default: the ranks per node)")
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -263,6 +276,25 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         raise ArgumentError("--ckpt-host-buffer-gb and --ckpt-writer-threads must be positive")
     if args.async_ckpt and args.ckpt_format == "torch":
         raise ArgumentError("--async-ckpt is not available with --ckpt-format torch (use datastates or torch_dist)")
+    if args.non_persistent_save_interval is not None:
+        if args.non_persistent_save_interval <= 0:
+            raise ArgumentError(f"--non-persistent-save-interval must be positive, got "
+                                f"{args.non_persistent_save_interval}")
+        if args.non_persistent_ckpt_type != "local":
+            raise ArgumentError(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type}: only 'local' "
+                                "(node-local memory) is available")
+        if args.ckpt_format != "datastates":
+            raise ArgumentError("--non-persistent-save-interval needs --ckpt-format datastates")
+    if args.replication:
+        if args.non_persistent_save_interval is None:
+            raise ArgumentError("--replication replicates the memory tier: it needs --non-persistent-save-interval")
+        if args.replication_factor < 2:
+            raise ArgumentError(f"--replication-factor must be >= 2 with --replication, got "
+                                f"{args.replication_factor}")
+        jump = args.replication_jump or 1
+        if jump <= 0 or world_size % (args.replication_factor * jump):
+            raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump "
+                                f"{args.replication_jump} must divide the world size {world_size}")
     if args.save_after_load:
         if args.save is None or args.load is None:
             raise ArgumentError("--save-after-load needs both --load and --save")

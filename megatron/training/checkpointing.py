@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_
 from datastates import CheckpointEngine, CheckpointError
 from datastates import commit
 from datastates import format as ds_format
+from datastates.local_tier import LocalTier, check_fits, job_id, node_of
 from datastates.megatron import Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -252,6 +253,25 @@ class Checkpointer:
                 registry=make_registry(self.ownership))
             if args.save:
                 self._clean_leftovers(args.save)
+        self.tier: LocalTier | None = None
+        self.local_pending: list[tuple[int, object, float]] = []
+        if args.non_persistent_save_interval:
+            self.tier = self._memory_tier()
+
+    def _memory_tier(self) -> LocalTier:
+        """The node-local memory tier (`datastates.local_tier`), after checking that it fits in memory."""
+        args = self.args
+        world = torch.distributed.get_world_size()
+        factor = args.replication_factor if args.replication else 1
+        # newest 2 kept + 1 being written, per copy, for every rank of the node: params, and two Adam moments
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_copy = param_bytes * (1 if args.no_save_optim else 3)
+        check_fits(args.non_persistent_local_ckpt_dir, 3 * per_copy * factor * node_of(self.rank, world)[1])
+        return LocalTier(args.non_persistent_local_ckpt_dir, job_id(args.save), self.rank, world,
+                         list(_current_layout()), keep=2, replication_factor=factor,
+                         replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
+                         host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
+                         writer_threads=args.ckpt_writer_threads, registry=make_registry(self_contained=True))
 
     def _clean_leftovers(self, save_dir: str) -> None:
         """Remove what saves killed before publication left behind; one rank, while no one saves."""
@@ -305,6 +325,15 @@ class Checkpointer:
         dt = time.perf_counter() - t0
         self._record(iteration, dict(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=nbytes), dt)
 
+    def save_local(self, iteration: int, consumed: int) -> None:
+        """A lazy checkpoint of this rank's part to the node-local memory tier (replicated in the background)."""
+        t0 = time.perf_counter()
+        state = build_state(self.args, self.model, self.optimizer, self.scheduler, iteration, consumed,
+                            fmt="datastates")
+        handle = save_sharded(self.tier.engine, state, self.tier.path(iteration))
+        self.tier.replicate(iteration, handle)
+        self.local_pending.append((iteration, handle, time.perf_counter() - t0))
+
     def _legacy_state(self, sharded):
         """Megatron's legacy checkpoint of this (tp, pp) rank, RNG of every DP rank gathered; None off DP rank 0."""
         rngs = [None] * ps.get_data_parallel_world_size()
@@ -321,31 +350,34 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Called right before the optimizer step mutates saved state: wait until pending snapshots are taken."""
-        if self.engine is None or not self.pending:
-            return
-        unfinished = [p for p in self.pending if not p[1].snapshot_done]
-        if not unfinished:
-            return
-        t0 = time.perf_counter()
-        self.engine.wait_for_snapshot()
-        dt = time.perf_counter() - t0
-        it, h, stall = self.pending[-1]
-        self.pending[-1] = (it, h, stall + dt)
+        self.pending = _fence(self.engine, self.pending)
+        self.local_pending = _fence(self.tier.engine if self.tier else None, self.local_pending)
 
     def poll(self) -> None:
-        """Log the saves that finished (non-blocking); a failed one stops training or warns (--ckpt-on-failure)."""
-        if self.engine is None or not self.pending:
-            return
-        self.engine.maybe_finalize()
-        still = []
-        for it, h, stall in self.pending:
-            if not h.done():
-                still.append((it, h, stall))
-            elif h.error is not None:
-                self._failed(it, h.error)
-            else:
-                self._record(it, h.stats, stall)
-        self.pending = still
+        """Log the saves that finished (non-blocking); a failed one stops training or warns (--ckpt-on-failure).
+        A failed memory checkpoint only warns: storage still holds the run."""
+        if self.engine is not None and self.pending:
+            self.engine.maybe_finalize()
+            still = []
+            for it, h, stall in self.pending:
+                if not h.done():
+                    still.append((it, h, stall))
+                elif h.error is not None:
+                    self._failed(it, h.error)
+                else:
+                    self._record(it, h.stats, stall)
+            self.pending = still
+        if self.tier is not None and self.local_pending:
+            self.tier.engine.maybe_finalize()
+            still = []
+            for it, h, stall in self.local_pending:
+                if not h.done():
+                    still.append((it, h, stall))
+                elif h.error is not None:
+                    log.warning("rank %d: memory checkpoint of iteration %d failed: %s", self.rank, it, h.error)
+                else:
+                    self._record(it, h.stats, stall, tier="memory")
+            self.local_pending = still
 
     def _failed(self, iteration: int, error: BaseException) -> None:
         if self.args.ckpt_on_failure == "stop":
@@ -373,15 +405,15 @@ class Checkpointer:
         raise CheckpointError(f"a checkpoint failed on another rank (see its log); rank {self.rank} stops with it "
                               f"at iteration {iteration}")
 
-    def _record(self, iteration: int, stats: dict, stall_s: float) -> None:
-        rec = dict(iteration=iteration, format=self.args.ckpt_format,
+    def _record(self, iteration: int, stats: dict, stall_s: float, tier: str = "storage") -> None:
+        rec = dict(iteration=iteration, tier=tier, format=self.args.ckpt_format,
                    mode="async" if self.args.async_ckpt else "sync", stall_ms=stall_s * 1e3,
                    blocking_ms=stats.get("blocking_s", stall_s) * 1e3,
                    snapshot_ms=stats.get("snapshot_s", 0.0) * 1e3, durable_ms=stats.get("durable_s", 0.0) * 1e3,
                    bytes=int(stats.get("bytes", 0)))
         rec["throughput_gbps"] = rec["bytes"] / (rec["durable_ms"] / 1e3) / 1e9 if rec["durable_ms"] > 0 else 0.0
         self.records.append(rec)
-        log.info(f"checkpoint iteration {iteration:8d} | format: {rec['format']} ({rec['mode']}) | "
+        log.info(f"{'memory ' if tier == 'memory' else ''}checkpoint iteration {iteration:8d} | format: {rec['format']} ({rec['mode']}) | "
                  f"blocking ms: {rec['stall_ms']:.2f} | snapshot ms: {rec['snapshot_ms']:.2f} | "
                  f"time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
                  f"throughput GB/s: {rec['throughput_gbps']:.3f} (rank 0)")
@@ -392,13 +424,18 @@ class Checkpointer:
             last = max((it for it, _, _ in self.pending), default=-1)
             for _, h, _ in self.pending:
                 h.join()
+            for _, h, _ in self.local_pending:
+                h.join()
             self.poll()
             self.agree_on_failures(last)
+        if self.tier is not None:
+            self.tier.drain()
         # A safe point for a collective: every rank reaches the end of training.
+        storage = [r for r in self.records if r["tier"] == "storage"]
         all_records = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(all_records, self.records)
-        if self.rank == 0 and self.records:
-            for i, rec in enumerate(self.records):
+        torch.distributed.all_gather_object(all_records, storage)
+        if self.rank == 0 and storage:
+            for i, rec in enumerate(storage):
                 per_rank = [r[i] for r in all_records if len(r) > i]
                 total = sum(r["bytes"] for r in per_rank)
                 stall = max(r["stall_ms"] for r in per_rank)
@@ -412,6 +449,14 @@ class Checkpointer:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.tier is not None:
+            self.tier.close()
+
+    def remove_memory_tier(self) -> None:
+        """After close() on every rank (the caller's barrier): the finished job's memory tier goes."""
+        if self.tier is not None:
+            self.tier.remove()
+            self.tier = None
 
     # -- load --
 
@@ -423,25 +468,39 @@ class Checkpointer:
         if args.load is None:
             return 0, 0
         iteration, ckpt_dir = read_tracker(args.load)
+        if self.tier is not None:  # the newest checkpoint every rank can load from memory, if newer than storage's
+            local = self.tier.choose(iteration if isinstance(iteration, int) else None)
+            if local is not None:
+                return self._load_sharded(local, "datastates", self.tier.engine, "the memory tier")
         if iteration is None:
             if args.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--load {args.load!r}: no checkpoint found")
             print_rank_0(f"WARNING: could not find a checkpoint at {args.load}; training from scratch")
             return 0, 0
         fmt = detect_format(ckpt_dir)
+        if fmt == "torch":
+            return self._load_legacy(ckpt_dir, not (args.no_load_optim or args.finetune),
+                                     not (args.no_load_rng or args.finetune))
+        engine = None
+        if fmt == "datastates":
+            engine = self.engine or CheckpointEngine(registry=make_registry(self.ownership))
+        try:
+            return self._load_sharded(ckpt_dir, fmt, engine, args.load)
+        finally:
+            if engine is not None and engine is not self.engine:
+                engine.close()
+
+    def _load_sharded(self, ckpt_dir: str, fmt: str, engine, source: str):
+        """Load a datastates (through `engine`) or torch_dist checkpoint directory; (iteration, consumed)."""
+        args = self.args
         load_optim = not (args.no_load_optim or args.finetune)
         load_rng = not (args.no_load_rng or args.finetune)
         t0 = time.perf_counter()
         template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=True)
-        if fmt == "torch":
-            return self._load_legacy(ckpt_dir, load_optim, load_rng)
         # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
         # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
         state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0, fmt=fmt,
                             is_loading=True)
-        engine = None
-        if fmt == "datastates":
-            engine = self.engine or CheckpointEngine(registry=make_registry(self.ownership))
 
         def read(template):
             if engine is not None:
@@ -463,9 +522,7 @@ class Checkpointer:
                          f"{_describe_layout(_current_layout())}")
         train_state = loaded["train_state"]
         consumed = 0 if args.finetune else int(train_state["consumed_train_samples"])
-        if engine is not None and engine is not self.engine:
-            engine.close()
-        print_rank_0(f"successfully loaded checkpoint from {args.load} ({fmt}) at iteration {it} "
+        print_rank_0(f"successfully loaded checkpoint from {source} ({fmt}) at iteration {it} "
                      f"in {(time.perf_counter() - t0) * 1e3:.1f} ms")
         return it, consumed
 
@@ -506,6 +563,16 @@ class Checkpointer:
         consumed = 0 if args.finetune else int(state["train_state"]["consumed_train_samples"])
         print_rank_0(f"successfully loaded checkpoint from {args.load} (torch) at iteration {it}")
         return it, consumed
+
+
+def _fence(engine, pending: list) -> list:
+    """Wait until the snapshots of `pending` saves are taken; the wait counts as the newest one's stall."""
+    if engine is None or not pending or all(h.snapshot_done for _, h, _ in pending):
+        return pending
+    t0 = time.perf_counter()
+    engine.wait_for_snapshot()
+    it, h, stall = pending[-1]
+    return pending[:-1] + [(it, h, stall + time.perf_counter() - t0)]
 
 
 def _current_layout() -> tuple:

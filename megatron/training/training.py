@@ -228,6 +228,8 @@ def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpo
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointer.save(iteration, consumed)
             saved_last = iteration
+        elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+            checkpointer.save_local(iteration, consumed)  # storage has this iteration already otherwise
         checkpointer.poll()
         if args.exit_interval and iteration % args.exit_interval == 0:
             if args.save and saved_last != iteration:
@@ -266,5 +268,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None,
     finally:
         checkpointer.close()
     dist.barrier()
+    if iteration >= args.train_iters:
+        checkpointer.remove_memory_tier()  # the job is finished: its restart point in memory is not needed
     print_rank_0(f"> training done at iteration {iteration}")
     return iteration

@@ -108,3 +108,16 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     finally:
         logging.getLogger("megatron.training.checkpointing").removeHandler(handler)
         checkpointer.close()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--non-persistent-save-interval", "0"], "--non-persistent-save-interval must be positive"),
+    (["--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global"], "only 'local'"),
+    (["--non-persistent-save-interval", "1", "--ckpt-format", "torch_dist"], "needs --ckpt-format datastates"),
+    (["--replication"], "--replication replicates the memory tier"),
+    (["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "3"],
+     "must divide the world size 4"),
+])
+def test_memory_tier_flags(extra, message):
+    with pytest.raises(ArgumentError, match=message):
+        check(extra)

@@ -14,7 +14,7 @@ import torch
 
 from datastates import commit
 from datastates.errors import CheckpointError
-from datastates.local_tier import LocalTier, cliques
+from datastates.local_tier import LocalTier, check_fits, cliques
 from megatron_helpers import TINY, losses, torchrun
 
 FLAGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "10"]
@@ -114,3 +114,8 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
     relaid.close()
     relaid.remove()
     assert sorted(os.listdir(tmp_path)) == ["job-b"]
+
+
+def test_a_tier_that_does_not_fit_is_refused_before_any_work(tmp_path):
+    with pytest.raises(CheckpointError, match=r"the memory tier needs about .* GiB in .* but only"):
+        check_fits(str(tmp_path), 1 << 60)

@@ -1,0 +1,135 @@
+"""The memory tier with the real trainer (pretrain_gpt.py, one CPU process, the GPT of trainer_e2e.py).
+
+1. Restart: a run saving to storage every 4 iterations and to memory every iteration is SIGKILLed after its
+   memory checkpoint of iteration 7. Restarting it resumes from memory (iteration 7); the same restart without
+   the memory tier resumes from storage (iteration 4), with the storage files evicted from the page cache.
+   Reported: the trainer's load time, and process start to first trained iteration.
+2. Loop: training time of N iterations with a lazy memory checkpoint every iteration and storage every 10,
+   beside storage every iteration and no checkpoint at all.
+
+    python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from common import evict_tree  # noqa: E402
+from trainer_e2e import MODEL, RE_ITER  # noqa: E402
+
+RE_LOADED = re.compile(r"successfully loaded checkpoint from (.*) \(datastates\) at iteration (\d+) in ([\d.]+) ms")
+
+
+def _env():
+    return dict(os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541", RANK="0",
+                WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", DATASTATES_JOB_ID="bench-memtier")
+
+
+def _run(flags, stop_at=None, timeout=900):
+    """Run the trainer; with `stop_at` (a regex), SIGKILL it when a line matches. Returns (lines with their
+    arrival times, seconds from start to the first iteration line, the process's exit code)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *flags], cwd=ROOT,
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, first = [], None
+    for line in p.stdout:
+        now = time.perf_counter()
+        lines.append((now, line))
+        if first is None and RE_ITER.search(line):
+            first = now - t0
+        if stop_at and re.search(stop_at, line):
+            p.send_signal(signal.SIGKILL)
+            break
+        if now - t0 > timeout:
+            p.kill()
+            break
+    return lines, first, p.wait()
+
+
+def restart(out: str, rounds: int) -> dict:
+    ck, mem = os.path.join(out, "ck"), os.path.join(out, "mem")
+    for d in (ck, mem):
+        shutil.rmtree(d, ignore_errors=True)
+    tier = ["--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", mem]
+    base = ["--train-iters", "40", "--save", ck, "--load", ck, "--save-interval", "4", "--async-ckpt"]
+    lines, _, _ = _run(base + tier, stop_at=r"memory checkpoint iteration\s+7 ")
+    if not os.path.isdir(os.path.join(ck, "iter_0000004")):
+        raise SystemExit("the first run did not leave storage at iteration 4:\n" + "".join(l for _, l in lines[-20:]))
+    snap = os.path.join(out, "snapshot")
+    shutil.rmtree(snap, ignore_errors=True)
+    shutil.copytree(out, snap, ignore=shutil.ignore_patterns("snapshot"))
+    res = {"memory": [], "storage": []}
+    for rnd in range(rounds):
+        for name in (("memory", "storage") if rnd % 2 == 0 else ("storage", "memory")):
+            for d in (ck, mem):
+                shutil.rmtree(d, ignore_errors=True)
+                shutil.copytree(os.path.join(snap, os.path.basename(d)), d)
+            evict_tree(ck)
+            lines, first, _ = _run(base + (tier if name == "memory" else []) + ["--exit-interval", "9"],
+                                   stop_at=RE_ITER.pattern)
+            m = next((RE_LOADED.search(l) for _, l in lines if RE_LOADED.search(l)), None)
+            if m is None:
+                raise SystemExit(f"{name} restart did not load:\n" + "".join(l for _, l in lines[-20:]))
+            res[name].append({"iteration": int(m[2]), "load_s": float(m[3]) / 1e3, "first_iteration_s": first})
+            print(f"[restart] from {name:7s}: iteration {m[2]}, load {float(m[3]):7.1f} ms, start to first "
+                  f"iteration {first:.2f} s", flush=True)
+    shutil.rmtree(snap, ignore_errors=True)
+    return {k: {"iteration": v[0]["iteration"], "load_s": statistics.median(r["load_s"] for r in v),
+                "first_iteration_s": statistics.median(r["first_iteration_s"] for r in v)} for k, v in res.items()}
+
+
+def loop(out: str, iters: int, rounds: int) -> dict:
+    ck, mem = os.path.join(out, "loop_ck"), os.path.join(out, "loop_mem")
+    runs = {"no checkpoint": [],
+            "storage every iteration": ["--save", ck, "--save-interval", "1", "--ckpt-keep-last", "1",
+                                        "--async-ckpt"],
+            "memory every iteration, storage every 10": [
+                "--save", ck, "--save-interval", "10", "--ckpt-keep-last", "1", "--async-ckpt",
+                "--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", mem]}
+    times: dict[str, list] = {k: [] for k in runs}
+    for rnd in range(rounds):
+        for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+            for d in (ck, mem):
+                shutil.rmtree(d, ignore_errors=True)
+            lines, _, rc = _run(["--train-iters", str(iters)] + runs[name])
+            first = next((t - float(m[2]) / 1e3 for t, l in lines if (m := RE_ITER.search(l))), None)
+            done = next((t for t, l in lines if "> training done" in l), None)
+            if rc != 0 or first is None or done is None:
+                raise SystemExit(f"{name} failed:\n" + "".join(l for _, l in lines[-20:]))
+            times[name].append(done - first)
+            print(f"[loop] {name:42s} {done - first:6.2f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {k: {"total_s": v, "ratio": v / med["no checkpoint"]} for k, v in med.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/datastates-memtier")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    result = {"restart": restart(a.out, a.rounds), "loop": loop(a.out, a.iters, a.rounds)}
+    print("\nrestart      iteration  load s  start to first iteration s")
+    for k, v in result["restart"].items():
+        print(f"  {k:9s} {v['iteration']:10d} {v['load_s']:7.3f} {v['first_iteration_s']:27.2f}")
+    print(f"\nloop ({a.iters} iterations)                      total s  vs no checkpoint")
+    for k, v in result["loop"].items():
+        print(f"  {k:42s} {v['total_s']:7.2f} {v['ratio']:8.2f}x")
+    with open(os.path.join(a.out, "memory_tier.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,10 @@
 """The memory tier with the real trainer (pretrain_gpt.py, one CPU process, the GPT of trainer_e2e.py).
 
-1. Restart: a run saving to storage every 4 iterations and to memory every iteration is SIGKILLed after its
-   memory checkpoint of iteration 7. Restarting it resumes from memory (iteration 7); the same restart without
-   the memory tier resumes from storage (iteration 4), with the storage files evicted from the page cache.
-   Reported: the trainer's load time, and process start to first trained iteration.
+1. Restart: a run saving to storage every 4 iterations and to memory every iteration is SIGKILLed once it has
+   logged its memory checkpoint of iteration 7 (an iteration or two more may pass before the kill lands).
+   Restarting it resumes from memory; the same restart without the memory tier resumes from storage, with the
+   storage files evicted from the page cache. Reported: the iteration resumed, the trainer's load time, and
+   process start to first trained iteration.
 2. Loop: training time of N iterations with a lazy memory checkpoint every iteration and storage every 10,
    beside storage every iteration and no checkpoint at all.
 
@@ -57,8 +58,8 @@ def _run(flags, stop_at=None, timeout=900):
     return lines, first, p.wait()
 
 
-def restart(out: str, rounds: int) -> dict:
-    ck, mem = os.path.join(out, "ck"), os.path.join(out, "mem")
+def restart(out: str, memory_dir: str, rounds: int) -> dict:
+    ck, mem = os.path.join(out, "ck"), os.path.join(memory_dir, "restart")
     for d in (ck, mem):
         shutil.rmtree(d, ignore_errors=True)
     tier = ["--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", mem]
@@ -68,7 +69,8 @@ def restart(out: str, rounds: int) -> dict:
         raise SystemExit("the first run did not leave storage at iteration 4:\n" + "".join(l for _, l in lines[-20:]))
     snap = os.path.join(out, "snapshot")
     shutil.rmtree(snap, ignore_errors=True)
-    shutil.copytree(out, snap, ignore=shutil.ignore_patterns("snapshot"))
+    for d in (ck, mem):
+        shutil.copytree(d, os.path.join(snap, os.path.basename(d)))
     res = {"memory": [], "storage": []}
     for rnd in range(rounds):
         for name in (("memory", "storage") if rnd % 2 == 0 else ("storage", "memory")):
@@ -89,8 +91,8 @@ def restart(out: str, rounds: int) -> dict:
                 "first_iteration_s": statistics.median(r["first_iteration_s"] for r in v)} for k, v in res.items()}
 
 
-def loop(out: str, iters: int, rounds: int) -> dict:
-    ck, mem = os.path.join(out, "loop_ck"), os.path.join(out, "loop_mem")
+def loop(out: str, memory_dir: str, iters: int, rounds: int) -> dict:
+    ck, mem = os.path.join(out, "loop_ck"), os.path.join(memory_dir, "loop")
     runs = {"no checkpoint": [],
             "storage every iteration": ["--save", ck, "--save-interval", "1", "--ckpt-keep-last", "1",
                                         "--async-ckpt"],
@@ -118,9 +120,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="/tmp/datastates-memtier")
+    ap.add_argument("--memory-dir", default="/dev/shm/datastates-bench",
+                    help="the memory tier's directory: a memory file system, as in production")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    result = {"restart": restart(a.out, a.rounds), "loop": loop(a.out, a.iters, a.rounds)}
+    try:
+        result = {"restart": restart(a.out, a.memory_dir, a.rounds),
+                  "loop": loop(a.out, a.memory_dir, a.iters, a.rounds)}
+    finally:
+        shutil.rmtree(a.memory_dir, ignore_errors=True)
     print("\nrestart      iteration  load s  start to first iteration s")
     for k, v in result["restart"].items():
         print(f"  {k:9s} {v['iteration']:10d} {v['load_s']:7.3f} {v['first_iteration_s']:27.2f}")

@@ -14,7 +14,12 @@ rank does once its data is durable. For each W this reports:
     json_opened_load JSON files rank 1 opens to load
     index_bytes      size of metadata.json
 
-    python benchmarks/scale.py [--worlds 16 64 256 1024 4096] [--out benchmarks/results]
+    python benchmarks/scale.py [--worlds 16 64 256 1024 4096] [--torch-dist-worlds 4 8 16] [--out ...]
+
+Beside it, megatron-core's torch_dist (`dist_checkpointing.save/load`) runs where this machine can hold a real
+process per rank (`--torch-dist-worlds`): every rank saves its row of the same tensor, then loads it back; for
+each W it reports rank 0's time for a second save (global planning, metadata and data; the first pays one-time
+set-up), rank 1's load time, and the file-metadata syscalls and files opened of ranks 0 and 1.
 
 Targets (docs/benchmarking.md): per-rank costs flat in W; rank-0 publication linear in W and under 1 s at
 4,096 ranks; loading at 4,096 ranks under 1 s.
@@ -136,9 +141,93 @@ def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, 
     queue.put(times)
 
 
-def _phase(trace: str, label: str) -> tuple[int, int]:
-    """(file-metadata syscalls, JSON files opened) between the begin and end marks of a phase."""
-    inside, calls, json_opened = False, 0, 0
+def torch_dist_rank(rank: int, world: int, port: int, root: str) -> None:
+    """A megatron-core torch_dist rank: `dist_checkpointing.save` of its row of "w", then `load` of it."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from megatron.training import cpu_shim
+    cpu_shim.install()  # megatron-core's torch_dist strategy calls torch.cuda device helpers
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+
+    def sharded(t):
+        return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world))}
+    out = {}
+    for it in (1, 2):  # the first save pays one-time costs (imports, strategy set-up): the second is measured
+        ckpt = os.path.join(root, f"iter_{it:07d}")
+        if rank == 0:
+            os.makedirs(ckpt)
+        dist.barrier()
+        _mark(f"save{it}-begin")
+        t0 = time.perf_counter()
+        dist_checkpointing.save(sharded(_row(rank)), ckpt)
+        out["save_s"] = time.perf_counter() - t0
+        _mark(f"save{it}-end")
+    dist.barrier()
+    template = torch.zeros(1, ROW)
+    _mark("load-begin")
+    t0 = time.perf_counter()
+    loaded = dist_checkpointing.load(sharded(template), ckpt)
+    out["load_s"] = time.perf_counter() - t0
+    _mark("load-end")
+    assert torch.equal(loaded["w"], _row(rank)), f"rank {rank} loaded wrong bytes"
+    dist.barrier()
+    if rank in (0, 1):
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def run_torch_dist(world: int) -> dict:
+    """Timings from a plain run, syscall counts from a second run with ranks 0 and 1 under strace."""
+    row = _run_torch_dist(world, strace=None)
+    if shutil.which("strace"):
+        row.update({k: v for k, v in _run_torch_dist(world, shutil.which("strace")).items()
+                    if k.startswith(("syscalls", "files"))})
+    return row
+
+
+def _run_torch_dist(world: int, strace: str | None) -> dict:
+    import socket
+    root = tempfile.mkdtemp(prefix=f"td-scale-{world}-", dir=os.environ.get("DS_SCALE_DIR"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    procs, traces = [], {}
+    for rank in range(world):
+        cmd = [sys.executable, os.path.abspath(__file__), "--torch-dist-rank", str(rank), "--world", str(world),
+               "--port", str(port), "--root", root]
+        if strace and rank < 2:
+            traces[rank] = os.path.join(root, f"strace{rank}.txt")
+            cmd = [strace, "-f", "-qq", "-y", "-e", "trace=%file,%desc", "-o", traces[rank]] + cmd
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    results = {}
+    for rank, p in enumerate(procs):
+        out, _ = p.communicate(timeout=900)
+        if p.returncode != 0:
+            raise SystemExit(f"torch_dist rank {rank} of {world} failed (exit {p.returncode}):\n{out[-3000:]}")
+        if rank < 2:
+            results[rank] = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    row = {"world": world, "save_s": results[0]["save_s"], "load_s": results[1]["load_s"]}
+    if strace:
+        ckpt = os.path.join(root, "iter_0000002")
+        row["syscalls_save_r0"] = _phase(traces[0], "save2", ckpt)[0]
+        row["syscalls_save"] = _phase(traces[1], "save2", ckpt)[0]
+        row["files_opened_load"] = _phase(traces[1], "load", ckpt)[2]
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def _phase(trace: str, label: str, tree: str | None = None) -> tuple[int, int, int]:
+    """(file-metadata syscalls, JSON files opened, files opened for reading) between the begin and end marks of
+    a phase; with `tree`, only the calls on paths under it."""
+    inside, calls, json_opened, opened = False, 0, 0, 0
     with open(trace) as f:
         for line in f:
             if MARK + label + "-begin" in line:
@@ -147,10 +236,11 @@ def _phase(trace: str, label: str) -> tuple[int, int]:
             if MARK + label + "-end" in line:
                 break
             call = metadata_call(line) if inside else None
-            if call:
+            if call and (tree is None or tree in call[1]):
                 calls += 1
                 json_opened += opens_json(call)
-    return calls, json_opened
+                opened += call[0].startswith("open") and "O_RDONLY" in call[1] and "O_DIRECTORY" not in call[1]
+    return calls, json_opened, opened
 
 
 def run_world(world: int, iters: int = 2, workers: int = 2) -> dict:
@@ -173,7 +263,7 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict
                "--port", str(port), "--root", root, "--iters", str(iters)]
         if strace:
             traces[rank] = os.path.join(root, f"strace{rank}.txt")
-            cmd = [strace, "-f", "-qq", "-e", "trace=%file,%desc", "-o", traces[rank]] + cmd
+            cmd = [strace, "-f", "-qq", "-y", "-e", "trace=%file,%desc", "-o", traces[rank]] + cmd
         procs[rank] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -200,9 +290,9 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict
            "report_s": sum(report_times) / max(1, len(report_times)),
            "index_bytes": os.path.getsize(os.path.join(root, f"iter_{iters:07d}", "metadata.json"))}
     if strace:
-        row["syscalls_save"] = _phase(traces[1], f"save{iters}")[0]
-        row["syscalls_save_r0"] = _phase(traces[0], f"save{iters}")[0]
-        row["json_opened_load"] = _phase(traces[1], "load")[1]
+        row["syscalls_save"] = _phase(traces[1], f"save{iters}", root)[0]
+        row["syscalls_save_r0"] = _phase(traces[0], f"save{iters}", root)[0]
+        row["json_opened_load"] = _phase(traces[1], "load", root)[1]
     shutil.rmtree(root, ignore_errors=True)
     return row
 
@@ -227,8 +317,11 @@ def plot(rows: list[dict], out: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    ap.add_argument("--torch-dist-worlds", type=int, nargs="*", default=[4, 8, 16],
+                    help="world sizes for megatron-core torch_dist (a real process per rank)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--observer", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--torch-dist-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
@@ -236,6 +329,9 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.observer is not None:
         observer(a.observer, a.world, a.port, a.root, a.iters)
+        return
+    if a.torch_dist_rank is not None:
+        torch_dist_rank(a.torch_dist_rank, a.world, a.port, a.root)
         return
     from deps import require
     require("matplotlib")
@@ -249,9 +345,18 @@ def main(argv=None) -> None:
         print(f"{w:>6} {r['publish_s']:>10.3f} {r['load_s']:>8.3f} {r['report_s'] * 1e3:>10.2f} "
               f"{r.get('syscalls_save', '-'):>17} {r.get('syscalls_save_r0', '-'):>6} "
               f"{r.get('json_opened_load', '-'):>13} {r['index_bytes'] / 1024:>9.1f}", flush=True)
+    td_rows = []
+    if a.torch_dist_worlds:
+        print(f"\ntorch_dist\n{'W':>6} {'save s r0':>10} {'load s':>8} {'syscalls save r1':>17} {'r0':>6} "
+              f"{'files opened at load':>21}")
+    for w in a.torch_dist_worlds:
+        r = run_torch_dist(w)
+        td_rows.append(r)
+        print(f"{w:>6} {r['save_s']:>10.3f} {r['load_s']:>8.3f} {r.get('syscalls_save', '-'):>17} "
+              f"{r.get('syscalls_save_r0', '-'):>6} {r.get('files_opened_load', '-'):>21}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "scale.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"datastates": rows, "torch_dist": td_rows}, f, indent=1)
     plot(rows, a.out)
     print(f"wrote {a.out}/scale.json, scale.png")
 

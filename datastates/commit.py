@@ -92,12 +92,21 @@ def clean_stale(save_dir: str) -> list[str]:
 
 
 def retire(path: str) -> str:
-    """Take a checkpoint out of sight in one atomic rename; returns the new name, for the caller to delete
-    (deleting large files can take long, e.g. on file systems mounted with discard). A crash before the
-    deletion leaves a `.deleting` leftover that `clean_stale` removes."""
+    """Take a checkpoint out of sight in one atomic rename; returns the new name, for the caller to delete with
+    `delete_retired` (deleting large files can take long, e.g. on file systems mounted with discard). A crash
+    before the deletion leaves a `.deleting` leftover that `clean_stale` removes."""
     doomed = f"{path}{DELETING}.{os.getpid()}.{time.monotonic_ns()}"
     os.rename(path, doomed)
     return doomed
+
+
+def delete_retired(path: str, fsync: bool = True) -> None:
+    """Delete a directory `retire` renamed. The rename is made durable first (fsync of the parent): otherwise
+    a power loss could keep the unlinks of its files and lose the rename, leaving a checkpoint under its
+    published name with files missing, or without metadata.json (a leftover `clean_stale` cannot tell)."""
+    if fsync:
+        fmt.fsync_dir(os.path.dirname(path) or ".")
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def apply_retention(save_dir: str, keep_last: int, protect: int, published: list[int]) -> list[str]:

@@ -463,7 +463,7 @@ class CheckpointEngine:
                 self._published[root] = commit.published_iterations(root)
             retired += commit.apply_retention(root, self.keep_last, iteration, self._published[root])
         for path in retired:
-            self._deleter.submit(shutil.rmtree, path, ignore_errors=True)
+            self._deleter.submit(commit.delete_retired, path, self.fsync)
 
 
 def _describe(error: BaseException, path: str) -> CheckpointError:

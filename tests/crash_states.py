@@ -43,7 +43,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, ROOT]  # the datastates next to these tests, also in a copy of the tree
 
 import crash_fs  # noqa: E402
 import crash_harness  # noqa: E402

@@ -48,6 +48,7 @@ sys.path[:0] = [HERE, ROOT]  # the datastates next to these tests, also in a cop
 import crash_fs  # noqa: E402
 import crash_harness  # noqa: E402
 import fs_trace  # noqa: E402
+from datastates import CheckpointEngine, commit  # noqa: E402
 
 WORLD = 2
 MB = 0.0625  # state per rank: 4 tensors of 16 KiB, plus an index and objects
@@ -65,8 +66,6 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
     run's TCPStore on a port the kernel picks (no race for a free port) and hands it to the others by a pipe."""
     import torch
     import torch.distributed as dist
-
-    from datastates import CheckpointEngine, commit
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
@@ -114,10 +113,8 @@ def job_main(root: str, marks: str) -> None:
     """The traced process tree: the runs one after another, each a fresh set of rank processes forked from this
     one, which imported torch and datastates once (and never starts a thread): an import under strace costs
     seconds."""
-    import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    import datastates  # noqa: F401
     os.environ["OMP_NUM_THREADS"] = "1"
     for resume, last, wait_at in RUNS:
         pipe = os.pipe()
@@ -148,7 +145,7 @@ def record(work: str) -> tuple[list[crash_fs.Op], float]:
     t0 = time.monotonic()
     fs_trace.record([sys.executable, __file__, "_job", root, marks], log, cwd=ROOT,
                     env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
-    return fs_trace.parse(log, root, marks), time.monotonic() - t0
+    return fs_trace.parse(log, root, marks, ROOT), time.monotonic() - t0
 
 
 # ------------------------------------------------------------------------------------------------- checking
@@ -157,7 +154,6 @@ class Checker:
     """Checks materialised states; loads are cached by the content of the checkpoint directory."""
 
     def __init__(self, work: str):
-        from datastates import CheckpointEngine
         self.work = work
         self.engine = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=0, world_size=WORLD)
         self.loads: dict[tuple[int, str], list[str]] = {}
@@ -168,14 +164,11 @@ class Checker:
 
     def _verify(self, root: str, it: int) -> list[str]:
         """Problems of checkpoint `it` under `root`: every rank must load bit-exact with what `it` saved."""
-        from datastates import commit
         path = commit.checkpoint_dir(root, it)
         h = hashlib.sha256()
-        for dirpath, dirnames, files in sorted(os.walk(path)):
-            dirnames.sort()
-            for name in sorted(files):
-                with open(os.path.join(dirpath, name), "rb") as f:
-                    h.update(os.path.relpath(os.path.join(dirpath, name), path).encode() + b"\0" + f.read())
+        for name in sorted(os.listdir(path)):  # a checkpoint directory is flat
+            with open(os.path.join(path, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read() + b"\0")
         key = (it, h.hexdigest())
         if key not in self.loads:
             problems = []
@@ -192,16 +185,17 @@ class Checker:
         return self.loads[key]
 
     def check(self, tree: crash_fs.Tree, durable: int | None, newest: int) -> list[str]:
-        from datastates import commit
+        """Materialise `tree` and check it; `durable`: the newest iteration whose save's wait() had returned;
+        `newest`: the newest iteration saved so far."""
         self.count += 1
         root = os.path.join(self.work, f"state_{self.count:06d}")
         tree.materialise(root)
         try:
-            return self._check(root, durable, newest, commit)
+            return self._check(root, durable, newest)
         finally:
             shutil.rmtree(root)
 
-    def _check(self, root: str, durable: int | None, newest: int, commit) -> list[str]:
+    def _check(self, root: str, durable: int | None, newest: int) -> list[str]:
         bad = []
         try:  # a reader before any clean-up (a tool): never an error, a checkpoint that verifies
             seen = commit.read_latest(root)

@@ -14,8 +14,8 @@ made durable by it.
 
 close() is not traced: it guarantees nothing about durability, and `-y` names the descriptors without an fd
 table. Limits, checked rather than assumed: write/pwrite64 only (a writev/pwritev/link/fallocate with a mode under
-the root raises); the file position of write() is kept per open path, which holds for the writers traced
-here (each file is written through one descriptor, opened once per write-up).
+the root raises); the file position of write() is kept per path from its last open, which holds for the
+writers traced here (a file written with write() is opened once, by one thread, and written to the end).
 """
 from __future__ import annotations
 
@@ -51,23 +51,18 @@ def _unhex(text: str) -> bytes:
 
 def _split_args(text: str) -> list[str]:
     """Top-level arguments; quoted strings hold only hex escapes, so only brackets nest."""
-    out, depth, cur = [], 0, []
-    i = 0
-    while i < len(text):
-        c = text[i]
+    out, depth, start = [], 0, 0
+    for m in re.finditer(r"[\[\]{},]", text):
+        c = m.group()
         if c in "[{":
             depth += 1
         elif c in "]}":
             depth -= 1
-        if c == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(c)
-        i += 1
-    if cur:
-        out.append("".join(cur).strip())
-    return out
+        elif depth == 0:
+            out.append(text[start:m.start()].strip())
+            start = m.end()
+    tail = text[start:].strip()
+    return out + [tail] if tail else out
 
 
 def _string(arg: str) -> tuple[bytes, bool]:
@@ -135,8 +130,8 @@ def _calls(lines) -> list[_Call]:
 
 
 class _Parser:
-    def __init__(self, root: str, marks: str):
-        self.root, self.marks = os.path.normpath(root), os.path.normpath(marks)
+    def __init__(self, root: str, marks: str, cwd: str):
+        self.root, self.marks, self.cwd = os.path.normpath(root), os.path.normpath(marks), cwd
         self.tree = Tree()
         self.pos: dict[str, int] = {}  # file position of write(), per open path
         self.ops: list[Op] = []
@@ -149,8 +144,8 @@ class _Parser:
 
     def resolve(self, dirfd: str | None, arg: str) -> str:
         name = _string(arg)[0].decode("utf-8", "surrogateescape")
-        base = _fd_path(dirfd) if dirfd is not None else None
-        return os.path.normpath(os.path.join(base or "/", name))
+        base = _fd_path(dirfd) if dirfd is not None else self.cwd  # the traced job never changes directory
+        return os.path.normpath(os.path.join(base, name))
 
     def emit(self, call: _Call, kind: str, **fields) -> Op:
         op = Op(kind=kind, entry=call.entry, exit=call.exit, **fields)
@@ -158,14 +153,18 @@ class _Parser:
         self.ops.append(op)
         return op
 
-    def fd_ino(self, arg: str, call: _Call) -> tuple[str | None, int | None]:
-        path = _fd_path(arg)
+    def ino(self, path: str | None, call: _Call) -> int | None:
+        """The inode of `path` if it is under the root (where everything was created in the trace)."""
         if path is None or not self.under(path):
-            return path, None
+            return None
         ino = self.tree.lookup(self.rel(path))
         if ino is None:
             raise ValueError(f"line {call.exit}: {call.name} on {path!r}, which the trace never created")
-        return path, ino
+        return ino
+
+    def fd_ino(self, arg: str, call: _Call) -> tuple[str | None, int | None]:
+        path = _fd_path(arg)
+        return path, self.ino(path, call)
 
     def handle(self, call: _Call) -> None:
         if call.ret < 0:
@@ -239,9 +238,9 @@ class _Parser:
 
     def _truncate(self, call):
         path = self.resolve(None, call.args[0])
-        if self.under(path):
-            self.emit(call, "truncate", ino=self.tree.lookup(self.rel(path)), size=int(call.args[1]),
-                      path=self.rel(path))
+        ino = self.ino(path, call)
+        if ino is not None:
+            self.emit(call, "truncate", ino=ino, size=int(call.args[1]), path=self.rel(path))
 
     def _fallocate(self, call):
         path, ino = self.fd_ino(call.args[0], call)
@@ -325,10 +324,10 @@ class _Parser:
                            _flags(call.args[4]))
 
 
-def parse(log: str, root: str, marks: str) -> list[Op]:
+def parse(log: str, root: str, marks: str, cwd: str) -> list[Op]:
     """The operations under `root` (which existed, empty and durable, when the trace began), in order of
-    completion, plus a `mark` op for each number written to the `marks` file."""
-    p = _Parser(root, marks)
+    completion, plus a `mark` op for each number written to the `marks` file; `cwd`: the job's directory."""
+    p = _Parser(root, marks, cwd)
     with open(log, encoding="latin-1") as f:
         for call in _calls(f):
             p.handle(call)

@@ -48,16 +48,22 @@ def published_iterations(save_dir: str) -> list[int]:
     return sorted(i for i in its if i is not None and is_published(checkpoint_dir(save_dir, i)))
 
 
-def read_latest(save_dir: str) -> int | None:
-    """The iteration `latest_checkpointed_iteration.txt` names, if that checkpoint is published; else the newest
-    published one (a crash between publication and the tracker update); None when there is none."""
+def _tracked(save_dir: str) -> int | None:
+    """The iteration the tracker names, whether or not it is published; None if there is none or it is garbage."""
     try:
         with open(os.path.join(save_dir, TRACKER)) as f:
             text = f.read().strip()
-        if text.isdigit() and is_published(checkpoint_dir(save_dir, int(text))):
-            return int(text)
     except FileNotFoundError:
-        pass
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def read_latest(save_dir: str) -> int | None:
+    """The iteration `latest_checkpointed_iteration.txt` names, if that checkpoint is published; else the newest
+    published one (a crash between publication and the tracker update); None when there is none."""
+    tracked = _tracked(save_dir)
+    if tracked is not None and is_published(checkpoint_dir(save_dir, tracked)):
+        return tracked
     its = published_iterations(save_dir)
     return its[-1] if its else None
 
@@ -76,12 +82,23 @@ def write_latest(save_dir: str, iteration: int, fsync: bool = True, sync_dir: bo
 def clean_stale(save_dir: str) -> list[str]:
     """Remove leftovers of saves killed before publication (`.partial`, `.deleting`, temp files).
 
+    A re-save of the tracker's iteration killed between moving the old directory aside and renaming the new one
+    into place is rolled back first: the old one gets its name again (see `publish`).
     Call it on one rank before the first save of a run, while no other rank is saving."""
     removed = []
     try:
         names = os.listdir(save_dir)
     except FileNotFoundError:
         return removed
+    tracked = _tracked(save_dir)
+    final = checkpoint_dir(save_dir, tracked) if tracked is not None else None
+    if final is not None and not os.path.exists(final):
+        prefix = os.path.basename(final) + DELETING + "."
+        for name in sorted(n for n in names if n.startswith(prefix)):
+            if is_published(os.path.join(save_dir, name)):
+                os.rename(os.path.join(save_dir, name), final)
+                names.remove(name)
+                break
     for name in names:
         path = os.path.join(save_dir, name)
         if name.endswith(PARTIAL) or DELETING in name:
@@ -156,6 +173,8 @@ def publish(partial: str, final: str, metadata: dict, fsync: bool = True, keep_l
     except OSError as e:  # re-saving an iteration: the new one wins
         if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
             raise
+        # No rename replaces a non-empty directory: a crash before the second rename leaves the old one under
+        # `.deleting` and none under `final`; `clean_stale` gives the old one its name back.
         retired.append(retire(final))
         os.rename(partial, final)
     if fsync:

@@ -101,9 +101,11 @@ def test_killed_during_retention_or_replacement(three):
     assert _loaded_iteration(eng, root) == 2
     removed = commit.clean_stale(str(root))
     assert sorted(os.path.basename(p) for p in removed) == [
-        "iter_0000001.deleting.123.456", "iter_0000003.deleting.123.789", "iter_0000003.partial",
-        f"{commit.TRACKER}.tmp.999"]
-    assert sorted(os.listdir(root)) == ["iter_0000002", commit.TRACKER]
+        "iter_0000001.deleting.123.456", "iter_0000003.partial", f"{commit.TRACKER}.tmp.999"]
+    # the next start rolls the interrupted re-save back: the tracker's iteration 3 is not lost
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", commit.TRACKER]
+    assert commit.read_latest(str(root)) == 3
+    assert _loaded_iteration(eng, root) == 3
 
 
 def test_rank0_missing_partial_never_loaded(tmp_path):

@@ -10,7 +10,8 @@ Paths are turned into inodes by replaying the operations on a live `Tree` while 
 strace's order of syscall completion): a rename moves an inode, so a later write through a descriptor of the
 renamed file lands on the same inode. An operation's position is the line where its syscall completed; a
 barrier (fsync) also keeps the line where it started, because only what completed before an fsync started is
-made durable by it.
+made durable by it. strace orders the completions of concurrent processes only roughly: an unlink it reports
+after the removal of its directory is moved before it (`_Parser.overtaken`).
 
 close() is not traced: it guarantees nothing about durability, and `-y` names the descriptors without an fd
 table. Limits, checked rather than assumed: write/pwrite64 only (a writev/pwritev/link/fallocate with a mode under
@@ -295,6 +296,33 @@ class _Parser:
         parent, name = self.parent(rel)
         self.emit(call, "unlink", dir=parent, name=name, ino=self.tree.lookup(rel), is_dir=is_dir, path=rel)
 
+    def overtaken(self, calls: list[_Call], i: int) -> list[int]:
+        """Unlinks that strace reports after the successful removal `calls[i]` of their directory although they
+        must have completed before it: strace orders the completions of concurrent processes only roughly (here:
+        one rank still deleting its files of a retired checkpoint while rank 0 removes the directory)."""
+        call = calls[i]
+        if call.ret < 0:
+            return []
+        if call.name == "rmdir":
+            path = self.resolve(None, call.args[0])
+        elif call.name == "unlinkat" and "AT_REMOVEDIR" in call.args[2]:
+            path = self.resolve(call.args[0], call.args[1])
+        else:
+            return []
+        ino = self.tree.lookup(self.rel(path)) if self.under(path) else None
+        if ino is None or not self.tree.dirs.get(ino):
+            return []
+        found = []
+        for j in range(i + 1, len(calls)):
+            c = calls[j]
+            if c.entry > call.exit or c.ret < 0 or c.name not in ("unlink", "unlinkat") or (c.name == "unlinkat" and
+                                                                       "AT_REMOVEDIR" in c.args[2]):
+                continue
+            target = self.resolve(None, c.args[0]) if c.name == "unlink" else self.resolve(c.args[0], c.args[1])
+            if os.path.dirname(target) == path:
+                found.append(j)
+        return found
+
     def _unlink(self, call):
         self._unlink_path(call, self.resolve(None, call.args[0]), False)
 
@@ -329,6 +357,13 @@ def parse(log: str, root: str, marks: str, cwd: str) -> list[Op]:
     completion, plus a `mark` op for each number written to the `marks` file; `cwd`: the job's directory."""
     p = _Parser(root, marks, cwd)
     with open(log, encoding="latin-1") as f:
-        for call in _calls(f):
-            p.handle(call)
+        calls = _calls(f)
+    moved: set[int] = set()
+    for i, call in enumerate(calls):
+        if i in moved:
+            continue
+        for j in p.overtaken(calls, i):
+            p.handle(dataclasses.replace(calls[j], exit=call.exit))
+            moved.add(j)
+        p.handle(call)
     return p.ops

@@ -134,6 +134,9 @@ class ReplicaOwnership:
         self._digest = digest
 
 
+COMMON_PREFIX = "common:"  # the name of a Common value's item: common:<path in the state dict>
+
+
 class Common:
     """A value that every rank holds identically (args, iteration, scheduler, optimizer hyper-parameters).
 
@@ -168,7 +171,7 @@ class MegatronProvider(StateProvider):
 
     def flatten(self, value, path, ctx):
         if isinstance(value, Common):
-            return ctx.add_object(f"common:{path}", value.value, scope="global", name=f"common:{path}",
+            return ctx.add_object(COMMON_PREFIX + path, value.value, scope="global", name=COMMON_PREFIX + path,
                                   write=self.self_contained or _global_rank() == 0)
         if isinstance(value, (ShardedTensorFactory, LocalNonpersistentObject)):
             raise TypeError(f"{type(value).__name__} at {path!r}: call datastates.megatron.prepare_for_save / "

@@ -35,7 +35,7 @@ from datastates import CheckpointEngine, CheckpointError
 from datastates import commit
 from datastates import format as ds_format
 from datastates.local_tier import LocalTier, check_fits, job_id, node_of
-from datastates.megatron import Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
+from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -508,20 +508,25 @@ class Checkpointer:
             from megatron.core import dist_checkpointing
             return dist_checkpointing.load(template, ckpt_dir)
 
+        if args.finetune:  # the weights only: a model-only checkpoint (e.g. from upstream) has nothing else
+            self.model.load_state_dict(read({"model": state["model"]})["model"], strict=True)
+            print_rank_0(f"successfully loaded the model weights of {ckpt_dir} ({fmt}) for fine-tuning from "
+                         f"iteration 0 in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+            return 0, 0
+        _require_training_state(ckpt_dir, fmt, engine, load_optim)
         loaded = read(state)
         self.model.load_state_dict(loaded["model"], strict=True)
         if load_optim:
             load_optimizer_state(self.optimizer, loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        it = 0 if args.finetune else int(loaded["iteration"])
+        it = int(loaded["iteration"])
         saved_layout = _layout_of(loaded.get("args"))
         if load_rng:
             self._restore_rng(read, saved_layout, int(loaded["iteration"]))
         if saved_layout is not None and saved_layout != _current_layout():
             print_rank_0(f"resharded checkpoint {ckpt_dir} from {_describe_layout(saved_layout)} to "
                          f"{_describe_layout(_current_layout())}")
-        train_state = loaded["train_state"]
-        consumed = 0 if args.finetune else int(train_state["consumed_train_samples"])
+        consumed = int(loaded["train_state"]["consumed_train_samples"])
         print_rank_0(f"successfully loaded checkpoint from {source} ({fmt}) at iteration {it} "
                      f"in {(time.perf_counter() - t0) * 1e3:.1f} ms")
         return it, consumed
@@ -563,6 +568,30 @@ class Checkpointer:
         consumed = 0 if args.finetune else int(state["train_state"]["consumed_train_samples"])
         print_rank_0(f"successfully loaded checkpoint from {args.load} (torch) at iteration {it}")
         return it, consumed
+
+
+def _saved_common_names(ckpt_dir: str, fmt: str, engine) -> set[str]:
+    """The top-level names of a sharded checkpoint's common state (what is not a tensor or a sharded object)."""
+    if fmt == "datastates":
+        return {name[len(COMMON_PREFIX):].split("/")[0] for name in engine.reader(ckpt_dir).global_index()
+                if name.startswith(COMMON_PREFIX)}
+    from megatron.core import dist_checkpointing
+    return set(dist_checkpointing.load_common_state_dict(ckpt_dir))
+
+
+def _require_training_state(ckpt_dir: str, fmt: str, engine, load_optim: bool) -> None:
+    """A resume needs the iteration and the data position (and the scheduler with the optimizer): a checkpoint
+    without them, e.g. the weights megatron-core's `dist_checkpointing.save` wrote from a model, gets a message
+    naming the flag that loads it, before anything is read."""
+    names = _saved_common_names(ckpt_dir, fmt, engine)
+    missing = [n for n in ("iteration", "train_state") if n not in names]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt_dir!r} has no {' and no '.join(missing)}: it holds no training "
+                              "state to resume (a model-only checkpoint?); pass --finetune to train from its "
+                              "weights starting at iteration 0")
+    if load_optim and "opt_param_scheduler" not in names:
+        raise CheckpointError(f"checkpoint {ckpt_dir!r} has no optimizer state (no opt_param_scheduler); pass "
+                              "--no-load-optim to resume with a fresh optimizer, or --finetune")
 
 
 def _fence(engine, pending: list) -> list:

@@ -1,0 +1,41 @@
+"""Fine-tuning from what others wrote: a GPTModel saved by stock megatron-core (`dist_checkpointing.save` of the
+model's sharded state dict, weights only), loaded by the trainer with --finetune, as is (torch_dist) and after
+tools/convert_checkpoint.py made a datastates checkpoint of it. The trainer's first loss must equal that model's
+loss on the same batch (one rank, dropout 0: the same computation, compared bit for bit). Without --finetune
+the trainer refuses, naming the flag, before training."""
+import os
+import re
+import subprocess
+import sys
+
+from megatron_helpers import ROOT, TINY, free_port, losses, torchrun
+
+FLAGS = TINY + ["--global-batch-size", "4", "--train-iters", "4", "--hidden-dropout", "0",
+                "--attention-dropout", "0"]
+
+
+def _run(cmd: list[str], **env) -> str:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT, **env)
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    return out
+
+
+def test_finetune_from_a_stock_megatron_core_model(tmp_path):
+    stock = str(tmp_path / "stock" / "iter_0000000")
+    out = _run(["tests/stock_gpt.py", stock, "--init-seed", "999", *FLAGS], MASTER_PORT=str(free_port()))
+    stock_loss = re.search(r"STOCK-LOSS (\S+)", out).group(1)
+    converted = str(tmp_path / "converted")
+    _run(["tools/convert_checkpoint.py", "--from", "torch_dist", "--to", "datastates", "--input", stock,
+          "--output", converted])
+
+    rc, log = torchrun(1, FLAGS + ["--load", stock, "--exit-interval", "1"], check=False)
+    assert rc != 0 and "has no iteration and no train_state" in log and "pass --finetune" in log, log[-3000:]
+    assert not losses(log)
+
+    for source in (stock, converted):
+        _, log = torchrun(1, FLAGS + ["--load", source, "--finetune", "--no-load-optim", "--no-load-rng",
+                                      "--exit-interval", "1"])
+        assert "for fine-tuning from iteration 0" in log, log[-3000:]
+        assert losses(log)[1] == stock_loss, (source, losses(log), stock_loss)

@@ -34,7 +34,8 @@ def model_provider(pre_process=True, post_process=True):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=not cuda, perform_initialization=True, params_dtype=dtype,
-        bf16=args.bf16, fp16=args.fp16, pipeline_dtype=dtype)
+        bf16=args.bf16, fp16=args.fp16, pipeline_dtype=dtype,
+        batch_p2p_comm=cuda)  # gloo has no coalesced send/recv: pairs of isend/irecv instead
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         spec = get_gpt_layer_with_transformer_engine_spec()
@@ -54,7 +55,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
 
 
 def forward_step(data_iterator, model):

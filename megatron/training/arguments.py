@@ -132,6 +132,10 @@ def _add_checkpoint_args(p):
                         "directory), in this run's TP/PP/DP layout; with --train-iters equal to that iteration "
                         "this converts a checkpoint to a new layout and exits")
     g.add_argument("--use-dist-ckpt", action="store_true", help="accepted for compatibility")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer's state in megatron-core's fully_reshardable layout "
+                        "(model-shaped, loads into any TP/PP/DP layout) instead of dp_reshardable (its flat "
+                        "bucket shards, which reshard across DP sizes only)")
     g = p.add_argument_group("memory tier (node-local checkpoints)")
     g.add_argument("--non-persistent-save-interval", type=int, default=None,
                    help="every K iterations, a lazy checkpoint of each rank's part to node-local memory (the newest "
@@ -318,20 +322,23 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if (cuda and _te_importable()) else "local"
     if not cuda:
-        if args.fp16 or args.bf16:
-            raise ArgumentError("--fp16/--bf16 need CUDA: the CPU trainer runs in fp32")
-        if args.sequence_parallel:
-            raise ArgumentError("--sequence-parallel needs CUDA (gloo has no reduce-scatter)")
-        if args.use_distributed_optimizer:
-            raise ArgumentError("--use-distributed-optimizer needs CUDA (megatron-core's DistributedOptimizer)")
+        # megatron-core's own classes train on CPU ranks (cpu_shim adapts its CUDA sites); what needs CUDA
+        # streams or fp16 loss scaling on a GPU is refused here, before any work.
+        if args.fp16:
+            raise ArgumentError("--fp16 needs CUDA: its dynamic loss scaler checks gradients with CUDA-only "
+                                "kernels; on CPU use --bf16")
+        for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(args, flag):
+                raise ArgumentError(f"--{flag.replace('_', '-')} needs CUDA: megatron-core overlaps the "
+                                    "communication on a CUDA stream")
         if args.transformer_impl == "transformer_engine":
             raise ArgumentError("--transformer-impl transformer_engine needs CUDA")
         if args.distributed_backend == "nccl":
             raise ArgumentError("--distributed-backend nccl needs CUDA")
-        if pp > 1 and not args.untie_embeddings_and_output_weights:
-            raise ArgumentError("tied embeddings with --pipeline-model-parallel-size > 1 need CUDA (megatron-core "
-                                "moves the shared weight with .cuda()); on CPU pass "
-                                "--untie-embeddings-and-output-weights")
+    if args.use_distributed_optimizer and args.ckpt_format == "torch":
+        raise ArgumentError("--use-distributed-optimizer with --ckpt-format torch: the legacy format writes one file "
+                            "per (TP, PP) rank from DP rank 0, but the distributed optimizer's state is sharded "
+                            "across DP ranks; use --ckpt-format datastates or torch_dist")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     return args

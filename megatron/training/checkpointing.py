@@ -28,8 +28,6 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                        optim_state_to_sharding_state)
 
 from datastates import CheckpointEngine, CheckpointError
 from datastates import commit
@@ -110,72 +108,126 @@ def rng_sharded_object(state=None) -> ShardedObject:
                          replica_id=0)
 
 
-def init_optimizer_state(optimizer) -> None:
-    """Give every parameter its (zero) optimizer state so that a checkpoint can be loaded into it."""
-    if hasattr(optimizer, "init_state_fn"):  # megatron-core optimizer
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def sharded_metadata(args) -> dict:
+    """What megatron-core's `sharded_state_dict` methods are told (Megatron-LM's keys); saved in the checkpoint
+    as `content_metadata`, because a load must build its template in the layout the checkpoint was saved in."""
+    return {"distrib_optim_sharding_type":
+            "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable",
+            "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def optimizer_sharded_state_dict(optimizer, model_sd: dict, *, is_loading: bool, common: bool) -> dict:
-    """The optimizer state as ShardedTensors on the model's sharding (megatron-core optimizers: their own)."""
-    if hasattr(optimizer, "sharded_state_dict"):
-        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+def _has_sharded(tree) -> bool:
+    """Whether `tree` holds anything megatron-core's loaders treat specially (sharded, or kept on load)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+    if isinstance(tree, dict):
+        return any(_has_sharded(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_sharded(v) for v in tree)
+    return isinstance(tree, (ShardedBase, LocalNonpersistentObject))
+
+
+def _plain(value):
+    """A plain copy of a common value: 0-dim tensors (Adam's common step) become numbers."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _as_common(tree):
+    """Every maximal subtree without sharded items becomes one `Common` (saved once, by rank 0, as megatron-core
+    saves an optimizer's plain values in its common state)."""
+    if not _has_sharded(tree):
+        return Common(_plain(tree))
+    if not isinstance(tree, (dict, list, tuple)):
+        return tree  # a ShardedTensor / ShardedObject / factory / LocalNonpersistentObject
+    if isinstance(tree, dict):
+        return {k: _as_common(v) for k, v in tree.items()}
+    return type(tree)(_as_common(v) for v in tree)
+
+
+def _per_param_states(optimizer_sd: dict) -> list[dict]:
+    """The per-parameter state dicts of a FP32Optimizer / Float16Optimizer state dict (none for DistOpt)."""
+    inner = optimizer_sd.get("optimizer", optimizer_sd)
+    state = inner.get("state") if isinstance(inner, dict) else None
+    return [v for k, v in state.items() if k != "common_step"] if isinstance(state, dict) else []
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state, Adam's step included, so that it can describe what it will load.
+
+    megatron-core's `init_state_fn` makes the moments but no step; with torch's Adam (no TE/apex) the
+    optimizers' `state_dict()` then has no step to save, or to ask a checkpoint for."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or not hasattr(opt, "init_state_fn"):
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, is_loading: bool,
+                                 common: bool) -> dict:
+    """megatron-core's optimizer sharded state dict; for datastates its plain values become `Common`.
+
+    The per-parameter Adam steps are dropped: megatron-core saves them once, as `common_step`, and restores
+    every parameter's step from it (per-parameter copies would name rank 0's parameter ids on every rank)."""
     if is_loading:
-        init_optimizer_state(optimizer)
-    osd = optimizer.state_dict()
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    id_map = get_param_id_to_sharded_param_map(model_sd, params)
-    steps = {float(st["step"]) for st in osd["state"].values() if "step" in st}
-    if len(steps) > 1:
-        raise ValueError(f"optimizer step differs between parameters ({sorted(steps)}): cannot checkpoint it")
-    optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
-    out = {"optimizer": osd, "common_step": steps.pop() if steps else None}
-    if common:
-        osd["param_groups"] = Common([{k: v for k, v in g.items() if k != "params"}
-                                     for g in optimizer.state_dict()["param_groups"]])
-        out["common_step"] = Common(out["common_step"])
-    return out
+        _init_optimizer_state(optimizer)
+    sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    for st in _per_param_states(sd):
+        st.pop("step", None)
+    return _as_common(sd) if common else sd
 
 
 def load_optimizer_state(optimizer, loaded: dict) -> None:
-    if hasattr(optimizer, "sharded_state_dict"):
-        optimizer.load_state_dict(loaded)
-        return
-    osd = loaded["optimizer"]
-    live = optimizer.state_dict()
-    groups = osd["param_groups"]
-    osd["param_groups"] = [dict(g, params=lg["params"]) for g, lg in zip(groups, live["param_groups"])]
-    if len(groups) != len(live["param_groups"]):
-        raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, the model has "
-                              f"{len(live['param_groups'])}")
-    step = loaded.get("common_step")
-    if step is not None:
-        for st in osd["state"].values():
-            st["step"] = torch.tensor(float(step), dtype=torch.float32)
-    optimizer.load_state_dict(osd)
+    inner = loaded.get("optimizer", loaded)
+    state = inner.get("state") if isinstance(inner, dict) else None
+    if isinstance(state, dict) and isinstance(state.get("common_step"), (int, float)):
+        state["common_step"] = torch.tensor(float(state["common_step"]), dtype=torch.float32)  # Adam's type
+    optimizer.load_state_dict(loaded)
+    _restore_adam_steps(optimizer)
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Every parameter's own Adam step, from the loaded param groups, for megatron-core's DistributedOptimizer.
+
+    With torch's Adam (no TE/apex) megatron-core 0.16 first gives every parameter one shared step tensor (torch's
+    Adam increments it in place, once per parameter), then its dp_reshardable loader overwrites the steps with
+    the template's. The step it saved in each param group is the truth."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in (inner.param_groups if inner is not None else ()):
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if "step" in inner.state.get(p, {}):
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 def build_state(args, model, optimizer, scheduler, iteration: int, consumed: int, *, fmt: str,
-                is_loading: bool = False) -> dict:
-    """The sharded state dict of one checkpoint (same structure for save and as the load template)."""
+                is_loading: bool = False, metadata: dict | None = None) -> dict:
+    """The sharded state dict of one checkpoint (same structure for save and as the load template).
+
+    `metadata`: the layout to build (a load passes the checkpoint's own); default this run's flags."""
     common = (lambda v: Common(v)) if fmt == "datastates" else (lambda v: v)
-    model_sd = model.sharded_state_dict()
+    metadata = dict(metadata or sharded_metadata(args))
+    model_sd = model.sharded_state_dict(metadata=dict(metadata))  # megatron-core adds process groups to it
     state = {
         "args": common(_saveable_args(args)),
         "checkpoint_version": common(CHECKPOINT_VERSION),
         "iteration": common(iteration),
         "train_state": common({"consumed_train_samples": consumed, "iteration": iteration}),
+        "content_metadata": common(metadata),
         "model": model_sd,
     }
     if not args.no_save_optim and optimizer is not None:
-        state["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, is_loading=is_loading,
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, dict(metadata), is_loading=is_loading,
                                                           common=fmt == "datastates")
         state["opt_param_scheduler"] = common(scheduler.state_dict())
     if not args.no_save_rng:
@@ -234,8 +286,9 @@ def _legacy_file(ckpt_dir: str) -> str:
 class Checkpointer:
     """Owns the engine and the bookkeeping of in-flight saves; the training loop decides when to call it."""
 
-    def __init__(self, args, model, optimizer, scheduler):
+    def __init__(self, args, model, optimizer, scheduler, ddp=None):
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.ddp = ddp  # megatron-core's DistributedDataParallel around `model`, when there is one
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.engine = None
         # replicas are balanced inside the DP group: one small exchange per structure, flat in the world size
@@ -263,9 +316,12 @@ class Checkpointer:
         args = self.args
         world = torch.distributed.get_world_size()
         factor = args.replication_factor if args.replication else 1
-        # newest 2 kept + 1 being written, per copy, for every rank of the node: params, and two Adam moments
-        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        per_copy = param_bytes * (1 if args.no_save_optim else 3)
+        # newest 2 kept + 1 being written, per copy, for every rank of the node: params, two fp32 Adam moments
+        # and, with 16-bit params, fp32 main params (an upper bound: the distributed optimizer shards them)
+        params = list(self.model.parameters())
+        per_copy = sum(p.numel() * p.element_size() for p in params)
+        if not args.no_save_optim:
+            per_copy += sum(p.numel() for p in params) * 4 * (3 if (args.bf16 or args.fp16) else 2)
         check_fits(args.non_persistent_local_ckpt_dir, 3 * per_copy * factor * node_of(self.rank, world)[1])
         return LocalTier(args.non_persistent_local_ckpt_dir, job_id(args.save), self.rank, world,
                          list(_current_layout()), keep=2, replication_factor=factor,
@@ -288,6 +344,7 @@ class Checkpointer:
         fmt = args.ckpt_format
         ckpt_dir = commit.checkpoint_dir(args.save, iteration)
         t0 = time.perf_counter()
+        self._finish_param_gather()
         state = build_state(args, self.model, self.optimizer, self.scheduler, iteration, consumed, fmt=fmt)
         if fmt == "datastates":
             self.agree_on_failures(iteration)
@@ -325,9 +382,22 @@ class Checkpointer:
         dt = time.perf_counter() - t0
         self._record(iteration, dict(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=nbytes), dt)
 
+    def _finish_param_gather(self) -> None:
+        """--overlap-param-gather: finish the all-gather of the last step's updated params before saving them.
+
+        With the overlap, megatron-core all-gathers the params a step updated in the next forward pass, so right
+        after a step other ranks' slices are stale; a lazy snapshot taken in the background would copy them as
+        that forward pass overwrites them. Forcing the gather now (as Megatron-LM does around its saves) makes
+        the saved bf16 params those of the saved step, and nothing writes them again before the next
+        optimizer step, which is where the fence is."""
+        if self.ddp is not None and self.args.overlap_param_gather:
+            self.ddp.disable_forward_pre_hook(param_sync=True)
+            self.ddp.enable_forward_pre_hook()
+
     def save_local(self, iteration: int, consumed: int) -> None:
         """A lazy checkpoint of this rank's part to the node-local memory tier (replicated in the background)."""
         t0 = time.perf_counter()
+        self._finish_param_gather()
         state = build_state(self.args, self.model, self.optimizer, self.scheduler, iteration, consumed,
                             fmt="datastates")
         handle = save_sharded(self.tier.engine, state, self.tier.path(iteration))
@@ -496,11 +566,6 @@ class Checkpointer:
         load_optim = not (args.no_load_optim or args.finetune)
         load_rng = not (args.no_load_rng or args.finetune)
         t0 = time.perf_counter()
-        template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=True)
-        # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
-        # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
-        state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0, fmt=fmt,
-                            is_loading=True)
 
         def read(template):
             if engine is not None:
@@ -509,11 +574,21 @@ class Checkpointer:
             return dist_checkpointing.load(template, ckpt_dir)
 
         if args.finetune:  # the weights only: a model-only checkpoint (e.g. from upstream) has nothing else
-            self.model.load_state_dict(read({"model": state["model"]})["model"], strict=True)
+            model_sd = self.model.sharded_state_dict(metadata=sharded_metadata(args))
+            self.model.load_state_dict(read({"model": model_sd})["model"], strict=True)
             print_rank_0(f"successfully loaded the model weights of {ckpt_dir} ({fmt}) for fine-tuning from "
                          f"iteration 0 in {(time.perf_counter() - t0) * 1e3:.1f} ms")
             return 0, 0
-        _require_training_state(ckpt_dir, fmt, engine, load_optim)
+        saved = _saved_common(ckpt_dir, fmt, engine)
+        _require_training_state(ckpt_dir, set(saved), load_optim)
+        metadata = saved.get("content_metadata") or sharded_metadata(args)
+        if load_optim:
+            _require_loadable_optimizer(ckpt_dir, args, saved.get("args"), metadata)
+        template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=True)
+        # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
+        # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
+        state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0, fmt=fmt,
+                            is_loading=True, metadata=metadata)
         loaded = read(state)
         self.model.load_state_dict(loaded["model"], strict=True)
         if load_optim:
@@ -570,20 +645,24 @@ class Checkpointer:
         return it, consumed
 
 
-def _saved_common_names(ckpt_dir: str, fmt: str, engine) -> set[str]:
-    """The top-level names of a sharded checkpoint's common state (what is not a tensor or a sharded object)."""
+def _saved_common(ckpt_dir: str, fmt: str, engine) -> dict:
+    """A sharded checkpoint's common state, top-level names -> values (args and content_metadata read, the rest
+    None): what a load must know before it builds its template."""
+    wanted = ("args", "content_metadata")
     if fmt == "datastates":
-        return {name[len(COMMON_PREFIX):].split("/")[0] for name in engine.reader(ckpt_dir).global_index()
-                if name.startswith(COMMON_PREFIX)}
+        names = {name[len(COMMON_PREFIX):].split("/")[0] for name in engine.reader(ckpt_dir).global_index()
+                 if name.startswith(COMMON_PREFIX)}
+        present = [n for n in wanted if n in names]
+        values = load_sharded(engine, {n: Common(None) for n in present}, ckpt_dir) if present else {}
+        return {n: values.get(n) for n in names}
     from megatron.core import dist_checkpointing
-    return set(dist_checkpointing.load_common_state_dict(ckpt_dir))
+    return dict(dist_checkpointing.load_common_state_dict(ckpt_dir))
 
 
-def _require_training_state(ckpt_dir: str, fmt: str, engine, load_optim: bool) -> None:
+def _require_training_state(ckpt_dir: str, names: set[str], load_optim: bool) -> None:
     """A resume needs the iteration and the data position (and the scheduler with the optimizer): a checkpoint
     without them, e.g. the weights megatron-core's `dist_checkpointing.save` wrote from a model, gets a message
     naming the flag that loads it, before anything is read."""
-    names = _saved_common_names(ckpt_dir, fmt, engine)
     missing = [n for n in ("iteration", "train_state") if n not in names]
     if missing:
         raise CheckpointError(f"checkpoint {ckpt_dir!r} has no {' and no '.join(missing)}: it holds no training "
@@ -592,6 +671,27 @@ def _require_training_state(ckpt_dir: str, fmt: str, engine, load_optim: bool) -
     if load_optim and "opt_param_scheduler" not in names:
         raise CheckpointError(f"checkpoint {ckpt_dir!r} has no optimizer state (no opt_param_scheduler); pass "
                               "--no-load-optim to resume with a fresh optimizer, or --finetune")
+
+
+def _require_loadable_optimizer(ckpt_dir: str, args, saved_args, metadata: dict) -> None:
+    """Refuse, before reading, an optimizer state this run cannot take: another optimizer kind, or the
+    distributed optimizer's dp_reshardable layout (flat bucket shards of one TP x PP domain) into another TP/PP."""
+    if saved_args is None:
+        return
+    saved_dist = bool(getattr(saved_args, "use_distributed_optimizer", False))
+    if saved_dist != bool(args.use_distributed_optimizer):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir!r} was saved {'with' if saved_dist else 'without'} --use-distributed-optimizer "
+            f"and this run is {'with' if args.use_distributed_optimizer else 'without'} it: the optimizer states "
+            "differ in kind; match the flag, or pass --no-load-optim to start a fresh optimizer")
+    saved_layout, now = _layout_of(saved_args), _current_layout()
+    if saved_dist and metadata.get("distrib_optim_sharding_type") == "dp_reshardable" and \
+            saved_layout is not None and saved_layout[:2] != now[:2]:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir!r} holds the distributed optimizer in megatron-core's dp_reshardable layout, "
+            f"saved with {_describe_layout(saved_layout)}; it reshards across DP sizes only, and this run is "
+            f"{_describe_layout(now)}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP, or pass "
+            "--no-load-optim")
 
 
 def _fence(engine, pending: list) -> list:

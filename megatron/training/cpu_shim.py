@@ -1,26 +1,115 @@
-"""The one place where megatron-core's hard-coded CUDA calls are made harmless on a CPU-only machine.
+"""The one place where megatron-core's hard-coded CUDA assumptions are adapted to CPU ranks (gloo).
 
-megatron-core (0.16-0.19) calls a few `torch.cuda` device-management functions unconditionally on paths that
-are otherwise device-agnostic: `torch.cuda.current_device()` as the `device=` of scratch buffers
-(`GlobalMemoryBuffer`, some collectives), `torch.cuda.synchronize()` around timers and in
-`dist_checkpointing`, `torch.cuda.set_device()` / `torch.cuda.device_count()` during initialization.
-On a torch built without CUDA (or a machine without a GPU) every one of them raises.
+megatron-core (0.16-0.19) is device-agnostic except at the sites listed in `SITES`: scratch buffers placed on
+`torch.cuda.current_device()`, small tensors created with ``device='cuda'``, parameter types compared with
+``'torch.cuda.BFloat16Tensor'``/``'torch.cuda.FloatTensor'`` strings, and ``.cuda()`` on the shared embedding.
+On a machine without CUDA every one of them raises or refuses the parameter.
 
-`install()` replaces exactly these four functions, and only when `torch.cuda.is_available()` is False:
+Two adaptations, both inactive when `torch.cuda.is_available()` is True (then `install()` returns False and
+`cuda_free()` is a null context):
 
-- `current_device()` returns the string ``"cpu"`` so that `torch.empty(..., device=torch.cuda.current_device())`
-  allocates on the CPU;
-- `synchronize()` and `set_device()` do nothing (there is no device work to wait for);
-- `device_count()` returns 0.
+- `install()` replaces four `torch.cuda` device-management functions: `current_device()` returns ``"cpu"`` (so
+  ``device=torch.cuda.current_device()`` allocates on the CPU), `synchronize()` and `set_device()` do nothing,
+  `device_count()` returns 0.
+- `cuda_free()` is a `TorchFunctionMode`, active on the calling thread only (the checkpoint engine's threads
+  never see it), under which ``device='cuda'`` becomes the CPU, ``Tensor.cuda()`` returns the tensor, and
+  ``Tensor.type()`` without arguments answers with the CUDA type name that megatron-core compares against.
 
-Tensor factory functions (`torch.empty`, `torch.zeros`, ...) are never touched, and when CUDA is present this
-module does nothing at all. `uninstall()` restores the originals (used by tests).
+Before anything is adapted, `check_sites()` reads each site's source in the installed megatron-core. A version
+that moved or rewrote a site fails with `ShimError` naming it: better than a silent half-adaptation.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+from dataclasses import dataclass
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _ORIGINALS: dict = {}
+
+
+class ShimError(RuntimeError):
+    """The installed megatron-core no longer has a CUDA site the way this module adapts it."""
+
+
+@dataclass(frozen=True)
+class Site:
+    module: str       # megatron.core.<module>
+    qualname: str     # the function or method holding the CUDA assumption
+    fragment: str     # source text that must still be there
+    adapted_by: str   # which adaptation makes it work on CPU
+
+    @property
+    def name(self) -> str:
+        return f"megatron.core.{self.module}.{self.qualname}"
+
+
+_DEVICE = "install(): torch.cuda.current_device() -> 'cpu'"
+_MODE_DEVICE = "cuda_free(): device='cuda' -> cpu"
+_MODE_TYPE = "cuda_free(): Tensor.type() -> CUDA type name"
+_MODE_DOT_CUDA = "cuda_free(): Tensor.cuda() -> the tensor"
+
+SITES = (
+    Site("distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__",
+         "device=torch.cuda.current_device()", _DEVICE),
+    Site("optimizer.optimizer", "MixedPrecisionOptimizer.__init__", "device='cuda'", _MODE_DEVICE),
+    Site("optimizer.optimizer", "FP32Optimizer.__init__", "device='cuda'", _MODE_DEVICE),
+    Site("optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+         "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", _MODE_TYPE),
+    Site("optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
+         "model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", _MODE_TYPE),
+    Site("optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+         "device=torch.cuda.current_device()", _DEVICE),
+    Site("optimizer.clip_grads", "get_grad_norm_fp32", "device='cuda'", _MODE_DEVICE),
+    Site("utils", "local_multi_tensor_l2_norm", 'device="cuda"', _MODE_DEVICE),
+    Site("tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+         "device=torch.cuda.current_device()", _DEVICE),
+    Site("tensor_parallel.mappings", "_gather_along_first_dim", "device=torch.cuda.current_device()", _DEVICE),
+    Site("utils", "GlobalMemoryBuffer.get_tensor", "device=torch.cuda.current_device()", _DEVICE),
+    Site("models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer",
+         "weight.data = weight.data.cuda()", _MODE_DOT_CUDA),
+    Site("pipeline_parallel.schedules", "forward_backward_no_pipelining", 'device="cuda"', _MODE_DEVICE),
+    Site("pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving", 'device="cuda"',
+         _MODE_DEVICE),
+    Site("pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
+         "device=torch.cuda.current_device()", _DEVICE),
+)
+
+
+def _resolve(site: Site):
+    obj = importlib.import_module(f"megatron.core.{site.module}")
+    for part in site.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_sites(sites=SITES) -> None:
+    """Fail, naming the site, when the installed megatron-core moved or rewrote a site this module adapts."""
+    try:
+        from megatron.core.package_info import __version__ as version
+    except ImportError:
+        version = "unknown"
+    for site in sites:
+        try:
+            source = inspect.getsource(_resolve(site))
+        except (ImportError, AttributeError, OSError, TypeError) as e:
+            raise ShimError(f"megatron-core {version}: CPU adaptation site {site.name} is gone ({e}); "
+                            f"megatron/training/cpu_shim.py must be updated for this version") from e
+        if site.fragment not in source:
+            raise ShimError(f"megatron-core {version}: CPU adaptation site {site.name} no longer contains "
+                            f"{site.fragment!r} (adapted by {site.adapted_by}); megatron/training/cpu_shim.py "
+                            "must be updated for this version")
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def installed() -> bool:
+    return bool(_ORIGINALS)
 
 
 def _current_device():
@@ -39,23 +128,15 @@ def _device_count():
     return 0
 
 
-def needed() -> bool:
-    return not torch.cuda.is_available()
-
-
-def installed() -> bool:
-    return bool(_ORIGINALS)
-
-
 def install() -> bool:
-    """Make megatron-core's hard-coded CUDA device calls harmless on a CPU-only machine. Idempotent.
+    """Check the sites, then make torch.cuda's device functions CPU-answering. Idempotent.
 
-    Returns True when the shim is active, False when CUDA is present (nothing is changed then).
-    """
+    Returns True when the shim is active, False when CUDA is present (nothing is checked or changed then)."""
     if not needed():
         return False
     if _ORIGINALS:
         return True
+    check_sites()
     for name, repl in (("current_device", _current_device), ("synchronize", _synchronize),
                        ("set_device", _set_device), ("device_count", _device_count)):
         _ORIGINALS[name] = getattr(torch.cuda, name)
@@ -67,3 +148,28 @@ def uninstall() -> None:
     for name, orig in _ORIGINALS.items():
         setattr(torch.cuda, name, orig)
     _ORIGINALS.clear()
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and str(device).startswith("cuda")
+
+
+class _CpuDevices(TorchFunctionMode):
+    """``device='cuda'`` -> CPU, ``.cuda()`` -> self, ``.type()`` -> the CUDA type name (see the module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def cuda_free():
+    """A context under which megatron-core's ``'cuda'`` tensors and type checks work on CPU (this thread only).
+
+    A null context when CUDA is present."""
+    return _CpuDevices() if installed() else contextlib.nullcontext()

@@ -2,20 +2,18 @@
 
     for each iteration i+1:
         forward/backward of every micro-batch          (reads params; a pending lazy snapshot copies meanwhile)
-        gradient all-reduce (DP), clipping
+        gradient reductions (DP, SP layer norms, tied embedding), clipping, all megatron-core's
         checkpointer.fence()                            <- right before anything saved is mutated
         optimizer.step(); scheduler.step()
         if i+1 % save_interval == 0: save_checkpoint(i+1)   (returns at once with --async-ckpt)
 
-On CPU (gloo) the step is this module's own: a plain torch AdamW, DP gradient averaging with one flat
-all-reduce, and for PP>1 a GPipe schedule with gloo send/recv between stages (all forwards, then all
-backwards). On CUDA the same loop uses megatron-core's DistributedDataParallel, `get_megatron_optimizer`
-(`--use-distributed-optimizer` included) and `get_forward_backward_func` schedules.
+The objects that train are megatron-core's on every device: DistributedDataParallel, `get_megatron_optimizer`
+(`--use-distributed-optimizer` included) and the `get_forward_backward_func` schedules. On CPU ranks (gloo)
+they run under `cpu_shim.cuda_free()`, the one module that adapts megatron-core's CUDA assumptions.
 """
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import torch
@@ -23,22 +21,13 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 
+from . import cpu_shim
 from .checkpointing import Checkpointer, print_rank_0, print_rank_last
 from .data import MicroBatches, build_dataset
 from .initialize import initialize_megatron
 
 
-# ----- optimizer -----
-
-def _param_groups(model):
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if (p.ndim == 1 or name.endswith(".bias")) else decay).append(p)
-    groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
-    return [g for g in groups if g["params"]]
-
+# ----- model and optimizer -----
 
 def build_scheduler(args, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -51,109 +40,44 @@ def build_scheduler(args, optimizer):
 
 
 def setup_model_and_optimizer(args, model_provider):
+    """megatron-core's model, DistributedDataParallel (grad buffers) and optimizer, on every device.
+
+    Returns (the GPT model, the DDP wrapper that trains it, optimizer, scheduler).
+
+    `get_megatron_optimizer` gives `DistributedOptimizer` with --use-distributed-optimizer, else
+    `Float16OptimizerWithFloat16Params` (--bf16/--fp16) or `FP32Optimizer`; gradient clipping is theirs."""
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     model = model_provider(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if args.device.type == "cuda":
-        return _setup_cuda(args, model)
-    optimizer = torch.optim.AdamW(_param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_eps, weight_decay=args.weight_decay, foreach=False)
-    return model, optimizer, build_scheduler(args, optimizer)
-
-
-def _setup_cuda(args, model):
-    """megatron-core's DDP wrapper, optimizer (distributed optimizer included) and schedules."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    model.cuda(torch.cuda.current_device())
+        model.cuda(torch.cuda.current_device())
+    gpt = model
+    if args.bf16 or args.fp16:
+        from megatron.core.transformer.module import Float16Module
+        model = Float16Module(model.config, model)  # 16-bit inputs in, fp32 logits out, as in Megatron-LM
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer)
-    model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=model)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=model.config.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, [model])
-    return model, optimizer, build_scheduler(args, optimizer)
+    # What Megatron-LM's train() wires into the schedules: loss scaling, the end-of-backward gradient
+    # reductions (DP, sequence-parallel layer norms, the embedding tied across pipeline stages), no_sync.
+    config = model.config
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = model.start_param_sync
+    return gpt, model, optimizer, build_scheduler(args, optimizer)
 
 
-# ----- CPU step -----
-
-def _allreduce_grads(model, args):
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group() and \
-            getattr(model, "share_embeddings_and_output_weights", False) and \
-            (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
-        w = model.shared_embedding_or_output_weight()
-        dist.all_reduce(w.grad, group=ps.get_embedding_group())
-    if args.data_parallel_size > 1:
-        grads = [p.grad for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
-        flat.div_(args.data_parallel_size)
-        for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(f)
-
-
-def _clip_grads(model, max_norm: float) -> float:
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    sq = torch.zeros((), dtype=torch.float64)
-    params = [p for p in model.parameters() if p.grad is not None]
-    for p in params:
-        if getattr(p, "shared", False) or not param_is_not_tensor_parallel_duplicate(p):
-            continue
-        sq += p.grad.double().pow(2).sum()
-    dist.all_reduce(sq, group=ps.get_model_parallel_group())
-    norm = float(sq.sqrt())
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-    return norm
-
-
-def _forward_backward_cpu(args, model, forward_step_func, batches, consumed):
-    """All micro-batches of one iteration; PP>1: GPipe over gloo send/recv. Returns the reported losses."""
-    nmb = args.num_microbatches
-    pp = ps.get_pipeline_model_parallel_world_size()
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
-    reported, saved = [], []
-    for m in range(nmb):
-        it = iter([batches.get(consumed, m)])
-        inp = None
-        if pp > 1 and not first:
-            inp = torch.empty(shape, dtype=torch.float32)
-            dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
-            inp.requires_grad_(True)
-        if pp > 1:
-            model.set_input_tensor(inp)
-        out, loss_func = forward_step_func(it, model)
-        if last:
-            loss, rep = loss_func(out)
-            out = loss / nmb
-            reported.append(rep)
-        elif pp > 1:
-            dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-        if pp == 1:
-            out.backward()
-        else:
-            saved.append((inp, out))
-    for inp, out in reversed(saved) if pp > 1 else []:
-        if last:
-            out.backward()
-        else:
-            grad = torch.empty(shape, dtype=torch.float32)
-            dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
-            out.backward(grad)
-        if not first:
-            dist.send(inp.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
-    return reported
-
+# ----- one step -----
 
 def _reduce_losses(args, reported):
     """Mean over micro-batches, then over DP ranks (last pipeline stage only)."""
@@ -169,33 +93,24 @@ def _reduce_losses(args, reported):
     return out
 
 
-def train_step_cpu(args, model, optimizer, scheduler, forward_step_func, batches, consumed, checkpointer):
-    optimizer.zero_grad(set_to_none=True)  # gradients are not part of the checkpoint
-    reported = _forward_backward_cpu(args, model, forward_step_func, batches, consumed)
-    _allreduce_grads(model, args)
-    grad_norm = _clip_grads(model, args.clip_grad)
-    checkpointer.fence()  # the optimizer step below mutates params and optimizer state: snapshots must be done
-    optimizer.step()
-    scheduler.step(increment=args.global_batch_size)
-    return _reduce_losses(args, reported), grad_norm
-
-
-def train_step_cuda(args, model, optimizer, scheduler, forward_step_func, batches, consumed, checkpointer):
+def train_step(args, model, optimizer, scheduler, forward_step_func, batches, consumed, checkpointer):
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    if args.overlap_param_gather:
-        checkpointer.fence()  # the param all-gather of the forward pass overwrites params
-    model.zero_grad_buffer()
+    model.zero_grad_buffer()  # gradients are not part of the checkpoint
     optimizer.zero_grad()
     data = iter([batches.get(consumed, m) for m in range(args.num_microbatches)])
     reported = get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data, model=[model],
         num_microbatches=args.num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
+    # The optimizer step below mutates params and optimizer state: the snapshots of pending saves must be
+    # taken. (With --overlap-param-gather the forward pass gathers params too, but save_checkpoint finishes
+    # that gather before building its state, so the saved params are the saved step's and nothing mutates
+    # them before this point.)
     checkpointer.fence()
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=args.global_batch_size)
-    return _reduce_losses(args, reported if ps.is_pipeline_last_stage() else []), grad_norm
+    return _reduce_losses(args, reported if ps.is_pipeline_last_stage() else []), grad_norm or 0.0
 
 
 # ----- loop -----
@@ -203,13 +118,12 @@ def train_step_cuda(args, model, optimizer, scheduler, forward_step_func, batche
 def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpointer, iteration, consumed):
     batches = MicroBatches(dataset, args.micro_batch_size, ps.get_data_parallel_rank(),
                            ps.get_data_parallel_world_size(), device=args.device)
-    step = train_step_cuda if args.device.type == "cuda" else train_step_cpu
     model.train()
     saved_last = None
     start = iteration
     t_last = time.perf_counter()
     while iteration < args.train_iters:
-        losses, grad_norm = step(args, model, optimizer, scheduler, forward_step_func, batches, consumed,
+        losses, grad_norm = train_step(args, model, optimizer, scheduler, forward_step_func, batches, consumed,
                                  checkpointer)
         iteration += 1
         consumed += args.global_batch_size
@@ -248,11 +162,16 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None,
              extra_args_provider=None, args_defaults=None, argv=None):
     """Megatron's entry point: initialize, build, load, train, finish every checkpoint."""
     args = initialize_megatron(extra_args_provider, argv)
+    with cpu_shim.cuda_free():  # megatron-core's CUDA assumptions, adapted on CPU ranks (a no-op with CUDA)
+        return _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func)
+
+
+def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func):
     print_rank_0(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size}, "
                  f"pipeline-parallel {args.pipeline_model_parallel_size}, data-parallel {args.data_parallel_size}, "
                  f"{args.num_microbatches} micro-batch(es) per iteration, device {args.device}")
-    model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider)
-    checkpointer = Checkpointer(args, model.module if hasattr(model, "module") else model, optimizer, scheduler)
+    gpt, model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider)
+    checkpointer = Checkpointer(args, gpt, optimizer, scheduler, ddp=model)
     try:
         iteration, consumed = checkpointer.load()
         if args.save_after_load:

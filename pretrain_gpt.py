@@ -41,6 +41,9 @@ def model_provider(pre_process=True, post_process=True):
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        from megatron.training import cpu_shim
+        if args.sequence_parallel and cpu_shim.installed():
+            spec = cpu_shim.sequence_parallel_local_spec(spec, config)
     vocab = args.vocab_size
     mult = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     padded_vocab = (vocab + mult - 1) // mult * mult

@@ -221,6 +221,10 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
 
     drop = object()
 
+    def kept(v, r) -> bool:
+        """A value of the common state: not a sharded item, nor a container that held only sharded items."""
+        return r is not drop and not (_container(v) and _container(r) and not r)
+
     def resolve(node):
         if isinstance(node, ItemRef):
             it = own.get(node.id)
@@ -234,11 +238,11 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
             out = type(node)() if type(node) is not dict else {}
             for k, v in node.items():
                 r = resolve(v)
-                if r is not drop and not (_container(v) and _container(r) and not r):
+                if kept(v, r):
                     out[k] = r
             return out
         if isinstance(node, (list, tuple)):
-            vals = [r for r in (resolve(v) for v in node) if r is not drop]
+            vals = [r for v, r in ((v, resolve(v)) for v in node) if kept(v, r)]
             if isinstance(node, list):
                 return vals
             return type(node)(*vals) if hasattr(node, "_fields") else tuple(vals)

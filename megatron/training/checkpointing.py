@@ -190,8 +190,27 @@ def load_optimizer_state(optimizer, loaded: dict) -> None:
     state = inner.get("state") if isinstance(inner, dict) else None
     if isinstance(state, dict) and isinstance(state.get("common_step"), (int, float)):
         state["common_step"] = torch.tensor(float(state["common_step"]), dtype=torch.float32)  # Adam's type
-    optimizer.load_state_dict(loaded)
+    if loaded.get("param_state_sharding_type") == "fully_reshardable":
+        _load_fully_reshardable(optimizer, loaded)
+    else:
+        optimizer.load_state_dict(loaded)
     _restore_adam_steps(optimizer)
+
+
+def _load_fully_reshardable(optimizer, loaded: dict) -> None:
+    """DistributedOptimizer.load_state_dict in its two steps, the Adam steps set aside for the second.
+
+    megatron-core 0.16 copies a fully_reshardable param state into every key of the parameter's optimizer
+    state; with torch's Adam (no TE/apex) that state also holds `step`, which the checkpoint keeps in the param
+    groups, and the copy fails (KeyError: 'step'). The steps come back from the param groups afterwards."""
+    (opt,) = getattr(optimizer, "chained_optimizers", [optimizer])
+    param_state = loaded.pop("param_state")
+    opt.load_state_dict(loaded)
+    inner = opt.optimizer
+    steps = {p: st.pop("step") for p, st in inner.state.items() if "step" in st}
+    opt.load_parameter_state_from_fully_reshardable(param_state)
+    for p, step in steps.items():
+        inner.state[p]["step"] = step
 
 
 def _restore_adam_steps(optimizer) -> None:

@@ -15,6 +15,10 @@ Two adaptations, both inactive when `torch.cuda.is_available()` is True (then `i
   never see it), under which ``device='cuda'`` becomes the CPU, ``Tensor.cuda()`` returns the tensor, and
   ``Tensor.type()`` without arguments answers with the CUDA type name that megatron-core compares against.
 
+Without apex or Transformer Engine, megatron-core's local layer spec builds torch norms, which refuse sequence
+parallelism only because they do not mark their weights; `sequence_parallel_local_spec()` marks them, and
+megatron-core's `finalize_model_grads` then all-reduces their gradients over TP as it does apex's.
+
 Before anything is adapted, `check_sites()` reads each site's source in the installed megatron-core. A version
 that moved or rewrote a site fails with `ShimError` naming it: better than a silent half-adaptation.
 """
@@ -51,6 +55,7 @@ _DEVICE = "install(): torch.cuda.current_device() -> 'cpu'"
 _MODE_DEVICE = "cuda_free(): device='cuda' -> cpu"
 _MODE_TYPE = "cuda_free(): Tensor.type() -> CUDA type name"
 _MODE_DOT_CUDA = "cuda_free(): Tensor.cuda() -> the tensor"
+_SP_NORM = "sequence_parallel_local_spec(): torch norms with their weights marked sequence_parallel"
 
 SITES = (
     Site("distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__",
@@ -74,6 +79,9 @@ SITES = (
     Site("pipeline_parallel.schedules", "forward_backward_no_pipelining", 'device="cuda"', _MODE_DEVICE),
     Site("pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving", 'device="cuda"',
          _MODE_DEVICE),
+    Site("transformer.torch_norm", "WrappedTorchNorm.__new__", "assert not config.sequence_parallel", _SP_NORM),
+    Site("distributed.finalize_model_grads", "_allreduce_non_tensor_model_parallel_grads",
+         'getattr(param, "sequence_parallel", False)', _SP_NORM),
     Site("pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
          "device=torch.cuda.current_device()", _DEVICE),
 )
@@ -173,3 +181,28 @@ def cuda_free():
 
     A null context when CUDA is present."""
     return _CpuDevices() if installed() else contextlib.nullcontext()
+
+
+class _SequenceParallelNorm:
+    """megatron-core's WrappedTorchNorm, its weights marked as sequence-parallel (replicated over TP, their
+    gradients summed over TP by finalize_model_grads). A class: megatron-core's build_module calls classes and
+    hands plain functions back uncalled."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        import dataclasses
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        norm = WrappedTorchNorm(dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def sequence_parallel_local_spec(layer_spec, config):
+    """megatron-core's local GPT layer spec as a block spec whose norms accept --sequence-parallel on CPU."""
+    import copy
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.input_layernorm = _SequenceParallelNorm
+    layer_spec.submodules.pre_mlp_layernorm = _SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=_SequenceParallelNorm)

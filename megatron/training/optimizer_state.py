@@ -1,0 +1,180 @@
+"""The optimizer's part of a checkpoint: megatron-core's optimizer sharded state dicts, and the megatron-core
+0.16 defects this trainer works around when that state is saved and loaded.
+
+Every optimizer is megatron-core's (`DistributedOptimizer`, `Float16OptimizerWithFloat16Params`, `FP32Optimizer`);
+its `sharded_state_dict` / `load_state_dict` do the work. The workarounds, each where it applies:
+
+- with torch's Adam (no TE/apex) a fresh optimizer has no `step` to describe (`_init_optimizer_state`), the
+  DistributedOptimizer shares one step tensor between all parameters and its dp_reshardable loader overwrites the
+  steps (`_restore_adam_steps`), and its fully_reshardable loader fails on the step (`_load_fully_reshardable`);
+- the fully_reshardable save reads parameters at their padded buffer offsets from a gather that dropped the
+  padding between buckets, shifting every parameter after the first bucket (`_bucket_padded_gather`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from datastates.megatron import Common
+
+
+def _has_sharded(tree) -> bool:
+    """Whether `tree` holds anything megatron-core's loaders treat specially (sharded, or kept on load)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+    if isinstance(tree, dict):
+        return any(_has_sharded(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_sharded(v) for v in tree)
+    return isinstance(tree, (ShardedBase, LocalNonpersistentObject))
+
+
+def _plain(value):
+    """A plain copy of a common value: 0-dim tensors (Adam's common step) become numbers."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _as_common(tree):
+    """Every maximal subtree without sharded items becomes one `Common` (saved once, by rank 0, as megatron-core
+    saves an optimizer's plain values in its common state)."""
+    if not _has_sharded(tree):
+        return Common(_plain(tree))
+    if not isinstance(tree, (dict, list, tuple)):
+        return tree  # a ShardedTensor / ShardedObject / factory / LocalNonpersistentObject
+    if isinstance(tree, dict):
+        return {k: _as_common(v) for k, v in tree.items()}
+    return type(tree)(_as_common(v) for v in tree)
+
+
+def _per_param_states(optimizer_sd: dict) -> list[dict]:
+    """The per-parameter state dicts of a FP32Optimizer / Float16Optimizer state dict (none for DistOpt)."""
+    inner = optimizer_sd.get("optimizer", optimizer_sd)
+    state = inner.get("state") if isinstance(inner, dict) else None
+    return [v for k, v in state.items() if k != "common_step"] if isinstance(state, dict) else []
+
+
+@contextlib.contextmanager
+def _bucket_padded_gather(optimizer, metadata: dict):
+    """fully_reshardable: give megatron-core's gathered optimizer state its buffer's padded coordinates.
+
+    `DistributedOptimizer.get_parameter_state_dp_zero` concatenates the buckets without the padding between them,
+    but `sharded_param_state_fully_reshardable` slices it at each parameter's offset in the padded buffer: with
+    more than one bucket (the embedding tied across pipeline stages gets its own; so does any bucketed
+    --overlap-grad-reduce run) every later parameter comes out shifted, its tail zero-filled, with only a
+    warning. Here each bucket's part is put back at the bucket's offset, where those slices look."""
+    dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                 if hasattr(o, "get_parameter_state_dp_zero")]
+    if metadata.get("distrib_optim_sharding_type") != "fully_reshardable" or not dist_opts:
+        yield
+        return
+    for opt in dist_opts:
+        opt.get_parameter_state_dp_zero = functools.partial(_padded_dp_zero_state, opt,
+                                                            type(opt).get_parameter_state_dp_zero.__get__(opt))
+    try:
+        yield
+    finally:
+        for opt in dist_opts:
+            del opt.get_parameter_state_dp_zero
+
+
+def _padded_dp_zero_state(opt, gather, *args, **kwargs):
+    state = gather(*args, **kwargs)
+    if state is None:
+        return None
+    for gbuf_idx, dtype_states in state.items():
+        if not isinstance(gbuf_idx, int):
+            continue  # "buckets_coalesced"
+        buffer = opt.buffers[gbuf_idx]
+        for world in dtype_states.values():
+            for key, flat in world.items():
+                if not (isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.numel() == buffer.numel_unpadded):
+                    continue
+                padded = torch.zeros(buffer.numel, dtype=flat.dtype, device=flat.device)
+                src = 0
+                for bucket in buffer.buckets:
+                    n = bucket.numel_unpadded
+                    padded[bucket.offset:bucket.offset + n] = flat[src:src + n]
+                    src += n
+                world[key] = padded
+    return state
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state, Adam's step included, so that it can describe what it will load.
+
+    megatron-core's `init_state_fn` makes the moments but no step; with torch's Adam (no TE/apex) the
+    optimizers' `state_dict()` then has no step to save, or to ask a checkpoint for."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or not hasattr(opt, "init_state_fn"):
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, is_loading: bool,
+                                 common: bool) -> dict:
+    """megatron-core's optimizer sharded state dict; for datastates its plain values become `Common`.
+
+    The per-parameter Adam steps are dropped: megatron-core saves them once, as `common_step`, and restores
+    every parameter's step from it (per-parameter copies would name rank 0's parameter ids on every rank)."""
+    if is_loading:
+        _init_optimizer_state(optimizer)
+    with _bucket_padded_gather(optimizer, metadata):
+        sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    for st in _per_param_states(sd):
+        st.pop("step", None)
+    return _as_common(sd) if common else sd
+
+
+def load_optimizer_state(optimizer, loaded: dict) -> None:
+    inner = loaded.get("optimizer", loaded)
+    state = inner.get("state") if isinstance(inner, dict) else None
+    if isinstance(state, dict) and isinstance(state.get("common_step"), (int, float)):
+        state["common_step"] = torch.tensor(float(state["common_step"]), dtype=torch.float32)  # Adam's type
+    if loaded.get("param_state_sharding_type") == "fully_reshardable":
+        _load_fully_reshardable(optimizer, loaded)
+    else:
+        optimizer.load_state_dict(loaded)
+    _restore_adam_steps(optimizer)
+
+
+def _load_fully_reshardable(optimizer, loaded: dict) -> None:
+    """DistributedOptimizer.load_state_dict in its two steps, the Adam steps set aside for the second.
+
+    megatron-core 0.16 copies a fully_reshardable param state into every key of the parameter's optimizer
+    state; with torch's Adam (no TE/apex) that state also holds `step`, which the checkpoint keeps in the param
+    groups, and the copy fails (KeyError: 'step'). The steps come back from the param groups afterwards."""
+    (opt,) = getattr(optimizer, "chained_optimizers", [optimizer])
+    param_state = loaded.pop("param_state")
+    opt.load_state_dict(loaded)
+    inner = opt.optimizer
+    steps = {p: st.pop("step") for p, st in inner.state.items() if "step" in st}
+    opt.load_parameter_state_from_fully_reshardable(param_state)
+    for p, step in steps.items():
+        inner.state[p]["step"] = step
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Every parameter's own Adam step, from the loaded param groups, for megatron-core's DistributedOptimizer.
+
+    With torch's Adam (no TE/apex) megatron-core 0.16 first gives every parameter one shared step tensor (torch's
+    Adam increments it in place, once per parameter), then its dp_reshardable loader overwrites the steps with
+    the template's. The step it saved in each param group is the truth."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in (inner.param_groups if inner is not None else ()):
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if "step" in inner.state.get(p, {}):
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)

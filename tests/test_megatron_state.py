@@ -1,0 +1,151 @@
+"""The state real Megatron runs checkpoint, on CPU ranks with gloo: bf16 parameters, megatron-core's
+DistributedDataParallel and DistributedOptimizer (fp32 main params and Adam moments sharded over DP), sequence
+parallelism, the word embedding tied across pipeline stages.
+
+- bit-exact resume (8 iterations straight against 4, exit, resume) for TP2xDP2, PP2xDP2 (tied), TP2 + SP;
+- fully_reshardable from TP2xDP2 into TP1xPP1 and TP1xPP2: main params and moments bit-equal after a save in the
+  new layout, losses within bf16 rounding;
+- dp_reshardable into another DP size, and its clear refusal into another TP;
+- a round trip through stock megatron-core: converted to torch_dist, resumed by megatron-core's own
+  `dist_checkpointing.load` (bit-exact), converted back with every byte unchanged.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_helpers import ROOT, TINY, losses, torchrun
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from convert_checkpoint import read_datastates  # noqa: E402
+
+# same padded vocabulary under TP1 and TP2 (128), dropout off: losses of different layouts are comparable
+BASE = TINY + ["--train-iters", "8", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+               "--make-vocab-size-divisible-by", "64", "--bf16", "--use-distributed-optimizer"]
+LAYOUTS = {
+    "tp2_dp2": (4, ["--tensor-model-parallel-size", "2"]),
+    "pp2_dp2_tied": (4, ["--pipeline-model-parallel-size", "2"]),
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+}
+FULLY = ["--dist-ckpt-optim-fully-reshardable"]
+
+def _run(nproc, args, **kw):
+    return torchrun(nproc, BASE + args, **kw)
+
+@pytest.fixture(scope="module")
+def straight():
+    """Uninterrupted 8-iteration runs, per layout (computed on first use)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            nproc, layout = LAYOUTS[name]
+            cache[name] = losses(_run(nproc, layout)[1])
+            assert sorted(cache[name]) == list(range(1, 9))
+        return cache[name]
+    return get
+
+def _stop_and_resume(nproc, layout, save, extra=()):
+    first = losses(_run(nproc, layout + list(extra) + ["--save", save, "--save-interval", "4", "--exit-interval", "4",
+                                                       "--async-ckpt"])[1])
+    _, log = _run(nproc, layout + list(extra) + ["--save", save, "--load", save, "--save-interval", "4",
+                                                 "--async-ckpt"])
+    assert "at iteration 4" in log and "successfully loaded checkpoint" in log
+    return first, losses(log)
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_bit_exact_resume(tmp_path, straight, name):
+    nproc, layout = LAYOUTS[name]
+    first, second = _stop_and_resume(nproc, layout, str(tmp_path / "ckpt"))
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
+    assert {**first, **second} == straight(name)
+
+def _saved_state(path, iteration=None) -> dict[str, torch.Tensor]:
+    """Every global tensor of a datastates checkpoint, assembled from all ranks' shards (checksums verified)."""
+    return read_datastates(path, iteration).tensors
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, straight):
+    """TP2xDP2 runs stopped at iteration 4, one per distributed-optimizer layout: {layout: checkpoint dir}."""
+    out = {}
+    for name, extra in (("dp_reshardable", []), ("fully_reshardable", FULLY)):
+        save = str(tmp_path_factory.mktemp(name) / "ckpt")
+        first = losses(_run(4, LAYOUTS["tp2_dp2"][1] + extra + ["--save", save, "--save-interval", "4",
+                                                                  "--exit-interval", "4"])[1])
+        assert first == {i: straight("tp2_dp2")[i] for i in range(1, 5)}
+        out[name] = save
+    return out
+
+
+def _optimizer_state(path, iteration=None) -> dict[str, torch.Tensor]:
+    """fp32 main params and Adam moments of a fully_reshardable checkpoint, in model space."""
+    state = {k: t for k, t in _saved_state(path, iteration).items() if k.startswith("optimizer.state.")}
+    assert {k.split(".")[2] for k in state} == {"param", "exp_avg", "exp_avg_sq"}
+    assert all(t.dtype == torch.float32 for t in state.values())
+    return state
+
+
+def _reshard(tmp_path, src, nproc, layout, name):
+    """Load `src` into another layout and save it there at once, fully_reshardable; (state, log)."""
+    out = str(tmp_path / name)
+    _, log = _run(nproc, layout + FULLY + ["--load", src, "--save", out, "--save-after-load", "--exit-interval", "5"])
+    assert "resharded checkpoint" in log
+    return _optimizer_state(out, 4), log
+
+
+def test_fully_reshardable_into_other_layouts(tmp_path, straight, sources):
+    saved = _optimizer_state(sources["fully_reshardable"])
+    for nproc, layout, name in ((1, [], "tp1_pp1"), (2, ["--pipeline-model-parallel-size", "2"], "tp1_pp2")):
+        resaved, log = _reshard(tmp_path, sources["fully_reshardable"], nproc, layout, name)
+        assert sorted(resaved) == sorted(saved)
+        for key, t in saved.items():  # bit for bit, the word embedding tied across the two stages included
+            assert torch.equal(t, resaved[key]), f"{name}: {key} changed in the new layout"
+        # bf16 rounding of another layout
+        assert float(losses(log)[5]) == pytest.approx(float(straight("tp2_dp2")[5]), rel=2e-3), name
+
+
+def test_dp_reshardable_changes_dp_only(tmp_path, straight, sources):
+    src = sources["dp_reshardable"]
+    # into DP1 (same TP): megatron-core's dp_reshardable layout allows it; saved model-space, the state is the
+    # one the fully_reshardable run of the same training saved
+    resaved, log = _reshard(tmp_path, src, 2, ["--tensor-model-parallel-size", "2"], "tp2_dp1")
+    reference = _optimizer_state(sources["fully_reshardable"])
+    assert sorted(resaved) == sorted(reference)
+    for key, t in reference.items():
+        assert torch.equal(t, resaved[key]), key
+    assert float(losses(log)[5]) == pytest.approx(float(straight("tp2_dp2")[5]), rel=2e-3)
+    # into TP1: refused before anything is read, naming the way out
+    code, log = _run(1, ["--load", src, "--save", str(tmp_path / "tp1"), "--exit-interval", "5"], check=False)
+    assert code != 0
+    assert "dp_reshardable" in log and "--dist-ckpt-optim-fully-reshardable" in log and "--no-load-optim" in log
+
+
+def _convert(src, dst, frm, to, *extra):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", frm, "--to",
+                        to, "--input", src, "--output", dst, *extra], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert p.returncode == 0, p.stdout + p.stderr
+
+def test_round_trip_through_stock_megatron_core(tmp_path, straight, sources):
+    nproc, layout = LAYOUTS["tp2_dp2"]
+    src = sources["dp_reshardable"]
+    td = str(tmp_path / "td")
+    _convert(src, td, "datastates", "torch_dist")
+    # megatron-core's own dist_checkpointing.load, through DistributedOptimizer.sharded_state_dict
+    _, log = _run(nproc, layout + ["--load", td, "--ckpt-format", "torch_dist", "--save", str(tmp_path / "td_out")])
+    assert "(torch_dist) at iteration 4" in log
+    reference = straight("tp2_dp2")
+    assert losses(log) == {i: reference[i] for i in range(5, 9)}
+    back = str(tmp_path / "back")
+    _convert(td, back, "torch_dist", "datastates")
+    before, after = read_datastates(src, None), read_datastates(back, None)
+    assert sorted(before.tensors) == sorted(after.tensors)
+    assert any(k.startswith("optimizer.distributed.") for k in before.tensors)
+    for k, t in before.tensors.items():
+        assert torch.equal(t, after.tensors[k]), k
+    assert {k: repr(v) for k, v in before.objects.items()} == {k: repr(v) for k, v in after.objects.items()}

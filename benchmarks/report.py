@@ -160,10 +160,10 @@ def ratios(configs, probes, trainer, engine_budget_bytes):
         res.append(e)
     if trainer and trainer.get("runs"):
         t = {"tag": "trainer"}
-        base = trainer.get("baseline_s")
-        ov = {r["name"]: r["total_s"] - base for r in trainer["runs"] if r.get("total_s") and base}
+        ov = {r["name"]: r["total_s"] - r.get("baseline_s", trainer.get("baseline_s"))
+              for r in trainer["runs"] if r.get("total_s") and r.get("baseline_s", trainer.get("baseline_s"))}
         lazy = [n for n in ov if n.startswith("datastates") and "async" in n]
-        peers = [n for n in ov if not n.startswith("datastates")]
+        peers = [n for n in ov if not n.startswith(("datastates", "bf16"))]  # the fp32 group's peers
         if lazy and peers:
             bp = min(peers, key=ov.get)
             t.update({"trainer_overhead_s": ov[lazy[0]], "trainer_best_peer": bp,
@@ -242,8 +242,8 @@ def loop_md(configs, trainer):
         lines.append(f"\n### Real trainer (`pretrain_gpt.py`): {trainer.get('description', '')}\n")
         lines.append("| run | total s | × no-ckpt | per-checkpoint blocking s (median) |")
         lines.append("|---|---|---|---|")
-        base = trainer.get("baseline_s")
         for r in trainer["runs"]:
+            base = r.get("baseline_s", trainer.get("baseline_s"))
             if r.get("total_s") is None:
                 lines.append(f"| {r['name']} | failed: {r.get('error', '')[:80]} | | |")
                 continue

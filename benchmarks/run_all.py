@@ -91,6 +91,8 @@ def main():
     ap.add_argument("--trainer", choices=["auto", "on", "off"], default="auto",
                     help="also time pretrain_gpt.py (tiny GPT) with a checkpoint every iteration if it exists")
     ap.add_argument("--trainer-iters", type=int, default=6)
+    ap.add_argument("--trainer-bf16-iters", type=int, default=3,
+                    help="iterations of the bf16 + distributed-optimizer trainer rows (0: none)")
     ap.add_argument("--trainer-rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="~2 min smoke run: 0.1 GB, 1 rank, short loop")
     ap.add_argument("--no-publish", action="store_true", help="do not write benchmarks/RESULTS.md + results/")
@@ -186,7 +188,8 @@ def main():
         import trainer_e2e
 
         print("\n=== trainer: pretrain_gpt.py, checkpoint every iteration vs. none", flush=True)
-        res = trainer_e2e.run(a.out, required=(a.trainer == "on"), iters=a.trainer_iters, rounds=a.trainer_rounds)
+        res = trainer_e2e.run(a.out, required=(a.trainer == "on"), iters=a.trainer_iters, rounds=a.trainer_rounds,
+                                  bf16_iters=a.trainer_bf16_iters)
         if res is not None:
             with open(os.path.join(a.out, "trainer.json"), "w") as f:
                 json.dump(res, f, indent=1)

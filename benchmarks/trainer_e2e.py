@@ -29,10 +29,16 @@ MODEL = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "
 RUNS = [("no checkpoint", None), ("datastates (lazy async)", ["--ckpt-format", "datastates", "--async-ckpt"]),
         ("datastates (sync)", ["--ckpt-format", "datastates"]), ("torch_dist (sync)", ["--ckpt-format", "torch_dist"]),
         ("torch (sync)", ["--ckpt-format", "torch"])]
+# megatron-core's bf16 state: bf16 params, DistributedOptimizer with fp32 main params and moments (the state real
+# runs checkpoint); compared with its own no-checkpoint run. bf16 matmuls are slow on CPUs without bf16 units.
+BF16 = ["--bf16", "--use-distributed-optimizer"]
+BF16_RUNS = [("bf16 + distributed optimizer: no checkpoint", None),
+             ("bf16 + distributed optimizer: datastates (lazy async)", ["--ckpt-format", "datastates", "--async-ckpt"]),
+             ("bf16 + distributed optimizer: torch_dist (sync)", ["--ckpt-format", "torch_dist"])]
 
 
-def _one(name, extra, iters, ckpt, timeout=600):
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, "--train-iters", str(iters)]
+def _one(name, extra, iters, ckpt, timeout=600, model_extra=()):
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *model_extra, "--train-iters", str(iters)]
     if extra is not None:
         cmd += ["--save", ckpt, "--save-interval", "1", "--ckpt-keep-last", "1", *extra]
     env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0",
@@ -70,38 +76,50 @@ def _one(name, extra, iters, ckpt, timeout=600):
     return out
 
 
-def run(out, required=False, iters=8, rounds=2):
+def _group(runs, iters, rounds, ckpt, model_extra=()):
+    """Interleaved rounds of `runs` (the first is the no-checkpoint baseline); their medians, each with it."""
+    res: dict[str, list] = {}
+    for rnd in range(rounds):
+        order = runs if rnd % 2 == 0 else runs[::-1]
+        for name, extra in order:
+            r = _one(name, extra, iters, ckpt, model_extra=model_extra)
+            res.setdefault(name, []).append(r)
+            print(f"[trainer] {name:26s} " + (f"{r['total_s']:.2f} s" if r["total_s"] else f"FAILED {r['error'][-300:]}")
+                  + (f", blocking {r['blocking_median_s'] * 1e3:.0f} ms/ckpt" if "blocking_median_s" in r else ""),
+                  flush=True)
+    out = []
+    for name, _ in runs:
+        ok = [r for r in res[name] if r["total_s"]]
+        if not ok:
+            out.append(res[name][0])
+            continue
+        m = {"name": name, "total_s": statistics.median(r["total_s"] for r in ok),
+             "samples_s": [r["total_s"] for r in ok], "iters": iters}
+        for k in ("blocking_median_s", "durable_median_s", "ckpt_bytes"):
+            v = [r[k] for r in ok if k in r]
+            if v:
+                m[k] = statistics.median(v)
+        out.append(m)
+    base = out[0].get("total_s")
+    for r in out[1:]:
+        r["baseline_s"] = base
+    return base, out[1:]
+
+
+def run(out, required=False, iters=8, rounds=2, bf16_iters=3):
     if not os.path.exists(os.path.join(ROOT, "pretrain_gpt.py")):
         if required:
             raise SystemExit("pretrain_gpt.py does not exist yet")
         print("pretrain_gpt.py not found: skipping the trainer end-to-end runs")
         return None
     ckpt = os.path.join(out, "ckpt", "trainer")
-    res: dict[str, list] = {}
-    for rnd in range(rounds):
-        order = RUNS if rnd % 2 == 0 else RUNS[::-1]
-        for name, extra in order:
-            r = _one(name, extra, iters, ckpt)
-            res.setdefault(name, []).append(r)
-            print(f"[trainer] {name:26s} " + (f"{r['total_s']:.2f} s" if r["total_s"] else f"FAILED {r['error'][-300:]}")
-                  + (f", blocking {r['blocking_median_s'] * 1e3:.0f} ms/ckpt" if "blocking_median_s" in r else ""),
-                  flush=True)
-    runs = []
-    for name, _ in RUNS:
-        ok = [r for r in res[name] if r["total_s"]]
-        if not ok:
-            runs.append(res[name][0])
-            continue
-        m = {"name": name, "total_s": statistics.median(r["total_s"] for r in ok),
-             "samples_s": [r["total_s"] for r in ok]}
-        for k in ("blocking_median_s", "durable_median_s", "ckpt_bytes"):
-            v = [r[k] for r in ok if k in r]
-            if v:
-                m[k] = statistics.median(v)
-        runs.append(m)
-    base = next((r["total_s"] for r in runs if r["name"] == "no checkpoint" and r.get("total_s")), None)
+    base, runs = _group(RUNS, iters, rounds, ckpt)
+    if bf16_iters:
+        runs += _group(BF16_RUNS, bf16_iters, 1, ckpt, model_extra=BF16)[1]
     cb = next((r.get("ckpt_bytes") for r in runs if r.get("ckpt_bytes")), None)
     desc = (f"GPT 6 layers, hidden 512, vocab 8192 on 1 CPU process (1 thread), {iters} iterations, checkpoint every "
             f"iteration ({cb / 1e6:.0f} MB per checkpoint)" if cb else f"{iters} iterations, checkpoint every iteration")
+    if bf16_iters:
+        desc += f"; bf16 rows: {bf16_iters} iterations, 1 round, against their own no-checkpoint run"
     return {"description": desc + f"; median of {rounds} interleaved rounds", "short": f"({iters} it, ckpt every it)",
-            "baseline_s": base, "runs": [r for r in runs if r["name"] != "no checkpoint"], "iters": iters}
+            "baseline_s": base, "runs": runs, "iters": iters}

@@ -146,6 +146,6 @@ def test_round_trip_through_stock_megatron_core(tmp_path, straight, sources):
     before, after = read_datastates(src, None), read_datastates(back, None)
     assert sorted(before.tensors) == sorted(after.tensors)
     assert any(k.startswith("optimizer.distributed.") for k in before.tensors)
-    for k, t in before.tensors.items():
-        assert torch.equal(t, after.tensors[k]), k
+    for k, t in before.tensors.items():  # bytes: the flat buckets' padding is never written, any bits (NaN) there
+        assert torch.equal(t.contiguous().view(torch.uint8), after.tensors[k].contiguous().view(torch.uint8)), k
     assert {k: repr(v) for k, v in before.objects.items()} == {k: repr(v) for k, v in after.objects.items()}

@@ -324,9 +324,6 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     if not cuda:
         # megatron-core's own classes train on CPU ranks (cpu_shim adapts its CUDA sites); what needs CUDA
         # streams or fp16 loss scaling on a GPU is refused here, before any work.
-        if args.fp16:
-            raise ArgumentError("--fp16 needs CUDA: its dynamic loss scaler checks gradients with CUDA-only "
-                                "kernels; on CPU use --bf16")
         for flag in ("overlap_grad_reduce", "overlap_param_gather"):
             if getattr(args, flag):
                 raise ArgumentError(f"--{flag.replace('_', '-')} needs CUDA: megatron-core overlaps the "

@@ -95,7 +95,7 @@ def read_metadata(path: str) -> dict:
     """A checkpoint's metadata.json, schema-checked; a schema-2 index must match its own checksum."""
     doc = read_json(path, "checkpoint metadata")
     check_schema(doc, path)
-    if doc["schema_version"] >= 2:
+    if doc["schema_version"] >= 2 or "metadata_crc32c" in doc:  # a checksummed index cannot pass as schema 1
         body = {k: v for k, v in doc.items() if k != "metadata_crc32c"}
         if doc.get("metadata_crc32c") != _body_crc(body):
             raise CheckpointCorruptError(f"checkpoint metadata {path!r} fails its checksum: it was modified or "
@@ -122,9 +122,9 @@ def check_schema(doc: dict, path: str) -> None:
     version = doc.get("schema_version")
     if doc.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path!r} is not a {FORMAT_NAME} checkpoint file (format={doc.get('format')!r})")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= SCHEMA_VERSION:
         raise CheckpointError(f"{path!r} has schema version {version!r}; this datastates reads versions "
-                              f"<= {SCHEMA_VERSION}: upgrade datastates to load it")
+                              f"1 to {SCHEMA_VERSION}: a newer one needs an upgrade of datastates to load it")
 
 
 def read_manifest(path: str) -> dict:

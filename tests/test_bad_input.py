@@ -208,6 +208,9 @@ def test_newer_schema_and_foreign_format_are_refused(work, engine):
     assert "not a datastates checkpoint" in str(_refused(engine, work, [meta]))
     meta.write_text(json.dumps(dict(doc, schema_version=fmt.SCHEMA_VERSION + 7)))
     assert "schema version" in str(_refused(engine, work, [meta]))
+    for older in (1, False):  # a checksummed index edited to look older still has to match its checksum
+        meta.write_text(json.dumps(dict(doc, schema_version=older)))
+        _refused(engine, work, [meta])
     _count("newer schema / foreign format")
 
 

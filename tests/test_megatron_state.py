@@ -6,6 +6,7 @@ parallelism, the word embedding tied across pipeline stages.
 - fully_reshardable from TP2xDP2 into TP1xPP1 and TP1xPP2: main params and moments bit-equal after a save in the
   new layout, losses within bf16 rounding;
 - dp_reshardable into another DP size, and its clear refusal into another TP;
+- inspect_checkpoint names the optimizer layout;
 - a round trip through stock megatron-core: converted to torch_dist, resumed by megatron-core's own
   `dist_checkpointing.load` (bit-exact), converted back with every byte unchanged.
 """
@@ -22,6 +23,7 @@ from megatron_helpers import ROOT, TINY, losses, torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from convert_checkpoint import read_datastates  # noqa: E402
+from inspect_checkpoint import main as inspect_main  # noqa: E402
 
 # same padded vocabulary under TP1 and TP2 (128), dropout off: losses of different layouts are comparable
 BASE = TINY + ["--train-iters", "8", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -130,6 +132,14 @@ def _convert(src, dst, frm, to, *extra):
                         to, "--input", src, "--output", dst, *extra], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert p.returncode == 0, p.stdout + p.stderr
+
+def test_inspect_names_the_optimizer_layout(sources, capsys):
+    for layout, expect in (("dp_reshardable", "distributed optimizer, dp_reshardable"),
+                           ("fully_reshardable", "model-shaped (fully_reshardable")):
+        assert inspect_main([os.path.join(sources[layout], "iter_0000004")]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("optimizer state:"))
+        assert expect in line and "exp_avg_sq" in line and "param" in line, line
+
 
 def test_round_trip_through_stock_megatron_core(tmp_path, straight, sources):
     nproc, layout = LAYOUTS["tp2_dp2"]

@@ -399,6 +399,40 @@ def scan_root(root: str, problems: Problems) -> dict:
 
 # ----- output -----
 
+_DIST_OPT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.*\.bucket_idx_\d+\.(\w+)$")
+_MODEL_SPACE = re.compile(r"^optimizer\.state\.(\w+)\.(.+)$")
+
+
+def optimizer_summary(tensors: dict[str, dict]) -> dict | None:
+    """What the optimizer state is, from the tensor names megatron-core gives it: the distributed optimizer's
+    dp_reshardable flat buckets (per TP x PP domain), or model-shaped state per parameter (fully_reshardable, or a
+    non-distributed optimizer); with the bytes of each kind of state (main params, moments)."""
+    kinds: dict[str, int] = {}
+    domains, buckets, params = set(), 0, set()
+    layout = None
+    for name, t in tensors.items():
+        nbytes = sum(s["nbytes"] for s in t["shards"] if s["write"])
+        if m := _DIST_OPT.match(name):
+            layout, kind = "distributed optimizer, dp_reshardable (flat bucket shards per TP x PP domain)", m[2]
+            domains.add(m[1])
+            buckets += 1
+        elif m := _MODEL_SPACE.match(name):
+            layout = layout or "model-shaped (fully_reshardable distributed optimizer, or a non-distributed one)"
+            kind = m[1]
+            params.add(m[2])
+        else:
+            continue
+        kinds[kind] = kinds.get(kind, 0) + nbytes
+    if not kinds:
+        return None
+    out = {"layout": layout, "bytes_by_kind": kinds}
+    if domains:
+        out.update(domains=len(domains), buckets=buckets // max(1, len(kinds)))
+    else:
+        out["parameters"] = len(params)
+    return out
+
+
 def iteration_report(scan: Scan, verify: bool, threads: int) -> dict:
     tensors = scan.global_tensors()
     scan.check_coverage(tensors)
@@ -420,7 +454,7 @@ def iteration_report(scan: Scan, verify: bool, threads: int) -> dict:
                                             for s in t["shards"]]}
                           for name, t in sorted(tensors.items())},
               "local_tensors": [dict(t, shape=list(t["shape"])) for t in scan.local_tensors()],
-              "objects": objects}
+              "objects": objects, "optimizer": optimizer_summary(tensors)}
     if verify:
         report["verify"] = verify_data(scan, threads)
     return report
@@ -437,6 +471,12 @@ def print_iteration(rep: dict, out=None) -> None:
         w(f"  rank {r['rank']}: {os.path.basename(r['data_file'])} {human(r['data_bytes'])}"
           f"{' (O_DIRECT)' if r['direct_io'] else ''}; {r['tensors_written']} tensors and {r['objects_written']} "
           f"objects written, {r['replicas_not_written']} replicas held but written by another rank\n")
+    opt = rep.get("optimizer")
+    if opt:
+        where = (f"{opt['domains']} domain(s), {opt['buckets']} bucket(s)" if "domains" in opt
+                 else f"{opt['parameters']} parameters")
+        w(f"optimizer state: {opt['layout']}; {where}; "
+          + ", ".join(f"{k} {human(n)}" for k, n in sorted(opt["bytes_by_kind"].items())) + "\n")
     w(f"tensors ({len(rep['tensors'])} global):\n")
     for name, t in rep["tensors"].items():
         w(f"  {name}  {t['dtype']} {tuple(t['global_shape'])}  {human(t['nbytes'])}\n")

@@ -137,7 +137,7 @@ def assert_same_state(src: str, dst: str) -> int:
     sc, dc = _comparable_objects(so), _comparable_objects(do)
     assert sorted(sc) == sorted(dc), sorted(set(sc) ^ set(dc))
     for name in ("common:iteration", "common:train_state", "common:opt_param_scheduler",
-                 "common:optimizer/common_step", "common:optimizer/optimizer/param_groups"):
+                 "common:optimizer/state/common_step", "common:optimizer/param_groups/0/lr"):
         assert name in sc, sorted(sc)
     for name in sc:
         assert _plain(sc[name]) == _plain(dc[name]), (name, sc[name], dc[name])

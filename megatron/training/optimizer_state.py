@@ -53,11 +53,21 @@ def _as_common(tree):
     return type(tree)(_as_common(v) for v in tree)
 
 
-def _per_param_states(optimizer_sd: dict) -> list[dict]:
-    """The per-parameter state dicts of a FP32Optimizer / Float16Optimizer state dict (none for DistOpt)."""
+def _one_common_step(optimizer_sd: dict, optimizer) -> None:
+    """A FP32Optimizer / Float16Optimizer state dict always with its `common_step`.
+
+    megatron-core saves the Adam step shared by all parameters once, as `common_step`, and restores every
+    parameter's step from it; but it leaves `common_step` out when the step is 0, so a fresh optimizer
+    describing what it will load would not ask for it, and the loaded parameters would have no step."""
     inner = optimizer_sd.get("optimizer", optimizer_sd)
     state = inner.get("state") if isinstance(inner, dict) else None
-    return [v for k, v in state.items() if k != "common_step"] if isinstance(state, dict) else []
+    if not isinstance(state, dict) or "common_step" in state:
+        return  # DistributedOptimizer: its step lives in the param groups
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for st in getattr(getattr(opt, "optimizer", None), "state", {}).values():
+            if "step" in st:
+                state["common_step"] = st["step"].clone()
+                return
 
 
 @contextlib.contextmanager
@@ -125,14 +135,12 @@ def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, i
                                  common: bool) -> dict:
     """megatron-core's optimizer sharded state dict; for datastates its plain values become `Common`.
 
-    The per-parameter Adam steps are dropped: megatron-core saves them once, as `common_step`, and restores
-    every parameter's step from it (per-parameter copies would name rank 0's parameter ids on every rank)."""
+    Non-distributed optimizers always describe their Adam step (see `_one_common_step`)."""
     if is_loading:
         _init_optimizer_state(optimizer)
     with _bucket_padded_gather(optimizer, metadata):
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-    for st in _per_param_states(sd):
-        st.pop("step", None)
+    _one_common_step(sd, optimizer)
     return _as_common(sd) if common else sd
 
 

@@ -5,6 +5,7 @@ Every optimizer is megatron-core's (`DistributedOptimizer`, `Float16OptimizerWit
 its `sharded_state_dict` / `load_state_dict` do the work. The workarounds, each where it applies:
 
 - with torch's Adam (no TE/apex) a fresh optimizer has no `step` to describe (`_init_optimizer_state`), the
+  non-distributed optimizers leave their common step out at 0 (`_one_common_step`), the
   DistributedOptimizer shares one step tensor between all parameters and its dp_reshardable loader overwrites the
   steps (`_restore_adam_steps`), and its fully_reshardable loader fails on the step (`_load_fully_reshardable`);
 - the fully_reshardable save reads parameters at their padded buffer offsets from a gather that dropped the

@@ -30,7 +30,8 @@ def initialize_megatron(extra_args_provider=None, argv=None):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    if not torch.distributed.is_initialized():
+    args.owns_process_group = not torch.distributed.is_initialized()
+    if args.owns_process_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         torch.distributed.init_process_group(
@@ -44,6 +45,17 @@ def initialize_megatron(extra_args_provider=None, argv=None):
     set_seed(args.seed)
     set_args(args)
     return args
+
+
+def shutdown_distributed(args) -> None:
+    """Destroy megatron-core's groups and, when `initialize_megatron` created it, the process group: gloo's
+    worker threads can still hold finished async work (pipeline isend/irecv, coalesced collectives) whose
+    destruction during interpreter finalization aborts the process ("terminate called without an active
+    exception")."""
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
+    if getattr(args, "owns_process_group", False) and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def set_seed(seed: int):

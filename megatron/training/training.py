@@ -24,7 +24,7 @@ from megatron.core import parallel_state as ps
 from . import cpu_shim
 from .checkpointing import Checkpointer, print_rank_0, print_rank_last
 from .data import MicroBatches, build_dataset
-from .initialize import initialize_megatron
+from .initialize import initialize_megatron, shutdown_distributed
 
 
 # ----- model and optimizer -----
@@ -190,4 +190,5 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
     if iteration >= args.train_iters:
         checkpointer.remove_memory_tier()  # the job is finished: its restart point in memory is not needed
     print_rank_0(f"> training done at iteration {iteration}")
+    shutdown_distributed(args)
     return iteration

@@ -21,6 +21,11 @@ import torch
 from datastates.megatron import Common
 
 
+def _parts(optimizer) -> list:
+    """The megatron-core optimizers inside `optimizer` (a ChainedOptimizer's parts, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def _has_sharded(tree) -> bool:
     """Whether `tree` holds anything megatron-core's loaders treat specially (sharded, or kept on load)."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
@@ -64,7 +69,7 @@ def _one_common_step(optimizer_sd: dict, optimizer) -> None:
     state = inner.get("state") if isinstance(inner, dict) else None
     if not isinstance(state, dict) or "common_step" in state:
         return  # DistributedOptimizer: its step lives in the param groups
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _parts(optimizer):
         for st in getattr(getattr(opt, "optimizer", None), "state", {}).values():
             if "step" in st:
                 state["common_step"] = st["step"].clone()
@@ -80,8 +85,7 @@ def _bucket_padded_gather(optimizer, metadata: dict):
     more than one bucket (the embedding tied across pipeline stages gets its own; so does any bucketed
     --overlap-grad-reduce run) every later parameter comes out shifted, its tail zero-filled, with only a
     warning. Here each bucket's part is put back at the bucket's offset, where those slices look."""
-    dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                 if hasattr(o, "get_parameter_state_dp_zero")]
+    dist_opts = [o for o in _parts(optimizer) if hasattr(o, "get_parameter_state_dp_zero")]
     if metadata.get("distrib_optim_sharding_type") != "fully_reshardable" or not dist_opts:
         yield
         return
@@ -122,7 +126,7 @@ def _init_optimizer_state(optimizer) -> None:
 
     megatron-core's `init_state_fn` makes the moments but no step; with torch's Adam (no TE/apex) the
     optimizers' `state_dict()` then has no step to save, or to ask a checkpoint for."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _parts(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None or not hasattr(opt, "init_state_fn"):
             continue
@@ -163,7 +167,7 @@ def _load_fully_reshardable(optimizer, loaded: dict) -> None:
     megatron-core 0.16 copies a fully_reshardable param state into every key of the parameter's optimizer
     state; with torch's Adam (no TE/apex) that state also holds `step`, which the checkpoint keeps in the param
     groups, and the copy fails (KeyError: 'step'). The steps come back from the param groups afterwards."""
-    (opt,) = getattr(optimizer, "chained_optimizers", [optimizer])
+    (opt,) = _parts(optimizer)
     param_state = loaded.pop("param_state")
     opt.load_state_dict(loaded)
     inner = opt.optimizer
@@ -179,7 +183,7 @@ def _restore_adam_steps(optimizer) -> None:
     With torch's Adam (no TE/apex) megatron-core 0.16 first gives every parameter one shared step tensor (torch's
     Adam increments it in place, once per parameter), then its dp_reshardable loader overwrites the steps with
     the template's. The step it saved in each param group is the truth."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _parts(optimizer):
         inner = getattr(opt, "optimizer", None)
         for group in (inner.param_groups if inner is not None else ()):
             if "step" not in group:

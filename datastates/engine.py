@@ -128,6 +128,8 @@ class CheckpointEngine:
         self.io = _native.IOPool(writer_threads, WRITER_NICE)
         self._writer_threads = writer_threads
         self._read_io: _native.IOPool | None = None  # loads run at normal priority: a restart waits on them
+        self._copy_threads = copy_threads
+        self._load_backend: CopyBackend | None = None  # a load's copies out of the slots, apart from the saves'
         self._reader: tuple[tuple | None, CheckpointReader] | None = None
         self._plans: dict[tuple, Plan] = {}
         self._seq = 0
@@ -168,7 +170,7 @@ class CheckpointEngine:
         plan = self._plan_for([e.item for e in entries])
         handle = SaveHandle(os.path.normpath(path))
         self._seq += 1
-        job = _Job(self._seq, handle, entries, plan, [], self.backend.begin_save(), t0)
+        job = _Job(self._seq, handle, entries, plan, [], self.backend.begin(), t0)
         try:
             _make_dir(job.partial)
         except OSError as e:
@@ -215,7 +217,9 @@ class CheckpointEngine:
         """Load the checkpoint at `path` (an iteration directory or a save root, whose latest is used).
 
         Without a template the state saved by `rank` is rebuilt. With one, its tensors are filled in place
-        (resharded from whatever layout was saved) and the rebuilt template is returned."""
+        (resharded from whatever layout was saved) and the rebuilt template is returned. A save still copying
+        the live state is let finish first: a load into the same tensors would change what it saves."""
+        self.wait_for_snapshot()
         return self.reader(path).load(self.rank if rank is None else rank, template)
 
     def reader(self, path: str) -> CheckpointReader:
@@ -225,6 +229,7 @@ class CheckpointEngine:
         reads the index once."""
         if self._read_io is None:
             self._read_io = _native.IOPool(self._writer_threads)
+            self._load_backend = make_backend(self._copy_threads)
         resolved = resolve_checkpoint(path)
         try:
             st = os.stat(os.path.join(resolved, fmt.METADATA))
@@ -234,7 +239,8 @@ class CheckpointEngine:
         if key is None or self._reader is None or self._reader[0] != key:
             if self._reader is not None:
                 self._reader[1].close()
-            self._reader = (key, CheckpointReader(resolved, self._read_io, self.pool.budget_bytes, self.registry))
+            self._reader = (key, CheckpointReader(resolved, self._read_io, self.pool, self._load_backend,
+                                                            self.registry))
         return self._reader[1]
 
     def close(self) -> None:
@@ -259,6 +265,7 @@ class CheckpointEngine:
                 self._reader[1].close()
             if self._read_io is not None:
                 self._read_io.close()
+                self._load_backend.close()
             self.pool.close()
 
     def __enter__(self):

@@ -90,6 +90,8 @@ class Item:
             expected = math.prod(self.shape) * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
             if self.nbytes != expected:
                 raise ValueError(f"nbytes {self.nbytes} does not match {self.dtype} {self.shape}")
+            if expected and self.chunk_bytes % (expected // math.prod(self.shape)):
+                raise ValueError(f"chunk_bytes {self.chunk_bytes} splits {self.dtype} elements")
             if self.scope == "global":
                 ints("global_shape", self.global_shape, len(self.shape))
                 ints("global_offset", self.global_offset, len(self.shape))

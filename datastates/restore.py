@@ -10,7 +10,8 @@ parallel, straight into the target tensor when its layout allows.
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from collections import deque
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -20,6 +21,8 @@ from . import format as fmt
 from .errors import CheckpointCorruptError, CheckpointError
 from .plan import ALIGN, Item, dtype_from_name, dtype_name
 from .providers import ProviderRegistry, unflatten
+from .snapshot import CopyBackend
+from .staging import Slot, StagingPool
 
 
 
@@ -45,53 +48,141 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
+class _Read(NamedTuple):
+    ticket: int
+    rank: int
+    item: Item
+    first: int  # chunks [first, first + len(crcs)) of the item
+    buffer: torch.Tensor
+    place: Callable[[torch.Tensor], None] | None  # what to do with the verified bytes
+    slot: Slot | None  # the staging slot the bytes landed in, if any
+    fresh: int  # bytes of a buffer allocated for this read alone
+
+
 class _Reads:
-    """A batch of pending reads: submitted at once, then verified and placed."""
+    """One load's reads: submitted to the native pool as soon as known, completed oldest first (verified, then
+    placed), so reading, checksum verification (on the pool's threads) and placement all overlap.
+
+    Reads that cannot land in their destination directly are staged in the engine's slots (pinned with CUDA);
+    a slot goes back to the pool once the copies out of it have landed. Staged memory is the pool's budget at
+    most, plus buffers of their own for chunks larger than a slot, bounded by the same budget."""
 
     def __init__(self, reader: "CheckpointReader"):
         self.reader = reader
-        self.pending: list[tuple[int, int, Item, list[int], int, Any]] = []
+        self.pool, self.backend = reader.pool, reader.backend
+        self.ordering = self.backend.begin()
+        self.pending: deque[_Read] = deque()
+        self.placed: list[Slot] = []  # slots whose copies out may still be landing
+        self.fresh = 0
 
-    def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, then=None):
-        """Read chunks [first, last) of a stored item into the uint8 tensor `dst` and verify them."""
-        chunks = item.chunks()[first:last]
-        start = chunks[0][0]
-        nbytes = chunks[-1][0] + chunks[-1][1] - start
-        if nbytes > dst.numel() * dst.element_size():
-            raise CheckpointCorruptError(f"item {item.id!r} in {self.reader.data_path(rank)!r}: {nbytes} bytes "
-                                         f"do not fit the {dst.numel() * dst.element_size()}-byte destination")
-        segments = [(s - start, n) for s, n in chunks]
-        f = self.reader.data_file(rank)
-        ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
-        self.pending.append((ticket, rank, item, list(range(first, last)), dst, then))
+    def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, place=None,
+                    slot: Slot | None = None, fresh: int = 0) -> None:
+        """Read chunks [first, last) of a stored item into the uint8 tensor `dst`, to be verified. `dst` is
+        `slot`'s memory, or `fresh` bytes of its own, or the destination itself."""
+        try:
+            chunks = item.chunks()[first:last]
+            start = chunks[0][0]
+            nbytes = chunks[-1][0] + chunks[-1][1] - start
+            if nbytes > dst.numel() * dst.element_size():
+                raise CheckpointCorruptError(f"item {item.id!r} in {self.reader.data_path(rank)!r}: {nbytes} "
+                                             f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
+                                             f"destination")
+            segments = [(s - start, n) for s, n in chunks]
+            f = self.reader.data_file(rank)
+            ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
+        except BaseException:  # nothing was submitted: the memory goes back now
+            self.fresh -= fresh
+            if slot is not None:
+                self.pool.release(slot)
+            raise
+        self.pending.append(_Read(ticket, rank, item, first, dst, place, slot, fresh))
+
+    def buffer(self, nbytes: int) -> tuple[torch.Tensor, Slot | None, int]:
+        """Memory for a staged read of `nbytes`: a slot when one is big enough, else a buffer of its own."""
+        if nbytes > self.pool.slot_bytes:
+            while self.pending and self.fresh + nbytes > self.pool.budget_bytes:
+                self.complete_oldest()
+            self.fresh += nbytes
+            return _aligned_empty(nbytes), None, nbytes
+        while (slot := self.pool.acquire(block=False)) is None:
+            if self.placed:
+                self.release_placed()
+            elif any(r.slot is not None for r in self.pending):
+                self.complete_oldest()
+            else:  # every slot is held by saves in flight: their writers hand them back
+                slot = self.pool.acquire()
+                break
+        return slot.buffer[:nbytes], slot, 0
+
+    def place(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.backend.copy(dst, src, self.ordering)
+
+    def complete_oldest(self) -> None:
+        read = self.pending.popleft()
+        if read.slot is not None:
+            self.placed.append(read.slot)  # given back after the copies out of it, or after a failure
+        self.fresh -= read.fresh
+        try:
+            crcs = self.reader.io.wait(read.ticket)
+        except OSError as e:
+            raise CheckpointCorruptError(f"reading item {read.item.id!r} from {self.reader.data_path(read.rank)!r} "
+                                         f"failed: {e.strerror or e}") from None
+        for index, crc in enumerate(crcs, read.first):
+            if crc != read.item.crcs[index]:
+                raise CheckpointCorruptError(
+                    f"checksum mismatch in {self.reader.data_path(read.rank)!r}: item {read.item.id!r} chunk "
+                    f"{index} (file offset {read.item.offset + read.item.chunks()[index][0]}) reads crc32c "
+                    f"{crc:#010x}, the index says {read.item.crcs[index]:#010x}")
+        if read.place is not None:
+            read.place(read.buffer)
+        if read.slot is not None:
+            self.backend.mark(read.slot)
+
+    def release_placed(self) -> None:
+        placed, self.placed = self.placed, []
+        for slot in placed:
+            self.backend.ready(slot)
+            self.pool.release(slot)
 
     def finish(self) -> None:
-        pending, self.pending = self.pending, []
-        errors = []
-        for ticket, rank, item, indices, dst, then in pending:
+        """Complete every read and every copy out of the slots; on failure, wait out the rest, then raise."""
+        try:
+            while self.pending:
+                self.complete_oldest()
+            self.backend.finish()
+        except BaseException:
+            self.abort()
+            raise
+        self.release_placed()
+
+    def abort(self) -> None:
+        """Wait for whatever is still in flight (its memory must outlive it) and give every slot back."""
+        pending, self.pending = self.pending, deque()
+        for read in pending:
             try:
-                crcs = self.reader.io.wait(ticket)
-            except OSError as e:
-                errors.append(CheckpointCorruptError(
-                    f"reading item {item.id!r} from {self.reader.data_path(rank)!r} failed: {e.strerror or e}"))
-                continue
-            for index, crc in zip(indices, crcs):
-                if crc != item.crcs[index]:
-                    errors.append(CheckpointCorruptError(
-                        f"checksum mismatch in {self.reader.data_path(rank)!r}: item {item.id!r} chunk {index} "
-                        f"(file offset {item.offset + item.chunks()[index][0]}) reads crc32c {crc:#010x}, "
-                        f"manifest says {item.crcs[index]:#010x}"))
-            if then is not None and not errors:
-                then(dst)
-        if errors:
-            raise errors[0]
+                self.reader.io.wait(read.ticket)
+            except OSError:
+                pass
+            if read.slot is not None:
+                self.placed.append(read.slot)
+        try:
+            self.backend.finish()
+        except BaseException:  # noqa: BLE001 - the failure being raised is the one to report
+            pass
+        for slot in self.placed:
+            self.pool.release(slot)
+        self.placed = []
 
 
 class CheckpointReader:
-    def __init__(self, path: str, io: _native.IOPool, budget_bytes: int, registry: ProviderRegistry):
+    def __init__(self, path: str, io: _native.IOPool, pool: StagingPool, backend: CopyBackend,
+                 registry: ProviderRegistry):
+        """Reads go through `io`; those that cannot land in place are staged in `pool`'s slots and copied out
+        by `backend` (the engine's pool, pinned with CUDA, and a copy backend of the load's own)."""
         self.path = resolve_checkpoint(path)
         self.io = io
-        self.budget_bytes = budget_bytes
+        self.pool = pool
+        self.backend = backend
         self.registry = registry
         meta_path = os.path.join(self.path, fmt.METADATA)
         self.metadata = fmt.read_metadata(meta_path)
@@ -215,19 +306,21 @@ class CheckpointReader:
             skeleton, entries = self.registry.flatten(template)
             wanted = [(e.item, _writable(e.source) if e.item.kind == "tensor" else None) for e in entries]
         values: dict[str, Any] = {}
-        reads, staged = _Reads(self), 0
-        for target, dst in wanted:
-            if target.kind == "object":
-                values[target.id] = self._read_object(*self._saved_object(target, own, rank))
-                continue
-            values[target.id] = dst
-            if target.scope == "global":
-                staged += self._read_global(target, dst, reads)
-            else:
-                staged += self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
-            if staged >= self.budget_bytes:  # bound the temporary memory of resharding reads
-                reads.finish()
-                staged = 0
+        reads = _Reads(self)
+        try:
+            for target, dst in wanted:
+                if target.kind == "object":
+                    self._queue_object(*self._saved_object(target, own, rank), reads,
+                                       lambda value, key=target.id: values.__setitem__(key, value))
+                    continue
+                values[target.id] = dst
+                if target.scope == "global":
+                    self._read_global(target, dst, reads)
+                else:
+                    self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
+        except BaseException:
+            reads.abort()
+            raise
         reads.finish()
         return unflatten(skeleton, values.__getitem__)
 
@@ -267,7 +360,11 @@ class CheckpointReader:
             return self._read_object(rank, item)
         dst = torch.empty(item.shape, dtype=dtype_from_name(item.dtype))
         reads = _Reads(self)
-        self._read_whole(rank, item, dst, reads)
+        try:
+            self._read_whole(rank, item, dst, reads)
+        except BaseException:
+            reads.abort()
+            raise
         reads.finish()
         return dst
 
@@ -277,33 +374,30 @@ class CheckpointReader:
             self.read_item(rank, item)
 
     def _read_object(self, rank: int, item: Item) -> Any:
-        buf = _aligned_empty(item.nbytes)
+        out = []
         reads = _Reads(self)
-        reads.read_chunks(rank, item, 0, len(item.chunks()), buf)
+        try:
+            self._queue_object(rank, item, reads, out.append)
+        except BaseException:
+            reads.abort()
+            raise
         reads.finish()
-        return fmt.loads(buf.numpy().tobytes(), f"{item.id!r} in {self.data_path(rank)!r}")
+        return out[0]
 
-    def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: _Reads) -> int:
-        """Read a stored tensor item entirely into `dst`; returns the temporary bytes it holds."""
-        if saved.nbytes == 0:
-            return 0
-        n = len(saved.chunks())
-        if dst.device.type == "cpu" and dst.is_contiguous():
-            reads.read_chunks(rank, saved, 0, n, dst.view(-1).view(torch.uint8) if dst.dim() else
-                              dst.view(1).view(torch.uint8))
-            return 0
-        dtype, shape = dtype_from_name(saved.dtype), saved.shape
-        reads.read_chunks(rank, saved, 0, n, _aligned_empty(saved.nbytes),
-                          then=lambda buf: dst.copy_(buf.view(dtype).view(shape)))
-        return saved.nbytes
+    def _queue_object(self, rank: int, item: Item, reads: _Reads, then: Callable[[Any], None]) -> None:
+        """Read a pickled object in the load's batch; `then` receives it once its bytes are verified."""
+        where = f"{item.id!r} in {self.data_path(rank)!r}"
+        buf, slot, fresh = reads.buffer(item.nbytes)
+        reads.read_chunks(rank, item, 0, len(item.chunks()), buf,
+                          lambda b: then(fmt.loads(b.numpy().tobytes(), where)), slot, fresh)
 
-    def _read_global(self, target: Item, dst: torch.Tensor, reads: _Reads) -> int:
+    def _read_global(self, target: Item, dst: torch.Tensor, reads: _Reads) -> None:
         """Fill the target shard `dst` (box target.global_offset + dst.shape) from every saved shard it overlaps."""
         shards = self.global_index().get(target.name)
         if not shards:
             raise CheckpointError(f"checkpoint {self.path!r} has no tensor named {target.name!r}")
         t_off, t_shape = tuple(target.global_offset), tuple(dst.shape)
-        covered, staged = 0, 0
+        covered = 0
         for shard in shards:
             if shard.global_shape != tuple(target.global_shape) or shard.dtype != dtype_name(dst.dtype):
                 raise CheckpointError(
@@ -316,38 +410,60 @@ class CheckpointReader:
                                              f"has a malformed box: {e}") from None
             if box is None:
                 continue
-            rank, saved = shard.rank, self.shard_item(shard)
+            saved = self.shard_item(shard)
             covered += _volume(box[1])
-            if tuple(saved.global_offset) == t_off and tuple(saved.shape) == t_shape:
-                staged += self._read_whole(rank, saved, dst, reads)
-                continue
-            staged += self._read_overlap(rank, saved, box, t_off, dst, reads)
+            self._read_box(shard.rank, saved, box, t_off, dst, reads)
         if covered != _volume(t_shape):
             raise CheckpointError(f"checkpoint {self.path!r} does not cover {target.name!r} at offset {t_off} "
                                   f"shape {t_shape}: {covered} of {_volume(t_shape)} elements saved")
-        return staged
 
-    def _read_overlap(self, rank, saved: Item, box, t_off, dst, reads) -> int:
-        """Read the rows of `saved` that hold `box`, widened to whole checksum chunks, then copy the box."""
-        (b_off, b_shape), s_off, s_shape = box, tuple(saved.global_offset), tuple(saved.shape)
-        dtype = dtype_from_name(saved.dtype)
-        esize = torch.empty((), dtype=dtype).element_size()
+    def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: _Reads) -> None:
+        """Fill `dst` (of the saved shape) with the whole saved item."""
+        origin = _origin(saved)
+        self._read_box(rank, saved, (origin, tuple(saved.shape)), origin, dst, reads)
+
+    def _read_box(self, rank: int, saved: Item, box, t_off, dst: torch.Tensor, reads: _Reads) -> None:
+        """Fill the part of `dst` (whose first element is at t_off) that `box` names, from the saved item.
+
+        Box and offsets are in global coordinates (a local item's are its own). A whole item into a contiguous
+        host tensor is read in place. Anything else reads the rows of `saved` that hold the box, widened to
+        whole checksum chunks, in pieces of at most a slot, and copies each piece's part of the box out."""
+        if saved.nbytes == 0:
+            return
+        (b_off, b_shape), s_shape = box, tuple(saved.shape)
+        s_off = _origin(saved)
+        chunks = saved.chunks()
+        if (b_off, b_shape) == (s_off, s_shape) and tuple(dst.shape) == s_shape and dst.device.type == "cpu" \
+                and dst.is_contiguous():
+            reads.read_chunks(rank, saved, 0, len(chunks), dst.view(-1).view(torch.uint8) if dst.dim() else
+                              dst.view(1).view(torch.uint8))
+            return
+        esize = dst.element_size()
         row_bytes = esize * _volume(s_shape[1:])
-        r0 = b_off[0] - s_off[0]
-        r1 = r0 + b_shape[0]
+        lo, hi = ((b_off[0] - s_off[0]) * row_bytes, (b_off[0] - s_off[0] + b_shape[0]) * row_bytes) if s_shape \
+            else (0, esize)
         cb = saved.chunk_bytes or saved.nbytes
-        first, last = r0 * row_bytes // cb, -(-(r1 * row_bytes) // cb)
-        base = first * cb
-        end = min(last * cb, saved.nbytes)
-        buf = _aligned_empty(end - base)
+        local_box = (tuple(o - so for o, so in zip(b_off, s_off)), b_shape)
+        first, end = lo // cb, -(-hi // cb)
+        while first < end:  # pieces of whole chunks, each as large as a slot allows (at least one chunk)
+            last = max(first + 1, min(end, first + max(1, reads.pool.slot_bytes // cb)))
+            start, stop = first * cb, min(last * cb, saved.nbytes)
+            buf, slot, fresh = reads.buffer(stop - start)
 
-        def place(buf):
-            rows = buf[r0 * row_bytes - base:r1 * row_bytes - base].view(dtype).view((r1 - r0,) + s_shape[1:])
-            src = rows[(slice(None),) + tuple(slice(o - so, o - so + n) for o, so, n in
-                                               zip(b_off[1:], s_off[1:], b_shape[1:]))]
-            dst[tuple(slice(o - to, o - to + n) for o, to, n in zip(b_off, t_off, b_shape))].copy_(src)
-        reads.read_chunks(rank, saved, first, last, buf, then=place)
-        return end - base
+            def place(buf, start=start, stop=stop):
+                src = buf[:stop - start].view(dst.dtype)
+                for p_off, p_shape in _flat_boxes(s_shape, start // esize, stop // esize):
+                    part = _overlap(p_off, p_shape, *local_box)
+                    if part is None:
+                        continue
+                    o, n = part
+                    first_elem = _ravel(p_off, s_shape) - start // esize
+                    piece = src[first_elem:first_elem + _volume(p_shape)].view(p_shape)
+                    reads.place(dst[tuple(slice(a + so - to, a + so - to + m) for a, so, to, m in
+                                          zip(o, s_off, t_off, n))],
+                                piece[tuple(slice(a - pa, a - pa + m) for a, pa, m in zip(o, p_off, n))])
+            reads.read_chunks(rank, saved, first, last, buf, place, slot, fresh)
+            first = last
 
 
 class Shard(NamedTuple):
@@ -369,6 +485,11 @@ def _writable(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _origin(item: Item) -> tuple:
+    """Where a saved tensor's first element sits: its global offset, or the origin for a rank-local item."""
+    return tuple(item.global_offset) if item.scope == "global" else (0,) * len(item.shape)
+
+
 def _overlap(a_off, a_shape, b_off, b_shape):
     if len(a_off) != len(b_off):
         return None
@@ -380,6 +501,41 @@ def _overlap(a_off, a_shape, b_off, b_shape):
         off.append(lo)
         shape.append(hi - lo)
     return tuple(off), tuple(shape)
+
+
+def _flat_boxes(shape, lo: int, hi: int):
+    """Boxes (offset, shape) that together are the row-major elements [lo, hi) of a tensor of `shape`, each of
+    them one contiguous run of those elements."""
+    if hi <= lo:
+        return
+    if not shape:
+        yield (), ()
+        return
+    inner = _volume(shape[1:])
+    r0, o0 = divmod(lo, inner)
+    r1, o1 = divmod(hi, inner)
+    rest = len(shape) - 1
+
+    def row(r, a, b):
+        for off, sh in _flat_boxes(shape[1:], a, b):
+            yield (r,) + off, (1,) + sh
+    if r0 == r1:
+        yield from row(r0, o0, o1)
+        return
+    if o0:
+        yield from row(r0, o0, inner)
+        r0 += 1
+    if r1 > r0:
+        yield (r0,) + (0,) * rest, (r1 - r0,) + tuple(shape[1:])
+    if o1:
+        yield from row(r1, 0, o1)
+
+
+def _ravel(index, shape) -> int:
+    flat = 0
+    for i, n in zip(index, shape):
+        flat = flat * n + i
+    return flat
 
 
 def _volume(shape) -> int:

@@ -2,11 +2,14 @@
 
 Every backend follows one protocol, the CUDA one:
 
-    begin_save()   on the training thread, at save(): what the copies must be ordered after
+    begin()        on the training thread, at save(): what the copies must be ordered after
     copy()         issue a copy into a slot (it may land later)
     mark(slot)     record the completion of every copy issued into the slot
     ready(slot)    the writer waits on that completion before it reads the slot
     finish()       wait for every copy issued so far: the snapshot is done, the fence may open
+
+A load runs the same protocol the other way (restore.py): copies out of a slot into the target tensors, mark,
+ready before the slot takes the next read, finish before the loaded state is handed back.
 
 `HostCopyBackend` (CPU) copies host tensors on native threads without the GIL; `CudaCopyBackend` adds device
 tensors, copied on a side stream of the engine's device, ordered after the compute stream by an event, into
@@ -36,7 +39,7 @@ class CopyBackend:
         self._issued: list[Callable[[], None]] = []  # completions not yet attached to a slot
         self._unfinished: list[Callable[[], None]] = []  # every completion since the last finish()
 
-    def begin_save(self):
+    def begin(self):
         return None
 
     def check(self, tensor: torch.Tensor, where: str) -> None:
@@ -69,7 +72,7 @@ class CopyBackend:
 
 
 class HostCopyBackend(CopyBackend):
-    """Host memory: contiguous stretches are memcpy'd on native threads, the rest by torch in the caller."""
+    """Host memory: contiguous copies are memcpy'd on native threads, strided ones by torch in the caller."""
 
     def __init__(self, threads: int | None = None):
         super().__init__()
@@ -77,7 +80,7 @@ class HostCopyBackend(CopyBackend):
         self._batch: _native.CopyBatch | None = None
 
     def copy(self, dst, src, ordering):
-        if src.device.type == "cpu" and src.is_contiguous():
+        if src.device.type == dst.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous():
             if self._batch is None:
                 self._batch = _native.CopyBatch()
                 self._completes(self._batch.wait)
@@ -94,7 +97,8 @@ class HostCopyBackend(CopyBackend):
 
 
 class CudaCopyBackend(HostCopyBackend):
-    """Device tensors of the engine's device: copied on a side stream into pinned slots; host ones as above."""
+    """Copies to or from the engine's device run on a side stream (between device tensors and pinned slots);
+    host ones as above."""
 
     def __init__(self, device: torch.device, threads: int | None = None):
         super().__init__(threads)
@@ -102,9 +106,10 @@ class CudaCopyBackend(HostCopyBackend):
         self.stream = torch.cuda.Stream(device=device)
         self._event_pending = False
 
-    def begin_save(self):
-        """Called on the training thread at save(): everything queued so far on the compute stream (the step
-        that produced the state) must finish before the side stream reads the state."""
+    def begin(self):
+        """Called on the training thread at save() (or load()): everything queued so far on the compute stream
+        (the step that produced the state, or last used the tensors a load overwrites) must finish before the
+        side stream touches them."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
@@ -117,7 +122,7 @@ class CudaCopyBackend(HostCopyBackend):
             raise CheckpointError(f"{where}: tensor on {tensor.device}: only {self.device} and host tensors save")
 
     def copy(self, dst, src, ordering):
-        if not src.is_cuda:
+        if not (src.is_cuda or dst.is_cuda):
             super().copy(dst, src, ordering)
             return
         with torch.cuda.stream(self.stream):

@@ -73,9 +73,12 @@ class StagingPool:
             _cuda_host_register(slot.buffer.data_ptr(), self.slot_bytes)
         return slot
 
-    def acquire(self) -> Slot:
+    def acquire(self, block: bool = True) -> Slot | None:
+        """A free slot; when every slot is in use, wait for one (or, with block=False, return None)."""
         with self._cv:
             while not self._free and len(self._slots) >= self.max_slots and not self._closed:
+                if not block:
+                    return None
                 self._cv.wait()
             if self._closed:
                 raise RuntimeError("staging pool is closed")

@@ -2,59 +2,15 @@
 happens when a stage thread dies. A backend that completes copies late and out of order stands in for a GPU's
 side stream: if the writer read a slot early, or the fence opened early, the bytes on disk would show it."""
 import mmap
-import random
 import threading
 
 import pytest
 import torch
 
 from datastates import CheckpointEngine, CheckpointError
-from datastates.snapshot import CopyBackend, HostCopyBackend
+from datastates.snapshot import HostCopyBackend
 from datastates.staging import StagingPool
-
-POISON = 0xAB
-
-
-class LateCopyBackend(CopyBackend):
-    """Lands every copy late, in random order, on a thread of its own; poisons the slot bytes until then."""
-
-    def __init__(self, seed: int, max_delay_s: float = 0.003):
-        super().__init__()
-        self.rng = random.Random(seed)
-        self.max_delay_s = max_delay_s
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, threading.Event]] = []
-        self.cv = threading.Condition()
-        self.landed = 0
-        self.closed = False
-        self.thread = threading.Thread(target=self._land, daemon=True)
-        self.thread.start()
-
-    def copy(self, dst, src, ordering):
-        dst.view(torch.uint8).fill_(POISON)  # what a writer reading too early would write
-        done = threading.Event()
-        with self.cv:
-            self.pending.append((dst, src, done))
-            self.cv.notify()
-        self._completes(done.wait)
-
-    def _land(self):
-        while True:
-            with self.cv:
-                self.cv.wait_for(lambda: self.pending or self.closed)
-                if not self.pending:
-                    return
-            threading.Event().wait(self.rng.uniform(0, self.max_delay_s))
-            with self.cv:
-                dst, src, done = self.pending.pop(self.rng.randrange(len(self.pending)))
-            dst.copy_(src)  # reads the live state now, not at save(): only the fence keeps it unchanged
-            self.landed += 1
-            done.set()
-
-    def close(self):
-        with self.cv:
-            self.closed = True
-            self.cv.notify()
-        self.thread.join()
+from late_copies import LateCopyBackend
 
 
 def _state(seed: int) -> dict:

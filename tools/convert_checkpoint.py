@@ -65,6 +65,8 @@ from datastates.plan import dtype_from_name  # noqa: E402
 from datastates.providers import (ContainerProvider, ItemRef, ObjectProvider, ProviderRegistry,  # noqa: E402
                                   StateProvider, TensorProvider)
 from datastates.restore import CheckpointReader  # noqa: E402
+from datastates.snapshot import HostCopyBackend  # noqa: E402
+from datastates.staging import StagingPool  # noqa: E402
 
 try:
     from tools.inspect_checkpoint import Problems, Scan, UsageError  # noqa: E402
@@ -189,9 +191,9 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
                       for name, t in tensors.items()},
                 "o": {name: _GlobalObject(name) for name in objects["global"]}}
     from tqdm import tqdm
-    io = _native.IOPool(threads)
+    io, pool, backend = _native.IOPool(threads), StagingPool(1 << 30, threads), HostCopyBackend()
     try:
-        reader = CheckpointReader(ckpt, io, 1 << 30, registry)
+        reader = CheckpointReader(ckpt, io, pool, backend, registry)
         # tensor by tensor for the progress bar; each load reads in parallel, checks every chunk's crc32c and
         # the coverage of the tensor
         total = sum(w.tensor.numel() * w.tensor.element_size() for w in template["t"].values())
@@ -208,6 +210,8 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
         raise ConvertError(f"reading {ckpt!r} failed: {e}") from None
     finally:
         io.close()
+        backend.close()
+        pool.close()
 
     for name, value in globals_.items():
         if name.startswith(COMMON_PREFIX):

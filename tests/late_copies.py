@@ -1,0 +1,53 @@
+"""A copy backend that lands every copy late and out of order, standing in for a GPU's side stream in tests of
+the save direction (device state into slots) and of the load direction (slots into the target tensors)."""
+import random
+import threading
+
+import torch
+
+from datastates.snapshot import CopyBackend
+
+POISON = 0xAB
+
+
+class LateCopyBackend(CopyBackend):
+    """Lands every copy late, in random order, on a thread of its own; poisons the destination until then."""
+
+    def __init__(self, seed: int, max_delay_s: float = 0.003):
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.max_delay_s = max_delay_s
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, threading.Event]] = []
+        self.cv = threading.Condition()
+        self.landed = 0
+        self.closed = False
+        self.thread = threading.Thread(target=self._land, daemon=True)
+        self.thread.start()
+
+    def copy(self, dst, src, ordering):
+        if dst.is_contiguous():
+            dst.view(torch.uint8).fill_(POISON)  # what a reader of dst before the copy landed would see
+        done = threading.Event()
+        with self.cv:
+            self.pending.append((dst, src, done))
+            self.cv.notify()
+        self._completes(done.wait)
+
+    def _land(self):
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.pending or self.closed)
+                if not self.pending:
+                    return
+            threading.Event().wait(self.rng.uniform(0, self.max_delay_s))
+            with self.cv:
+                dst, src, done = self.pending.pop(self.rng.randrange(len(self.pending)))
+            dst.copy_(src)  # reads the live state now, not at save(): only the fence keeps it unchanged
+            self.landed += 1
+            done.set()
+
+    def close(self):
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join()

@@ -1,0 +1,165 @@
+"""The load path's staged reads: bytes that cannot land in their target directly (a strided or device target, a
+box of a saved shard) are read into the engine's staging slots, verified, and copied out by a copy backend.
+
+A backend that lands those copies late and out of order stands in for a GPU's side stream: a slot reused
+before its copies landed, or a load that returned before they all did, shows in the loaded values. The state
+is small and the slots smaller still, so slots cycle many times within one load."""
+import os
+
+import pytest
+import torch
+
+from datastates import CheckpointEngine, _native
+from datastates.errors import CheckpointCorruptError
+from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
+from datastates.restore import CheckpointReader
+from datastates.snapshot import HostCopyBackend
+from datastates.staging import StagingPool
+from late_copies import LateCopyBackend
+
+ROWS, COLS, SPLIT = 600, 500, 300  # one logical tensor, saved as two row blocks
+
+
+class Box:
+    """A block of a logical tensor: `tensor` holds the elements at `offset` of the `global_shape` whole."""
+
+    def __init__(self, name, tensor, global_shape, offset):
+        self.name, self.tensor, self.global_shape, self.offset = name, tensor, tuple(global_shape), tuple(offset)
+
+
+class BoxProvider(StateProvider):
+    def accepts(self, value):
+        return isinstance(value, Box)
+
+    def flatten(self, value, path, ctx):
+        return ctx.add_tensor(path, value.tensor, scope="global", name=value.name, global_shape=value.global_shape,
+                              global_offset=value.offset)
+
+
+def _registry():
+    return ProviderRegistry([BoxProvider(), ContainerProvider(), TensorProvider(), ObjectProvider()])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(checkpoint path, the values it holds): a global tensor in two blocks, strided, bf16, 0-dim, objects."""
+    g = torch.Generator().manual_seed(5)
+    whole = torch.randn(ROWS, COLS, generator=g)
+    local = {"cols": torch.randn(70, 90, generator=g).t(), "half": torch.randn(3000, generator=g).bfloat16(),
+             "scalar": torch.tensor(2.5), "step": 17, "note": "x" * 5000}
+    state = {"w0": Box("w", whole[:SPLIT], whole.shape, (0, 0)), "w1": Box("w", whole[SPLIT:], whole.shape, (SPLIT, 0)),
+             **local}
+    path = str(tmp_path_factory.mktemp("restore") / "iter_0000001")
+    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2, registry=_registry()) as eng:
+        eng.save(state, path)
+        eng.wait()
+    return path, whole, local
+
+
+def _reader(path, budget, backend):
+    io, pool = _native.IOPool(2), StagingPool(budget, writer_threads=2)
+    return CheckpointReader(path, io, pool, backend, _registry()), io, pool
+
+
+def _template():
+    """Strided targets everywhere, and blocks that straddle the two saved ones."""
+    nan = float("nan")
+    box_a = torch.full((COLS - 40, 19), nan).t()  # rows 290..308, columns 3..462: a box of both saved blocks
+    box_b = torch.full((ROWS - 100, COLS), nan)[::2]  # every other row of a buffer: strided along dim 0
+    return {"a": Box("w", box_a, (ROWS, COLS), (SPLIT - 10, 3)), "b": Box("w", box_b, (ROWS, COLS), (100, 0)),
+            "cols": torch.full((70, 90), nan).t(), "half": torch.full((3000,), nan).bfloat16(),
+            "scalar": torch.tensor(nan), "step": None, "note": None}
+
+
+def _check(out, whole, local):
+    assert torch.equal(out["a"], whole[SPLIT - 10:SPLIT + 9, 3:COLS - 37])
+    assert torch.equal(out["b"], whole[100:100 + (ROWS - 100 + 1) // 2])
+    for key in ("cols", "half", "scalar"):
+        assert torch.equal(out[key], local[key]), key
+    assert out["step"] == 17 and out["note"] == local["note"]
+
+
+def _all_slots_back(pool):
+    slots = [pool.acquire(block=False) for _ in range(pool.max_slots)]
+    assert all(s is not None for s in slots), "a load kept staging slots"
+    for s in slots:
+        pool.release(s)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_late_copies_out_of_slots_land_before_reuse_and_before_return(saved, seed):
+    path, whole, local = saved
+    backend = LateCopyBackend(seed)
+    reader, io, pool = _reader(path, 256 << 10, backend)
+    try:
+        template = _template()
+        out = reader.load(0, template)
+        assert not backend.pending, "load returned before every copy out of a slot landed"
+        _check(out, whole, local)
+        assert out["cols"] is template["cols"]  # strided targets are filled in place
+        assert backend.landed > 3 * pool.max_slots  # the slots cycled while copies were late
+        assert pool.allocated_bytes <= pool.budget_bytes
+        _all_slots_back(pool)
+    finally:
+        reader.close(), backend.close(), io.close(), pool.close()
+
+
+def test_read_item_and_verify_read_global_blocks_whole(saved):
+    """What the memory tier and the tools use: one saved item as it is, and a check of every chunk."""
+    path, whole, local = saved
+    backend = HostCopyBackend(2)
+    reader, io, pool = _reader(path, 256 << 10, backend)
+    try:
+        items = reader.items(0)
+        assert torch.equal(reader.read_item(0, items["w1"]), whole[SPLIT:])
+        assert torch.equal(reader.read_item(0, items["cols"]), local["cols"])
+        assert reader.read_item(0, items["note"]) == local["note"]
+        reader.verify(0)
+        _all_slots_back(pool)
+    finally:
+        reader.close(), backend.close(), io.close(), pool.close()
+
+
+def test_chunks_larger_than_a_slot_read_into_buffers_of_their_own(saved):
+    """A loader with a smaller staging budget than the saver's chunks still loads, within its budget."""
+    path, whole, local = saved
+    backend = HostCopyBackend(2)
+    reader, io, pool = _reader(path, 64 << 10, backend)
+    try:
+        assert pool.slot_bytes < reader.items(0)["w0"].chunk_bytes
+        _check(reader.load(0, _template()), whole, local)
+        _all_slots_back(pool)
+    finally:
+        reader.close(), backend.close(), io.close(), pool.close()
+
+
+def test_damage_in_a_staged_read_is_reported_and_gives_every_slot_back(saved, tmp_path):
+    path, _, _ = saved
+    damaged = tmp_path / "iter_0000001"
+    os.makedirs(damaged)
+    for name in os.listdir(path):
+        data = open(os.path.join(path, name), "rb").read()
+        open(damaged / name, "wb").write(data)
+    reader, io, pool = _reader(path, 1 << 20, HostCopyBackend(2))
+    item = reader.items(0)["w0"]
+    reader.close()
+    pos = 150 * COLS * 4  # row 150 of the first block: inside the target's box "b"
+    with open(damaged / "rank_00000.data", "r+b") as f:
+        f.seek(item.offset + pos)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    backend = HostCopyBackend(2)
+    reader = CheckpointReader(str(damaged), io, pool, backend, _registry())
+    try:
+        with pytest.raises(CheckpointCorruptError, match=rf"checksum mismatch .* item 'w0' chunk {pos // item.chunk_bytes} "):
+            reader.load(0, _template())
+        _all_slots_back(pool)
+        reader.close()
+        os.truncate(damaged / "rank_00000.data", item.offset)  # refused at open, after a slot was taken
+        reader = CheckpointReader(str(damaged), io, pool, backend, _registry())
+        with pytest.raises(CheckpointCorruptError, match="is truncated"):
+            reader.load(0, _template())
+        _all_slots_back(pool)
+    finally:
+        reader.close(), backend.close(), io.close(), pool.close()

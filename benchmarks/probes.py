@@ -3,6 +3,8 @@
 - O_DIRECT sequential write: page-aligned buffers (anonymous mmap), pwrite at aligned offsets from 1 and
   from 4 threads (the better one is the disk's limit), then fsync; "durable" includes the fsync.
 - buffered write + fsync: the same bytes through the page cache, timed until fsync returns.
+- O_DIRECT sequential read: a file of the same size, page cache evicted, read back in 8 MiB blocks from 1 and
+  from 4 threads (the better one is the disk's read limit, the yardstick of restores).
 - memcpy: torch copy_ between two host tensors (what a staging copy costs at best).
 """
 from __future__ import annotations
@@ -75,6 +77,41 @@ def write_buffered_fsync(path: str, nbytes: int) -> float:
     return dt
 
 
+def read_odirect(path: str, nbytes: int, threads: int = 1) -> float:
+    """Seconds to read the first nbytes of `path` with O_DIRECT, its page cache evicted first."""
+    nblocks = max(1, nbytes // BLOCK)
+    bufs = [mmap.mmap(-1, BLOCK) for _ in range(threads)]
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+        def work(tid: int):
+            for b in range(tid, nblocks, threads):
+                os.preadv(fd, [bufs[tid]], b * BLOCK)
+
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+
+
+def _written_file(path: str, nbytes: int) -> None:
+    buf = _aligned_buffer(BLOCK)
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // BLOCK)):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    buf.close()
+
+
 def memcpy_seconds(nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(7)
@@ -90,19 +127,25 @@ def run_probes(directory: str, nbytes: int, reps: int = 3, log=print) -> dict:
     os.makedirs(directory, exist_ok=True)
     p = os.path.join(directory, "probe.bin")
     nbytes = int(max(nbytes, 256 << 20)) // BLOCK * BLOCK
-    res: dict[str, list[float]] = {"odirect_1t": [], "odirect_4t": [], "buffered_fsync": [], "memcpy": []}
+    res: dict[str, list[float]] = {"odirect_1t": [], "odirect_4t": [], "buffered_fsync": [],
+                                   "read_odirect_1t": [], "read_odirect_4t": [], "memcpy": []}
     direct_ok = True
     mc_bytes = int(min(nbytes, 1 << 30))
+    readable = os.path.join(directory, "probe_read.bin")
+    _written_file(readable, nbytes)
     for _ in range(reps):
         if direct_ok:
             try:
                 res["odirect_1t"].append(write_odirect(p, nbytes, 1))
                 res["odirect_4t"].append(write_odirect(p, nbytes, 4))
+                res["read_odirect_1t"].append(read_odirect(readable, nbytes, 1))
+                res["read_odirect_4t"].append(read_odirect(readable, nbytes, 4))
             except OSError as e:  # tmpfs and some overlay setups refuse O_DIRECT
                 log(f"O_DIRECT unavailable in {directory}: {e}")
                 direct_ok = False
         res["buffered_fsync"].append(write_buffered_fsync(p, nbytes))
         res["memcpy"].append(memcpy_seconds(mc_bytes))
+    os.unlink(readable)
     out = {"bytes": nbytes, "memcpy_bytes": mc_bytes}
     for k, v in res.items():
         if not v:
@@ -117,4 +160,6 @@ def run_probes(directory: str, nbytes: int, reps: int = 3, log=print) -> dict:
         }
     ods = [out[k]["gbps"] for k in ("odirect_1t", "odirect_4t") if k in out]
     out["raw_odirect_gbps"] = max(ods) if ods else None
+    reads = [out[k]["gbps"] for k in ("read_odirect_1t", "read_odirect_4t") if k in out]
+    out["raw_read_gbps"] = max(reads) if reads else None
     return out

@@ -140,7 +140,8 @@ def main():
         "engine_buffer_bytes": int(a.engine_buffer_gb * 2**30), "engine_writer_threads": a.engine_writer_threads,
         "systems": names, "grid": grid,
         "reps_note": f"1 warm-up + {a.reps} measured checkpoints per system and configuration "
-                     f"({max(2, a.reps - 1)} above 1 GB), systems interleaved A B … B A.",
+                     f"({max(2, a.reps - 1)} above 1 GB), systems interleaved A B … B A; as many restore "
+                     f"rounds, interleaved the same way.",
     }
     with open(os.path.join(a.out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)

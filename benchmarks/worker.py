@@ -177,8 +177,9 @@ def _run(rank, world, cfg):
             rec = {}
             keys = [k for k in reps[0][0] if isinstance(reps[0][0][k], (int, float))]
             for k in keys:
-                # the loop is stalled as long as its slowest rank: max over ranks, then median over reps
-                vals = [max(p[k] for p in per_rank) for per_rank in reps]
+                # the loop is stalled as long as its slowest rank: max over ranks (those that report it: rank 0
+                # alone publishes), then median over reps
+                vals = [max(p[k] for p in per_rank if k in p) for per_rank in reps]
                 rec[k] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "samples": vals}
             rec["bytes_on_disk"] = common.tree_bytes(last_path[name])
             result["save"][name] = rec

@@ -77,6 +77,8 @@ def main():
                     help="SIZExRANKS list used when --sizes/--ranks are not given [%(default)s]")
     ap.add_argument("--systems", default=None, help="comma-separated subset of: " + ",".join(_systems()))
     ap.add_argument("--reps", type=int, default=3, help="measured checkpoints per system after 1 warm-up")
+    ap.add_argument("--restore-reps", type=int, default=5,
+                    help="restore rounds per system (the read bandwidth of shared disks drifts the most)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
     ap.add_argument("--ckpt-dir", default=None, help="where checkpoints go [<out>/ckpt]")
     ap.add_argument("--engine-buffer-gb", type=float, default=4.0, help="engine staging budget per rank (GiB)")
@@ -101,6 +103,7 @@ def main():
     if a.quick:
         grid = [(0.1, 1)]
         a.reps, a.loop_config, a.loop_iters, a.loop_compute_s, a.loop_intervals = 2, "0.1x1", 4, 0.3, "1"
+        a.restore_reps = 2
         a.mem_config, a.loop_rounds = "", 1
         a.no_publish = True
         if a.trainer == "auto":
@@ -140,8 +143,8 @@ def main():
         "engine_buffer_bytes": int(a.engine_buffer_gb * 2**30), "engine_writer_threads": a.engine_writer_threads,
         "systems": names, "grid": grid,
         "reps_note": f"1 warm-up + {a.reps} measured checkpoints per system and configuration "
-                     f"({max(2, a.reps - 1)} above 1 GB), systems interleaved A B … B A; as many restore "
-                     f"rounds, interleaved the same way.",
+                     f"({max(2, a.reps - 1)} above 1 GB), systems interleaved A B … B A; {a.restore_reps} "
+                     f"restore rounds, interleaved the same way.",
     }
     with open(os.path.join(a.out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -163,7 +166,7 @@ def main():
         cfg = {
             "tag": tag, "size_gb": size, "ranks": ranks, "port": random.randint(20000, 40000),
             "ckpt_dir": os.path.join(ckpt_dir, tag), "out": a.out, "systems": names,
-            "warmup": 1, "reps": a.reps if size <= 1 else max(2, a.reps - 1),
+            "warmup": 1, "reps": a.reps if size <= 1 else max(2, a.reps - 1), "restore_reps": a.restore_reps,
             "engine_buffer_bytes": int(a.engine_buffer_gb * 2**30),
             "engine_writer_threads": a.engine_writer_threads,
             "loop_iters": a.loop_iters if is_loop else 0, "loop_compute_s": a.loop_compute_s,

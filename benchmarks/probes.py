@@ -78,8 +78,9 @@ def write_buffered_fsync(path: str, nbytes: int) -> float:
 
 
 def read_odirect(path: str, nbytes: int, threads: int = 1) -> float:
-    """Seconds to read the first nbytes of `path` with O_DIRECT, its page cache evicted first."""
-    nblocks = max(1, nbytes // BLOCK)
+    """Seconds to read the first nbytes of `path` (whole blocks, the last one short at the end of the file)
+    with O_DIRECT, its page cache evicted first."""
+    nblocks = max(1, -(-nbytes // BLOCK))
     bufs = [mmap.mmap(-1, BLOCK) for _ in range(threads)]
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:

@@ -84,6 +84,17 @@ def run(rank: int, world: int, cfg: dict):
         dist.destroy_process_group()
 
 
+class _RawRead:
+    """A sequential O_DIRECT read of one file (page cache evicted first) from `threads` threads."""
+
+    def __init__(self, path: str, threads: int):
+        self.path, self.threads, self.name = path, threads, f"raw_read_{threads}t"
+
+    def read(self):
+        import probes
+        probes.read_odirect(self.path, os.path.getsize(self.path), self.threads)
+
+
 def _run(rank, world, cfg):
     import torch
     import torch.distributed as dist
@@ -96,7 +107,7 @@ def _run(rank, world, cfg):
         return _memory(rank, world, cfg)
     tag, root = cfg["tag"], cfg["ckpt_dir"]
     result = {"tag": tag, "size_gb": cfg["size_gb"], "ranks": world, "cpu_guard": guard, "save": {},
-              "restore": {}, "loop": {}, "errors": {}}
+              "restore": {}, "restore_raw": {}, "loop": {}, "errors": {}}
 
     state = common.make_state(cfg["size_gb"] * common.GB, rank, world)
     nbytes = sum(_gather(common.state_bytes(state)))
@@ -186,9 +197,21 @@ def _run(rank, world, cfg):
 
     # ---------------------------------------------------------------- 2. restore
     restorable = [s for s in systems if s.name not in failed and s.name in last_path]
+    # The yardstick, in the same rotation: each rank reads its own data file of the engine's checkpoint with
+    # O_DIRECT at the same moment, so the disk's drift and any cache below the VM treat it like the loads.
+    own_file = os.path.join(last_path.get("engine_lazy", ""), f"rank_{rank:05d}.data")
+    if os.path.isfile(own_file):
+        restorable += [_RawRead(own_file, 1), _RawRead(own_file, 4)]
     samples: dict[str, list[float]] = {}
     for rep in range(cfg.get("restore_reps", cfg["reps"])):
         for s in (restorable if rep % 2 == 0 else restorable[::-1]):  # A B … B A, as the saves
+            if isinstance(s, _RawRead):
+                S.barrier()
+                t0 = time.perf_counter()
+                s.read()
+                S.barrier()
+                samples.setdefault(s.name, []).append(time.perf_counter() - t0)
+                continue
             if s.name in result["restore"] and not result["restore"][s.name]["verified"]:
                 continue  # failed once: reported, not retried
             path = last_path[s.name]
@@ -218,6 +241,13 @@ def _run(rank, world, cfg):
                 result["restore"][s.name] = {"verified": all(oks)}
             if not ok:  # leave a correct state for whatever comes next
                 state = common.make_state(cfg["size_gb"] * common.GB, rank, world)
+
+    if rank == 0:
+        for name in ("raw_read_1t", "raw_read_4t"):
+            if name in samples:
+                v = samples[name]
+                result["restore_raw"][name] = {"seconds": statistics.median(v), "min": min(v), "max": max(v),
+                                               "samples": v}
 
     # ---------------------------------------------------------------- 3. loop
     if cfg.get("loop_iters", 0) > 0:

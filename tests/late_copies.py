@@ -26,7 +26,7 @@ class LateCopyBackend(CopyBackend):
 
     def copy(self, dst, src, ordering):
         if dst.is_contiguous():
-            dst.view(torch.uint8).fill_(POISON)  # what a reader of dst before the copy landed would see
+            dst.view(-1).view(torch.uint8).fill_(POISON)  # what a reader of dst before the copy landed would see
         done = threading.Event()
         with self.cv:
             self.pending.append((dst, src, done))

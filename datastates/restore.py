@@ -429,7 +429,7 @@ class CheckpointReader:
         hold the box, widened to whole checksum chunks, in pieces of at most a slot, and copies each piece's
         part of the box out. Even a whole tensor into a contiguous host target goes through the slots: O_DIRECT
         into the same few hot slots, then a memcpy on the copy threads, loaded 1 GB in 0.68 s against 1.01 s
-        for O_DIRECT straight into the target's own pages (benchmarks/RESULTS.md has the full comparison)."""
+        for O_DIRECT straight into the target's own pages (medians of 8 interleaved loads, page cache evicted)."""
         if saved.nbytes == 0:
             return
         (b_off, b_shape), s_shape = box, tuple(saved.shape)

@@ -77,8 +77,8 @@ class _Reads:
 
     def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, place=None,
                     slot: Slot | None = None, fresh: int = 0) -> None:
-        """Read chunks [first, last) of a stored item into the uint8 tensor `dst`, to be verified. `dst` is
-        `slot`'s memory, or `fresh` bytes of its own, or the destination itself."""
+        """Read chunks [first, last) of a stored item into the uint8 tensor `dst`, to be verified, then handed
+        to `place`. `dst` is `slot`'s memory, or `fresh` bytes of its own (see `buffer`)."""
         try:
             chunks = item.chunks()[first:last]
             start = chunks[0][0]
@@ -144,6 +144,15 @@ class _Reads:
             self.backend.ready(slot)
             self.pool.release(slot)
 
+    def __enter__(self) -> "_Reads":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
     def finish(self) -> None:
         """Complete every read and every copy out of the slots; on failure, wait out the rest, then raise."""
         try:
@@ -177,8 +186,8 @@ class _Reads:
 class CheckpointReader:
     def __init__(self, path: str, io: _native.IOPool, pool: StagingPool, backend: CopyBackend,
                  registry: ProviderRegistry):
-        """Reads go through `io`; those that cannot land in place are staged in `pool`'s slots and copied out
-        by `backend` (the engine's pool, pinned with CUDA, and a copy backend of the load's own)."""
+        """Reads go through `io` into `pool`'s slots and are copied out into their targets by `backend` (the
+        engine's pool, pinned with CUDA, and a copy backend of the load's own)."""
         self.path = resolve_checkpoint(path)
         self.io = io
         self.pool = pool
@@ -306,8 +315,7 @@ class CheckpointReader:
             skeleton, entries = self.registry.flatten(template)
             wanted = [(e.item, _writable(e.source) if e.item.kind == "tensor" else None) for e in entries]
         values: dict[str, Any] = {}
-        reads = _Reads(self)
-        try:
+        with _Reads(self) as reads:
             for target, dst in wanted:
                 if target.kind == "object":
                     self._queue_object(*self._saved_object(target, own, rank), reads,
@@ -318,10 +326,6 @@ class CheckpointReader:
                     self._read_global(target, dst, reads)
                 else:
                     self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
-        except BaseException:
-            reads.abort()
-            raise
-        reads.finish()
         return unflatten(skeleton, values.__getitem__)
 
     def _item(self, items: dict[str, Item], key: str, rank: int) -> Item:
@@ -359,13 +363,8 @@ class CheckpointReader:
         if item.kind == "object":
             return self._read_object(rank, item)
         dst = torch.empty(item.shape, dtype=dtype_from_name(item.dtype))
-        reads = _Reads(self)
-        try:
+        with _Reads(self) as reads:
             self._read_whole(rank, item, dst, reads)
-        except BaseException:
-            reads.abort()
-            raise
-        reads.finish()
         return dst
 
     def verify(self, rank: int) -> None:
@@ -375,13 +374,8 @@ class CheckpointReader:
 
     def _read_object(self, rank: int, item: Item) -> Any:
         out = []
-        reads = _Reads(self)
-        try:
+        with _Reads(self) as reads:
             self._queue_object(rank, item, reads, out.append)
-        except BaseException:
-            reads.abort()
-            raise
-        reads.finish()
         return out[0]
 
     def _queue_object(self, rank: int, item: Item, reads: _Reads, then: Callable[[Any], None]) -> None:

@@ -4,6 +4,7 @@ box of a saved shard) are read into the engine's staging slots, verified, and co
 A backend that lands those copies late and out of order stands in for a GPU's side stream: a slot reused
 before its copies landed, or a load that returned before they all did, shows in the loaded values. The state
 is small and the slots smaller still, so slots cycle many times within one load."""
+import contextlib
 import os
 
 import pytest
@@ -56,9 +57,15 @@ def saved(tmp_path_factory):
     return path, whole, local
 
 
-def _reader(path, budget, backend):
+@contextlib.contextmanager
+def _reading(path, budget, backend):
+    """(a reader of `path` on a staging pool of `budget` bytes and `backend`, that pool); all closed after."""
     io, pool = _native.IOPool(2), StagingPool(budget, writer_threads=2)
-    return CheckpointReader(path, io, pool, backend, _registry()), io, pool
+    reader = CheckpointReader(path, io, pool, backend, _registry())
+    try:
+        yield reader, pool
+    finally:
+        reader.close(), backend.close(), io.close(), pool.close()
 
 
 def _template():
@@ -90,8 +97,7 @@ def _all_slots_back(pool):
 def test_late_copies_out_of_slots_land_before_reuse_and_before_return(saved, seed):
     path, whole, local = saved
     backend = LateCopyBackend(seed)
-    reader, io, pool = _reader(path, 256 << 10, backend)
-    try:
+    with _reading(path, 256 << 10, backend) as (reader, pool):
         template = _template()
         out = reader.load(0, template)
         assert not backend.pending, "load returned before every copy out of a slot landed"
@@ -100,37 +106,27 @@ def test_late_copies_out_of_slots_land_before_reuse_and_before_return(saved, see
         assert backend.landed > 3 * pool.max_slots  # the slots cycled while copies were late
         assert pool.allocated_bytes <= pool.budget_bytes
         _all_slots_back(pool)
-    finally:
-        reader.close(), backend.close(), io.close(), pool.close()
 
 
 def test_read_item_and_verify_read_global_blocks_whole(saved):
     """What the memory tier and the tools use: one saved item as it is, and a check of every chunk."""
     path, whole, local = saved
-    backend = HostCopyBackend(2)
-    reader, io, pool = _reader(path, 256 << 10, backend)
-    try:
+    with _reading(path, 256 << 10, HostCopyBackend(2)) as (reader, pool):
         items = reader.items(0)
         assert torch.equal(reader.read_item(0, items["w1"]), whole[SPLIT:])
         assert torch.equal(reader.read_item(0, items["cols"]), local["cols"])
         assert reader.read_item(0, items["note"]) == local["note"]
         reader.verify(0)
         _all_slots_back(pool)
-    finally:
-        reader.close(), backend.close(), io.close(), pool.close()
 
 
 def test_chunks_larger_than_a_slot_read_into_buffers_of_their_own(saved):
     """A loader with a smaller staging budget than the saver's chunks still loads, within its budget."""
     path, whole, local = saved
-    backend = HostCopyBackend(2)
-    reader, io, pool = _reader(path, 64 << 10, backend)
-    try:
+    with _reading(path, 64 << 10, HostCopyBackend(2)) as (reader, pool):
         assert pool.slot_bytes < reader.items(0)["w0"].chunk_bytes
         _check(reader.load(0, _template()), whole, local)
         _all_slots_back(pool)
-    finally:
-        reader.close(), backend.close(), io.close(), pool.close()
 
 
 def test_damage_in_a_staged_read_is_reported_and_gives_every_slot_back(saved, tmp_path):
@@ -140,26 +136,20 @@ def test_damage_in_a_staged_read_is_reported_and_gives_every_slot_back(saved, tm
     for name in os.listdir(path):
         data = open(os.path.join(path, name), "rb").read()
         open(damaged / name, "wb").write(data)
-    reader, io, pool = _reader(path, 1 << 20, HostCopyBackend(2))
-    item = reader.items(0)["w0"]
-    reader.close()
+    with _reading(path, 1 << 20, HostCopyBackend(2)) as (reader, _):
+        item = reader.items(0)["w0"]
     pos = 150 * COLS * 4  # row 150 of the first block: inside the target's box "b"
     with open(damaged / "rank_00000.data", "r+b") as f:
         f.seek(item.offset + pos)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    backend = HostCopyBackend(2)
-    reader = CheckpointReader(str(damaged), io, pool, backend, _registry())
-    try:
+    with _reading(str(damaged), 1 << 20, HostCopyBackend(2)) as (reader, pool):
         with pytest.raises(CheckpointCorruptError, match=rf"checksum mismatch .* item 'w0' chunk {pos // item.chunk_bytes} "):
             reader.load(0, _template())
         _all_slots_back(pool)
-        reader.close()
+        reader.close()  # the data file is opened again, and checked, at the next load
         os.truncate(damaged / "rank_00000.data", item.offset)  # refused at open, after a slot was taken
-        reader = CheckpointReader(str(damaged), io, pool, backend, _registry())
         with pytest.raises(CheckpointCorruptError, match="is truncated"):
             reader.load(0, _template())
         _all_slots_back(pool)
-    finally:
-        reader.close(), backend.close(), io.close(), pool.close()

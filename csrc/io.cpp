@@ -21,8 +21,8 @@ std::string errno_message(const std::string& what, const std::string& path, int 
 
 // ---------------------------------------------------------------------------------------------- File
 
-File::File(std::string path, const std::string& mode, const std::string& direct, uint64_t preallocate)
-    : path_(std::move(path)) {
+File::File(std::string path, const std::string& mode, const std::string& direct, uint64_t preallocate, bool stream)
+    : path_(std::move(path)), stream_(stream) {
   if (mode != "w" && mode != "r") throw std::invalid_argument("File mode must be 'w' or 'r', not '" + mode + "'");
   if (direct == "auto") {
     mode_ = DirectMode::Auto;
@@ -145,6 +145,11 @@ int File::transfer(bool write, char* p, uint64_t len, uint64_t off, bool allow_d
   return 0;
 }
 
+void File::drop_cache(uint64_t off, uint64_t len) {
+  std::shared_lock lock(lifetime_);
+  if (fd_ >= 0) (void)::posix_fadvise(fd_, off_t(off), off_t(len), POSIX_FADV_DONTNEED);
+}
+
 // -------------------------------------------------------------------------------------------- IOPool
 
 struct IOPool::Ticket {
@@ -250,13 +255,28 @@ void IOPool::worker(int nice) {
     Chunk c;
     {
       std::unique_lock lock(mu_);
-      work_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything queued has been done
-      c = std::move(queue_.front());
-      queue_.pop_front();
+      auto next = queue_.end();
+      work_cv_.wait(lock, [&] { return (next = next_chunk()) != queue_.end() || (stopping_ && queue_.empty()); });
+      if (next == queue_.end()) return;  // stopping, and everything queued has been done
+      c = std::move(*next);
+      queue_.erase(next);
+      if (c.ticket->file->stream()) streaming_.insert(c.ticket->file.get());
     }
     run_chunk(c);
+    if (c.ticket->file->stream()) {
+      {
+        std::lock_guard lock(mu_);
+        streaming_.erase(c.ticket->file.get());
+      }
+      work_cv_.notify_all();  // the stream's next chunk may wait for a worker
+    }
   }
+}
+
+std::deque<IOPool::Chunk>::iterator IOPool::next_chunk() {
+  for (auto it = queue_.begin(); it != queue_.end(); ++it)
+    if (!it->ticket->file->stream() || !streaming_.count(it->ticket->file.get())) return it;
+  return queue_.end();
 }
 
 void IOPool::run_chunk(const Chunk& c) {
@@ -285,6 +305,12 @@ void IOPool::run_chunk(const Chunk& c) {
     msg = "short read '" + t.file->path() + "': wanted " + std::to_string(t.nbytes) + " bytes at offset " +
           std::to_string(t.offset) + ", got " + std::to_string(c.start + done);
   } else if (!t.write) {
+    if (t.file->stream() && !t.file->direct()) {
+      // Only whole folios leave the page cache, and the one straddling the previous read's end was not whole
+      // then: reach back a chunk. Round the end up, so that the last page of the file goes too.
+      const uint64_t pos = t.offset + c.start, lo = pos > kChunk ? pos - kChunk : 0;
+      t.file->drop_cache(lo, (pos + c.len + kAlign - 1) / kAlign * kAlign - lo);
+    }
     checksum();
   }
   if (err) {

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <string>
 #include <thread>
@@ -37,13 +38,17 @@ std::string errno_message(const std::string& what, const std::string& path, int 
 class File {
  public:
   // mode "w" (create/truncate, 0644) or "r"; direct "auto", "on" or "off" (see the module docstring).
-  File(std::string path, const std::string& mode, const std::string& direct, uint64_t preallocate);
+  // A `stream` file is read (or written) as one sequential stream: a pool serves its requests one at a time
+  // in submission order, and drops the pages of each buffered read from the page cache behind it.
+  File(std::string path, const std::string& mode, const std::string& direct, uint64_t preallocate,
+       bool stream = false);
   ~File();
   File(const File&) = delete;
   File& operator=(const File&) = delete;
 
   const std::string& path() const { return path_; }
   bool direct() const { return direct_.load(); }
+  bool stream() const { return stream_; }
   uint64_t size();
   void fsync();
   void truncate(uint64_t n);
@@ -53,12 +58,15 @@ class File {
   // Aligned stretches go through the O_DIRECT descriptor when allow_direct, the rest through the buffered one.
   // Returns 0 or an errno; `done` receives the bytes moved (less than len without error only at EOF on read).
   int transfer(bool write, char* p, uint64_t len, uint64_t off, bool allow_direct, uint64_t& done);
+  // Best effort: forget the cached pages of [off, off + len), so that a stream read leaves no trace in memory.
+  void drop_cache(uint64_t off, uint64_t len);
 
  private:
   enum class DirectMode { Auto, On, Off };
 
   std::string path_;
   DirectMode mode_;
+  bool stream_;
   int fd_ = -1;   // buffered descriptor: unaligned I/O, fsync, fstat, ftruncate
   int dfd_ = -1;  // O_DIRECT descriptor, -1 when not in use
   std::atomic<bool> direct_{false};  // O_DIRECT in use
@@ -104,12 +112,15 @@ class IOPool {
   };
 
   void worker(int nice);
+  // The oldest queued chunk a worker may take now: any but those of a stream file already being transferred.
+  std::deque<Chunk>::iterator next_chunk();
   void run_chunk(const Chunk& c);
   void finish(Ticket& t);
 
   std::mutex mu_;  // guards everything below up to the counters
   std::condition_variable work_cv_, done_cv_;
   std::deque<Chunk> queue_;
+  std::set<const File*> streaming_;  // stream files with a chunk being transferred
   std::map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // submitted, not yet waited (ordered by ticket)
   uint64_t next_ticket_ = 1;
   bool stopping_ = false;

@@ -83,12 +83,14 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<ds::File, std::shared_ptr<ds::File>>(m, "File")
       .def(py::init([](const py::object& path, const std::string& mode, const std::string& direct,
-                       uint64_t preallocate) {
+                       uint64_t preallocate, bool stream) {
              std::string p = fspath(path);
              py::gil_scoped_release nogil;
-             return std::make_shared<ds::File>(std::move(p), mode, direct, preallocate);
+             return std::make_shared<ds::File>(std::move(p), mode, direct, preallocate, stream);
            }),
-           py::arg("path"), py::arg("mode"), py::arg("direct") = "auto", py::arg("preallocate") = 0)
+           py::arg("path"), py::arg("mode"), py::arg("direct") = "auto", py::arg("preallocate") = 0,
+           py::arg("stream") = false)
+      .def_property_readonly("stream", &ds::File::stream, "one sequential stream (see File in io.h)")
       .def_property_readonly("path", &ds::File::path)
       .def_property_readonly("direct", &ds::File::direct, "O_DIRECT actually in use")
       .def("size", &ds::File::size, py::call_guard<py::gil_scoped_release>())

@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -329,3 +330,84 @@ def test_pool_errors(tmp_path):
         pool.submit_write(f, buf.data_ptr(), ALIGN, 0)
     with pytest.raises(ValueError):
         native.IOPool(0)
+
+
+def resident_pages(path) -> int:
+    """How many of the file's pages are in the page cache (mincore of a private mapping of it)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec)
+
+
+def test_stream_file_reads_right_bytes_and_leaves_no_pages_cached(tmp_path):
+    """A stream file's requests, many at once on a 4-thread pool, each come back whole and checksummed; the
+    pages they read are dropped from the page cache (a plain file's stay), so a load leaves no trace there."""
+    n = 4 * native.CHUNK_BYTES + 777
+    src = random_tensor(n, seed=11)
+    for name in ("stream", "plain"):
+        with open(tmp_path / name, "wb") as fh:
+            fh.write(src.numpy().tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+    # Pages just written can be dropped only once the file system lets go of them: wait for that, then fill
+    # the page cache by reading, as a load's stream does.
+    deadline = time.monotonic() + 20
+    for name in ("stream", "plain"):
+        fd = os.open(tmp_path / name, os.O_RDONLY)
+        while os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED) is None and resident_pages(tmp_path / name):
+            if time.monotonic() > deadline:
+                pytest.skip("the file system does not drop the pages of a file from its page cache")
+            time.sleep(0.2)
+        os.pread(fd, n, 0)
+        os.close(fd)
+    pages = resident_pages(tmp_path / "stream")
+    assert pages == resident_pages(tmp_path / "plain") == -(-n // ALIGN)
+    pool = native.IOPool(4)
+    dst = {name: aligned_empty(n) for name in ("stream", "plain")}
+    pieces = [(k * 1_000_003, min(1_000_003, n - k * 1_000_003)) for k in range(-(-n // 1_000_003))]
+    tickets = []
+    for name in ("stream", "plain"):
+        f = native.File(tmp_path / name, "r", "off", stream=name == "stream")
+        assert f.stream == (name == "stream")
+        tickets += [(name, lo, k, pool.submit_read(f, dst[name].data_ptr() + lo, k, lo, [(0, k)]))
+                    for lo, k in pieces]
+    for name, lo, k, ticket in tickets:
+        assert pool.wait(ticket) == [crc_of(src[lo:lo + k])], (name, lo)
+    pool.close()
+    for name in ("stream", "plain"):
+        assert torch.equal(dst[name], src), name
+    assert resident_pages(tmp_path / "stream") == 0
+    assert resident_pages(tmp_path / "plain") == pages
+
+
+def test_stream_read_of_a_tmpfs_file_keeps_it(tmp_path):
+    """The memory tier's files live in tmpfs, where the page cache is the only copy: dropping pages behind a
+    stream read must leave them there."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = f"/dev/shm/datastates_test_{os.getpid()}"
+    src = random_tensor(3 * native.CHUNK_BYTES + 5, seed=12)
+    try:
+        with open(path, "wb") as fh:
+            fh.write(src.numpy().tobytes())
+        pages = resident_pages(path)
+        pool = native.IOPool(2)
+        dst = aligned_empty(src.numel())
+        f = native.File(path, "r", "off", stream=True)
+        assert pool.wait(pool.submit_read(f, dst.data_ptr(), src.numel(), 0, [(0, src.numel())])) == [crc_of(src)]
+        pool.close()
+        assert torch.equal(dst, src)
+        assert resident_pages(path) == pages
+        with open(path, "rb") as fh:
+            assert fh.read() == src.numpy().tobytes()
+    finally:
+        os.unlink(path)

@@ -4,8 +4,10 @@ Everything a load needs to know is in one file, the global index in metadata.jso
 checkpoints are read through their per-rank manifests). Rank-local items are found by id among the same rank's
 items. Global items (shards of a logical tensor) are indexed by name across every rank's items; each target
 shard reads exactly the rows of the saved shards it overlaps, widened to whole checksum chunks so every byte
-read is verified. Only the data files holding wanted bytes are opened. Reads go through the native pool in
-parallel into the staging slots, and are copied out into the target tensors while later reads are in flight.
+read is verified. Only the data files holding wanted bytes are opened. Each is read through the native pool as
+one sequential stream (read mode "stream") or with several O_DIRECT reads in flight ("parallel"); a whole item
+streams straight into a contiguous host target, other reads land in the staging slots and are copied out into
+the targets while later reads are in flight.
 """
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ from .providers import ProviderRegistry, unflatten
 from .snapshot import CopyBackend
 from .staging import Slot, StagingPool
 
+
+# How a load reads the data files (see CheckpointReader). "stream" is the default: on this project's test VM
+# one buffered stream read a rank's file at 2.1-3.3 GB/s where O_DIRECT from 1, 4 or 8 threads reached
+# 1.1-1.9 GB/s (benchmarks/RESULTS.md, the raw reads of each configuration).
+READ_MODES = ("stream", "parallel")
+# A load reads at most this far ahead of its copies out: enough to keep 8 reads of 8 MiB in flight several times
+# over, little enough that the same few slots go round while their pages are hot.
+READ_AHEAD_BYTES = 256 << 20
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -63,14 +73,17 @@ class _Reads:
     """One load's reads: submitted to the native pool as soon as known, completed oldest first (verified, then
     placed), so reading, checksum verification (on the pool's threads) and placement all overlap.
 
-    Reads land in the engine's staging slots (pinned with CUDA); a slot goes back to the pool once the copies
-    out of it have landed. Staged memory is the pool's budget at most, plus buffers of their own for chunks
-    larger than a slot, bounded by the same budget."""
+    Stream reads of whole items land straight in contiguous host targets. Every other read lands in the engine's
+    staging slots (pinned with CUDA), at most READ_AHEAD_BYTES ahead of the copies out of them; a slot goes back
+    to the pool once those copies have landed. Staged memory is the pool's budget at most, plus buffers of their
+    own for chunks larger than a slot, bounded by the same budget."""
 
     def __init__(self, reader: "CheckpointReader"):
         self.reader = reader
         self.pool, self.backend = reader.pool, reader.backend
         self.ordering = self.backend.begin()
+        self.window = max(self.pool.slot_bytes, min(self.pool.budget_bytes, READ_AHEAD_BYTES))
+        self.ahead = 0  # bytes of the pending reads into slots
         self.pending: deque[_Read] = deque()
         self.placed: list[Slot] = []  # slots whose copies out may still be landing
         self.fresh = 0
@@ -96,6 +109,8 @@ class _Reads:
                 self.pool.release(slot)
             raise
         self.pending.append(_Read(ticket, rank, item, first, dst, place, slot, fresh))
+        if slot is not None:
+            self.ahead += dst.numel()
 
     def buffer(self, nbytes: int) -> tuple[torch.Tensor, Slot | None, int]:
         """Memory for a staged read of `nbytes`: a slot when one is big enough, else a buffer of its own."""
@@ -104,6 +119,10 @@ class _Reads:
                 self.complete_oldest()
             self.fresh += nbytes
             return _aligned_empty(nbytes), None, nbytes
+        if self.pending and self.ahead + nbytes > self.window:
+            while self.pending and self.ahead + nbytes > self.window:
+                self.complete_oldest()
+            self.release_placed()  # the slots just read go round again while their pages are hot
         while (slot := self.pool.acquire(block=False)) is None:
             if self.placed:
                 self.release_placed()
@@ -117,9 +136,15 @@ class _Reads:
     def place(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.backend.copy(dst, src, self.ordering)
 
+    def reads_into(self, dst: torch.Tensor) -> bool:
+        """Whether bytes for `dst` are read straight into it: a stream read copies out of the page cache
+        anyway, and into a contiguous host tensor that copy is the only one (a slot would add a second)."""
+        return self.reader.read_mode == "stream" and dst.device.type == "cpu" and dst.is_contiguous()
+
     def complete_oldest(self) -> None:
         read = self.pending.popleft()
         if read.slot is not None:
+            self.ahead -= read.buffer.numel()
             self.placed.append(read.slot)  # given back after the copies out of it, or after a failure
         self.fresh -= read.fresh
         try:
@@ -185,14 +210,21 @@ class _Reads:
 
 class CheckpointReader:
     def __init__(self, path: str, io: _native.IOPool, pool: StagingPool, backend: CopyBackend,
-                 registry: ProviderRegistry):
+                 registry: ProviderRegistry, read_mode: str = "stream", direct_io: str = "auto"):
         """Reads go through `io` into `pool`'s slots and are copied out into their targets by `backend` (the
-        engine's pool, pinned with CUDA, and a copy backend of the load's own)."""
+        engine's pool, pinned with CUDA, and a copy backend of the load's own).
+
+        `read_mode` "stream" reads each data file as one sequential stream through the page cache: the kernel's
+        readahead keeps the device busy, and the pages read are dropped behind. "parallel" keeps as many reads
+        of a file in flight as `io` has threads, with O_DIRECT as `direct_io` ("auto", "on", "off") says."""
+        if read_mode not in READ_MODES:
+            raise ValueError(f"read_mode must be one of {READ_MODES}, not {read_mode!r}")
         self.path = resolve_checkpoint(path)
         self.io = io
         self.pool = pool
         self.backend = backend
         self.registry = registry
+        self.read_mode, self.direct_io = read_mode, direct_io
         meta_path = os.path.join(self.path, fmt.METADATA)
         self.metadata = fmt.read_metadata(meta_path)
         self.world_size = self.metadata.get("world_size")
@@ -267,7 +299,8 @@ class CheckpointReader:
             self.items(rank)  # its data size, from the index
             data = self.data_path(rank)
             try:
-                f = _native.File(data, "r")
+                f = (_native.File(data, "r", "off", stream=True) if self.read_mode == "stream"
+                     else _native.File(data, "r", self.direct_io))
                 size = f.size()
             except OSError as e:
                 raise CheckpointError(f"cannot open {data!r}: {e.strerror or e}") from None
@@ -419,11 +452,13 @@ class CheckpointReader:
     def _read_box(self, rank: int, saved: Item, box, t_off, dst: torch.Tensor, reads: _Reads) -> None:
         """Fill the part of `dst` (whose first element is at t_off) that `box` names, from the saved item.
 
-        Box and offsets are in global coordinates (a local item's are its own). Reads the rows of `saved` that
-        hold the box, widened to whole checksum chunks, in pieces of at most a slot, and copies each piece's
-        part of the box out. Even a whole tensor into a contiguous host target goes through the slots: O_DIRECT
-        into the same few hot slots, then a memcpy on the copy threads, loaded 1 GB in 0.68 s against 1.01 s
-        for O_DIRECT straight into the target's own pages (medians of 8 interleaved loads, page cache evicted)."""
+        Box and offsets are in global coordinates (a local item's are its own). A whole saved item bound for a
+        contiguous host view is streamed straight into it (`_Reads.reads_into`). Otherwise reads the rows of
+        `saved` that hold the box, widened to whole checksum chunks, in pieces of at most a slot, and copies each
+        piece's part of the box out. In read mode "parallel" even a whole tensor into a contiguous host target
+        goes through the slots: O_DIRECT into the same few hot slots, then a memcpy on the copy threads, loaded
+        1 GB in 0.68 s against 1.01 s for O_DIRECT straight into the target's own pages (medians of 8
+        interleaved loads, page cache evicted)."""
         if saved.nbytes == 0:
             return
         (b_off, b_shape), s_shape = box, tuple(saved.shape)
@@ -432,6 +467,11 @@ class CheckpointReader:
         row_bytes = esize * _volume(s_shape[1:])
         lo, hi = ((b_off[0] - s_off[0]) * row_bytes, (b_off[0] - s_off[0] + b_shape[0]) * row_bytes) if s_shape \
             else (0, esize)
+        if (tuple(b_off), tuple(b_shape)) == (s_off, s_shape):
+            view = dst[tuple(slice(a - to, a - to + n) for a, to, n in zip(b_off, t_off, b_shape))]
+            if reads.reads_into(view):
+                reads.read_chunks(rank, saved, 0, len(saved.crcs), view.reshape(-1).view(torch.uint8))
+                return
         cb = saved.chunk_bytes or saved.nbytes
         local_box = (tuple(o - so for o, so in zip(b_off, s_off)), b_shape)
         first, end = lo // cb, -(-hi // cb)

@@ -13,6 +13,7 @@ import torch
 
 from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError
 from datastates import commit, format as fmt
+from datastates.restore import READ_MODES
 
 Pair = namedtuple("Pair", "left right")
 fmt.allow_unpickle(Pair.__module__, "Pair")  # a user type in a checkpoint must be trusted explicitly
@@ -96,6 +97,24 @@ def test_load_into_template_in_place(tmp_path, engine):
     out = engine.load(str(tmp_path / "iter_0000003"), template=template)
     assert out["dtypes"]["torch.float32"] is target  # filled in place
     assert_same(state, out)
+
+
+def test_both_read_modes_load_every_kind_and_bad_ones_are_refused(tmp_path, engine):
+    state = every_kind_of_state()
+    path = str(tmp_path / "iter_0000004")
+    engine.save(state, path)
+    engine.wait()
+    for mode in READ_MODES:
+        with CheckpointEngine(host_buffer_bytes=1 << 20, read_mode=mode, read_threads=3) as loader:
+            template = every_kind_of_state()
+            for t in template["dtypes"].values():
+                t.zero_()
+            assert_same(state, loader.load(path, template=template))
+            assert_same(state, loader.load(path))
+    with pytest.raises(ValueError, match="read_mode must be one of"):
+        CheckpointEngine(read_mode="mmap")
+    with pytest.raises(ValueError, match="read_threads must be >= 1"):
+        CheckpointEngine(read_threads=0)
 
 
 def test_fence_protects_snapshot_from_later_mutation(tmp_path):

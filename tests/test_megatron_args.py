@@ -120,6 +120,7 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     (["--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global"], "only 'local'"),
     (["--non-persistent-save-interval", "1", "--ckpt-format", "torch_dist"], "needs --ckpt-format datastates"),
     (["--replication"], "--replication replicates the memory tier"),
+    (["--ckpt-read-threads", "0"], "--ckpt-read-threads must be positive"),
     (["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "3"],
      "must divide the world size 4"),
 ])

@@ -1,5 +1,6 @@
-"""The load path's staged reads: bytes that cannot land in their target directly (a strided or device target, a
-box of a saved shard) are read into the engine's staging slots, verified, and copied out by a copy backend.
+"""The load path's reads: bytes that cannot land in their target directly (a strided or device target, a box of
+a saved shard, any target in read mode "parallel") are read into the engine's staging slots, verified, and
+copied out by a copy backend; in read mode "stream" a whole item is read straight into a contiguous host target.
 
 A backend that lands those copies late and out of order stands in for a GPU's side stream: a slot reused
 before its copies landed, or a load that returned before they all did, shows in the loaded values. The state
@@ -58,10 +59,10 @@ def saved(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def _reading(path, budget, backend):
+def _reading(path, budget, backend, read_mode="stream"):
     """(a reader of `path` on a staging pool of `budget` bytes and `backend`, that pool); all closed after."""
     io, pool = _native.IOPool(2), StagingPool(budget, writer_threads=2)
-    reader = CheckpointReader(path, io, pool, backend, _registry())
+    reader = CheckpointReader(path, io, pool, backend, _registry(), read_mode)
     try:
         yield reader, pool
     finally:
@@ -93,11 +94,11 @@ def _all_slots_back(pool):
         pool.release(s)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_late_copies_out_of_slots_land_before_reuse_and_before_return(saved, seed):
+@pytest.mark.parametrize("seed, read_mode", [(1, "stream"), (2, "parallel"), (3, "stream")])
+def test_late_copies_out_of_slots_land_before_reuse_and_before_return(saved, seed, read_mode):
     path, whole, local = saved
     backend = LateCopyBackend(seed)
-    with _reading(path, 256 << 10, backend) as (reader, pool):
+    with _reading(path, 256 << 10, backend, read_mode) as (reader, pool):
         template = _template()
         out = reader.load(0, template)
         assert not backend.pending, "load returned before every copy out of a slot landed"
@@ -105,6 +106,33 @@ def test_late_copies_out_of_slots_land_before_reuse_and_before_return(saved, see
         assert out["cols"] is template["cols"]  # strided targets are filled in place
         assert backend.landed > 3 * pool.max_slots  # the slots cycled while copies were late
         assert pool.allocated_bytes <= pool.budget_bytes
+        _all_slots_back(pool)
+
+
+def _contiguous_template():
+    """Contiguous host targets of the saved shapes: every tensor item can be read whole, straight into them."""
+    nan = float("nan")
+    return {"w0": Box("w", torch.full((SPLIT, COLS), nan), (ROWS, COLS), (0, 0)),
+            "w1": Box("w", torch.full((ROWS - SPLIT, COLS), nan), (ROWS, COLS), (SPLIT, 0)),
+            "cols": torch.full((90, 70), nan), "half": torch.full((3000,), nan).bfloat16(),
+            "scalar": torch.tensor(nan), "step": None, "note": None}
+
+
+@pytest.mark.parametrize("read_mode", ["stream", "parallel"])
+def test_stream_reads_whole_items_into_contiguous_host_targets_parallel_stages_them(saved, read_mode):
+    path, whole, local = saved
+    backend = LateCopyBackend(4)
+    with _reading(path, 256 << 10, backend, read_mode) as (reader, pool):
+        template = _contiguous_template()
+        out = reader.load(0, template)
+        assert torch.equal(out["w0"], whole[:SPLIT]) and torch.equal(out["w1"], whole[SPLIT:])
+        assert torch.equal(out["cols"], local["cols"]) and torch.equal(out["half"], local["half"])
+        assert torch.equal(out["scalar"], local["scalar"]) and out["note"] == local["note"]
+        assert out["w0"] is template["w0"].tensor  # filled in place
+        if read_mode == "stream":
+            assert backend.landed == 0  # no byte went through a slot
+        else:
+            assert backend.landed > pool.max_slots
         _all_slots_back(pool)
 
 
@@ -129,7 +157,9 @@ def test_chunks_larger_than_a_slot_read_into_buffers_of_their_own(saved):
         _all_slots_back(pool)
 
 
-def test_damage_in_a_staged_read_is_reported_and_gives_every_slot_back(saved, tmp_path):
+@pytest.mark.parametrize("template", ["staged", "streamed into the targets"])
+def test_damage_in_a_read_is_reported_and_gives_every_slot_back(saved, tmp_path, template):
+    make = _template if template == "staged" else _contiguous_template
     path, _, _ = saved
     damaged = tmp_path / "iter_0000001"
     os.makedirs(damaged)
@@ -146,10 +176,10 @@ def test_damage_in_a_staged_read_is_reported_and_gives_every_slot_back(saved, tm
         f.write(bytes([byte[0] ^ 0xFF]))
     with _reading(str(damaged), 1 << 20, HostCopyBackend(2)) as (reader, pool):
         with pytest.raises(CheckpointCorruptError, match=rf"checksum mismatch .* item 'w0' chunk {pos // item.chunk_bytes} "):
-            reader.load(0, _template())
+            reader.load(0, make())
         _all_slots_back(pool)
         reader.close()  # the data file is opened again, and checked, at the next load
         os.truncate(damaged / "rank_00000.data", item.offset)  # refused at open, after a slot was taken
         with pytest.raises(CheckpointCorruptError, match="is truncated"):
-            reader.load(0, _template())
+            reader.load(0, make())
         _all_slots_back(pool)

@@ -111,6 +111,10 @@ def _add_checkpoint_args(p):
                    help="lazy asynchronous save (datastates); without it the save is synchronous")
     g.add_argument("--ckpt-host-buffer-gb", type=float, default=4.0)
     g.add_argument("--ckpt-writer-threads", type=int, default=4)
+    g.add_argument("--ckpt-read-mode", choices=["stream", "parallel"], default="stream",
+                   help="a resume reads each data file as one buffered stream, or with O_DIRECT reads in flight")
+    g.add_argument("--ckpt-read-threads", type=int, default=None,
+                   help="native read threads per rank [the engine's DEFAULT_READ_THREADS, 8]")
     g.add_argument("--ckpt-keep-last", type=str, default="all", help="number of checkpoints to keep, or 'all'")
     g.add_argument("--ckpt-fsync", dest="ckpt_fsync", action="store_true", default=True)
     g.add_argument("--no-ckpt-fsync", dest="ckpt_fsync", action="store_false")
@@ -276,8 +280,9 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
             raise ArgumentError(f"--ckpt-keep-last must be an integer or 'all', got {args.ckpt_keep_last!r}")
         if args.ckpt_keep_last < 1:
             raise ArgumentError("--ckpt-keep-last must be >= 1")
-    if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0:
-        raise ArgumentError("--ckpt-host-buffer-gb and --ckpt-writer-threads must be positive")
+    if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0 or \
+            (args.ckpt_read_threads is not None and args.ckpt_read_threads <= 0):
+        raise ArgumentError("--ckpt-host-buffer-gb, --ckpt-writer-threads and --ckpt-read-threads must be positive")
     if args.async_ckpt and args.ckpt_format == "torch":
         raise ArgumentError("--async-ckpt is not available with --ckpt-format torch (use datastates or torch_dist)")
     if args.non_persistent_save_interval is not None:

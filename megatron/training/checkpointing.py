@@ -30,6 +30,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from datastates import CheckpointEngine, CheckpointError
+from datastates.engine import DEFAULT_READ_THREADS
 from datastates import commit
 from datastates import format as ds_format
 from datastates.local_tier import LocalTier, check_fits, job_id, node_of
@@ -209,7 +210,9 @@ class Checkpointer:
         if fmt == "datastates" and (args.save or args.load):
             self.engine = CheckpointEngine(
                 host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
-                writer_threads=args.ckpt_writer_threads, direct_io=args.ckpt_direct_io, fsync=args.ckpt_fsync,
+                writer_threads=args.ckpt_writer_threads,
+                read_mode=args.ckpt_read_mode, read_threads=args.ckpt_read_threads or DEFAULT_READ_THREADS,
+                direct_io=args.ckpt_direct_io, fsync=args.ckpt_fsync,
                 keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
                 registry=make_registry(self.ownership))
             if args.save:

@@ -167,6 +167,18 @@ def evict_tree(path: str) -> None:
             os.close(fd)
 
 
+def warm_free_memory(nbytes: int) -> None:
+    """Touch nbytes of fresh memory and free it again, so the next allocations find warm free pages.
+
+    In a VM whose host reclaims the guest's free pages (this project's test machines), the first touch of a
+    page the guest freed a while ago costs a fault on the host: a load that fills new page cache or new tensors
+    would then pay for whatever the step before it left behind, not for its own work. Warming the same amount
+    before every load makes that equal for every system (as on bare metal, where fresh pages are cheap)."""
+    t = torch.empty(int(nbytes), dtype=torch.uint8)
+    t.fill_(0)
+    del t
+
+
 def tree_bytes(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)

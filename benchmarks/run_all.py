@@ -137,11 +137,15 @@ def main():
         mcore = mc.__version__
     except Exception:
         mcore = "?"
+    try:
+        from datastates.engine import DEFAULT_READ_THREADS as read_threads
+    except ImportError:  # the engine may not exist yet in a fresh tree
+        read_threads = "?"
     meta = {
         "command": command.strip(), "machine": machine_desc(), "ckpt_dir": ckpt_dir, "fs": fs_type(ckpt_dir),
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__, "mcore": mcore,
         "engine_buffer_bytes": int(a.engine_buffer_gb * 2**30), "engine_writer_threads": a.engine_writer_threads,
-        "systems": names, "grid": grid,
+        "engine_read_threads": read_threads, "systems": names, "grid": grid,
         "reps_note": f"1 warm-up + {a.reps} measured checkpoints per system and configuration "
                      f"({max(2, a.reps - 1)} above 1 GB), systems interleaved A B … B A; {a.restore_reps} "
                      f"restore rounds, interleaved the same way.",

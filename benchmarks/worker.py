@@ -5,7 +5,7 @@ Phases, all on the same state and the same directory:
      drift of the shared disk hits all of them alike. Per checkpoint: call time, call+fence (blocking),
      time to durable (max over ranks, all files fsynced), peak extra memory of the process tree.
   2. restore: each system's last checkpoint, `restore_reps` rounds interleaved like the saves; each load
-     into a zeroed state with the page cache of the checkpoint evicted first, verified against checksums
+     into a zeroed state with the page cache of every system's checkpoint evicted first, verified against checksums
      taken before (outside the timing).
   3. loop (optional): N iterations of a compute loop (fixed matmul work, then an optimizer-like in-place
      update of the whole state) with a checkpoint every k iterations, per system and without checkpoints.
@@ -84,15 +84,24 @@ def run(rank: int, world: int, cfg: dict):
         dist.destroy_process_group()
 
 
-class _RawRead:
-    """A sequential O_DIRECT read of one file (page cache evicted first) from `threads` threads."""
+# The read yardstick is the best of these ways to read a file raw: O_DIRECT from 1, 4 or 8 threads, or one
+# buffered sequential stream (the engine's two read modes and their neighbours).
+RAW_READS = ("1t", "4t", "8t", "stream")
 
-    def __init__(self, path: str, threads: int):
-        self.path, self.threads, self.name = path, threads, f"raw_read_{threads}t"
+
+class _RawRead:
+    """One rank's raw read of a file (page cache evicted first): O_DIRECT from `how` threads ("4t"), or one
+    buffered stream ("stream")."""
+
+    def __init__(self, path: str, how: str):
+        self.path, self.how, self.name = path, how, f"raw_read_{how}"
 
     def read(self):
         import probes
-        probes.read_odirect(self.path, os.path.getsize(self.path), self.threads)
+        if self.how == "stream":
+            probes.read_stream(self.path)
+        else:
+            probes.read_odirect(self.path, os.path.getsize(self.path), int(self.how[:-1]))
 
 
 def _run(rank, world, cfg):
@@ -201,10 +210,13 @@ def _run(rank, world, cfg):
     # O_DIRECT at the same moment, so the disk's drift and any cache below the VM treat it like the loads.
     own_file = os.path.join(last_path.get("engine_lazy", ""), f"rank_{rank:05d}.data")
     if os.path.isfile(own_file):
-        restorable += [_RawRead(own_file, 1), _RawRead(own_file, 4)]
+        restorable += [_RawRead(own_file, how) for how in RAW_READS]
     samples: dict[str, list[float]] = {}
     for rep in range(cfg.get("restore_reps", cfg["reps"])):
         for s in (restorable if rep % 2 == 0 else restorable[::-1]):  # A B … B A, as the saves
+            for p in last_path.values():  # every system's: another's cached pages must not slow this read
+                common.evict_tree(p)
+            common.warm_free_memory(2 * common.state_bytes(state))  # page cache and new tensors of a load
             if isinstance(s, _RawRead):
                 S.barrier()
                 t0 = time.perf_counter()
@@ -217,7 +229,6 @@ def _run(rank, world, cfg):
             path = last_path[s.name]
             for t in common.big_tensors(state):
                 t.zero_()
-            common.evict_tree(path)
             S.barrier()
             t0 = time.perf_counter()
             err = None
@@ -243,7 +254,7 @@ def _run(rank, world, cfg):
                 state = common.make_state(cfg["size_gb"] * common.GB, rank, world)
 
     if rank == 0:
-        for name in ("raw_read_1t", "raw_read_4t"):
+        for name in (f"raw_read_{how}" for how in RAW_READS):
             if name in samples:
                 v = samples[name]
                 result["restore_raw"][name] = {"seconds": statistics.median(v), "min": min(v), "max": max(v),

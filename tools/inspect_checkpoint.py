@@ -281,7 +281,8 @@ class Scan:
 def verify_data(scan: Scan, threads: int = 4, budget_bytes: int = 256 << 20, request_bytes: int = 64 << 20) -> dict:
     """Read every written item of every rank through the native pool and compare each chunk's crc32c.
 
-    Reads run in parallel (`threads` native readers) with at most `budget_bytes` of buffers in flight."""
+    Each data file is read as one buffered stream, its pages dropped behind (the engine's default read mode, see
+    datastates.restore), on `threads` native readers with at most `budget_bytes` of buffers in flight."""
     p = scan.problems
     from tqdm import tqdm
     pool = _native.IOPool(threads)
@@ -312,7 +313,7 @@ def verify_data(scan: Scan, threads: int = 4, budget_bytes: int = 256 << 20, req
             if info["data_size"] is None:
                 continue
             try:
-                f = _native.File(info["data_path"], "r")
+                f = _native.File(info["data_path"], "r", "off", stream=True)
             except OSError as e:
                 p.add(info["data_path"], f"cannot open: {e.strerror or e}")
                 continue

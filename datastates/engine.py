@@ -34,7 +34,7 @@ from .coordination import Coordinator, default_store
 from .errors import CheckpointError, CheckpointTimeoutError
 from .plan import Entry, Item, Plan
 from .providers import ProviderRegistry, default_registry
-from .restore import READ_MODES, CheckpointReader, resolve_checkpoint
+from .restore import CheckpointReader, check_read_mode, resolve_checkpoint
 from .snapshot import CopyBackend, SlotFiller, copy_tensor_bytes, make_backend
 from .staging import StagingPool
 
@@ -122,8 +122,7 @@ class CheckpointEngine:
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        if read_mode not in READ_MODES:
-            raise ValueError(f"read_mode must be one of {READ_MODES}, not {read_mode!r}")
+        check_read_mode(read_mode)  # here, before anything is allocated: the reader is made at the first load
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         self.direct_io = {True: "on", False: "off", "auto": "auto", "on": "on", "off": "off"}[direct_io]

@@ -36,6 +36,11 @@ READ_MODES = ("stream", "parallel")
 READ_AHEAD_BYTES = 256 << 20
 
 
+def check_read_mode(read_mode: str) -> None:
+    if read_mode not in READ_MODES:
+        raise ValueError(f"read_mode must be one of {READ_MODES}, not {read_mode!r}")
+
+
 def resolve_checkpoint(path: str) -> str:
     """An iteration directory, or a save root whose latest published iteration is meant."""
     path = os.path.normpath(path)
@@ -119,7 +124,7 @@ class _Reads:
                 self.complete_oldest()
             self.fresh += nbytes
             return _aligned_empty(nbytes), None, nbytes
-        if self.pending and self.ahead + nbytes > self.window:
+        if self.ahead + nbytes > self.window:  # never with nothing pending: a slot fits in the window
             while self.pending and self.ahead + nbytes > self.window:
                 self.complete_oldest()
             self.release_placed()  # the slots just read go round again while their pages are hot
@@ -211,14 +216,13 @@ class _Reads:
 class CheckpointReader:
     def __init__(self, path: str, io: _native.IOPool, pool: StagingPool, backend: CopyBackend,
                  registry: ProviderRegistry, read_mode: str = "stream", direct_io: str = "auto"):
-        """Reads go through `io` into `pool`'s slots and are copied out into their targets by `backend` (the
-        engine's pool, pinned with CUDA, and a copy backend of the load's own).
+        """Reads go through `io`; those that cannot land in their target are staged in `pool`'s slots and copied
+        out by `backend` (the engine's pool, pinned with CUDA, and a copy backend of the load's own).
 
         `read_mode` "stream" reads each data file as one sequential stream through the page cache: the kernel's
         readahead keeps the device busy, and the pages read are dropped behind. "parallel" keeps as many reads
         of a file in flight as `io` has threads, with O_DIRECT as `direct_io` ("auto", "on", "off") says."""
-        if read_mode not in READ_MODES:
-            raise ValueError(f"read_mode must be one of {READ_MODES}, not {read_mode!r}")
+        check_read_mode(read_mode)
         self.path = resolve_checkpoint(path)
         self.io = io
         self.pool = pool

@@ -1,16 +1,23 @@
 """The one place where megatron-core's hard-coded CUDA assumptions are adapted to CPU ranks (gloo).
 
-megatron-core (0.16-0.19) is device-agnostic except at the sites listed in `SITES`: scratch buffers placed on
-`torch.cuda.current_device()`, small tensors created with ``device='cuda'``, parameter types compared with
-``'torch.cuda.BFloat16Tensor'``/``'torch.cuda.FloatTensor'`` strings, and ``.cuda()`` on the shared embedding.
-On a machine without CUDA every one of them raises or refuses the parameter.
+megatron-core (0.16.1, 0.19.2) is device-agnostic except at the sites listed in `SITES`: scratch buffers placed
+on `torch.cuda.current_device()`, small tensors created with ``device='cuda'``, parameter types compared with
+``'torch.cuda.BFloat16Tensor'``/``'torch.cuda.FloatTensor'`` strings, ``.cuda()`` on the shared embedding, and
+(0.19) the current stream that gradient reduction waits on. On a machine without CUDA every one of them raises
+or refuses the parameter.
 
 Two adaptations, both inactive when `torch.cuda.is_available()` is True (then `install()` returns False and
 `cuda_free()` is a null context):
 
-- `install()` replaces four `torch.cuda` device-management functions: `current_device()` returns ``"cpu"`` (so
+- `install()` answers `torch.cuda`'s device functions on CPU: `current_device()` returns ``"cpu"`` (so
   ``device=torch.cuda.current_device()`` allocates on the CPU), `synchronize()` and `set_device()` do nothing,
-  `device_count()` returns 0.
+  `device_count()` returns 0, `current_stream()` is the CPU stream (its waits do nothing) and
+  `is_current_stream_capturing()` is False. Every other public `torch.cuda` function (and `Stream`/`Event`),
+  called on the thread that installed the shim (the training thread), raises `ShimError` naming the calling
+  file and line: a megatron-core release that adds a CUDA call fails there, in a test, not with "Found no
+  NVIDIA driver" deep in a user's run. Queries that never touch a device (`is_available`, `is_initialized`,
+  seeding, which CUDA queues until it starts) pass through; other threads (the checkpoint engine's) see torch's
+  own functions.
 - `cuda_free()` is a `TorchFunctionMode`, active on the calling thread only (the checkpoint engine's threads
   never see it), under which ``device='cuda'`` becomes the CPU, ``Tensor.cuda()`` returns the tensor, and
   ``Tensor.type()`` without arguments answers with the CUDA type name that megatron-core compares against.
@@ -19,14 +26,17 @@ Without apex or Transformer Engine, megatron-core's local layer spec builds torc
 parallelism only because they do not mark their weights; `sequence_parallel_local_spec()` marks them, and
 megatron-core's `finalize_model_grads` then all-reduces their gradients over TP as it does apex's.
 
-Before anything is adapted, `check_sites()` reads each site's source in the installed megatron-core. A version
-that moved or rewrote a site fails with `ShimError` naming it: better than a silent half-adaptation.
+Before anything is adapted, `check_sites()` reads each known site's source in the installed megatron-core. A
+version that moved or rewrote a site fails with `ShimError` naming it: better than a silent half-adaptation.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import inspect
+import os
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +66,7 @@ _MODE_DEVICE = "cuda_free(): device='cuda' -> cpu"
 _MODE_TYPE = "cuda_free(): Tensor.type() -> CUDA type name"
 _MODE_DOT_CUDA = "cuda_free(): Tensor.cuda() -> the tensor"
 _SP_NORM = "sequence_parallel_local_spec(): torch norms with their weights marked sequence_parallel"
+_STREAM = "install(): torch.cuda.current_stream() -> the CPU stream"
 
 SITES = (
     Site("distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__",
@@ -85,6 +96,27 @@ SITES = (
     Site("pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
          "device=torch.cuda.current_device()", _DEVICE),
 )
+# Sites of one megatron-core release only, keyed by the first version that has them.
+SITES_SINCE = {
+    "0.19": (Site("distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_grad_sync",
+                  "torch.cuda.current_stream()", _STREAM),),
+}
+
+
+def megatron_core_version() -> str:
+    try:
+        from megatron.core.package_info import __version__
+        return __version__
+    except ImportError:
+        return "unknown"
+
+
+def sites_of(version: str) -> tuple:
+    """The known sites of megatron-core `version` (the common ones plus those of its release and earlier)."""
+    def key(v):
+        return tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
+    extra = tuple(site for since, sites in SITES_SINCE.items() if key(version) >= key(since) for site in sites)
+    return SITES + extra
 
 
 def _resolve(site: Site):
@@ -94,13 +126,10 @@ def _resolve(site: Site):
     return obj
 
 
-def check_sites(sites=SITES) -> None:
+def check_sites(sites=None) -> None:
     """Fail, naming the site, when the installed megatron-core moved or rewrote a site this module adapts."""
-    try:
-        from megatron.core.package_info import __version__ as version
-    except ImportError:
-        version = "unknown"
-    for site in sites:
+    version = megatron_core_version()
+    for site in sites_of(version) if sites is None else sites:
         try:
             source = inspect.getsource(_resolve(site))
         except (ImportError, AttributeError, OSError, TypeError) as e:
@@ -136,8 +165,82 @@ def _device_count():
     return 0
 
 
+def _current_stream(device=None):
+    return torch.cpu.current_stream()
+
+
+def _is_current_stream_capturing():
+    return False
+
+
+# What install() answers on CPU, by torch.cuda name (one function each: torch._dynamo's trace rules refuse one
+# function object under two torch names).
+_ANSWERS = {
+    "current_device": _current_device,
+    "synchronize": _synchronize,
+    "set_device": _set_device,
+    "device_count": _device_count,
+    "current_stream": _current_stream,
+    "is_current_stream_capturing": _is_current_stream_capturing,
+}
+# Public torch.cuda functions that never touch a device: they keep torch's own behaviour.
+_HARMLESS = frozenset({"is_available", "is_initialized", "manual_seed", "manual_seed_all", "seed", "seed_all",
+                       "empty_cache", "is_bf16_supported"})
+_GUARDED_CLASSES = ("Stream", "Event", "ExternalStream", "CUDAGraph")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_training_thread: list = []  # the ident of the thread that installed the shim
+
+
+def _caller() -> str:
+    """file:line (function) of the nearest frame outside torch and this module."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown caller"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _unanswered(name: str) -> ShimError:
+    return ShimError(f"megatron-core {megatron_core_version()}: torch.cuda.{name} called at {_caller()} on a CPU "
+                     "rank; megatron/training/cpu_shim.py does not adapt it (add it there, or refuse the flag "
+                     "that leads to it)")
+
+
+def _guard_function(name: str, original):
+    def guarded(*args, **kwargs):
+        if _training_thread and threading.get_ident() == _training_thread[0]:
+            raise _unanswered(name)
+        return original(*args, **kwargs)
+    guarded.__name__ = guarded.__qualname__ = name
+    guarded.__wrapped__ = original
+    return guarded
+
+
+def _guard_class(name: str, original):
+    def __new__(cls, *args, **kwargs):
+        if _training_thread and threading.get_ident() == _training_thread[0]:
+            raise _unanswered(name)
+        return original.__new__(cls, *args, **kwargs)
+    return type(original)(name, (original,), {"__new__": __new__, "__module__": original.__module__})
+
+
+def _replacements() -> dict:
+    """Every public torch.cuda callable this shim answers or guards, with its replacement."""
+    out = dict(_ANSWERS)
+    for name, value in vars(torch.cuda).items():
+        if name.startswith("_") or name in out or name in _HARMLESS:
+            continue
+        if name in _GUARDED_CLASSES:
+            out[name] = _guard_class(name, value)
+        elif inspect.isfunction(value) or inspect.isbuiltin(value):
+            out[name] = _guard_function(name, value)
+    return out
+
+
 def install() -> bool:
-    """Check the sites, then make torch.cuda's device functions CPU-answering. Idempotent.
+    """Check the sites, then answer torch.cuda's device functions on CPU and guard the rest. Idempotent.
 
     Returns True when the shim is active, False when CUDA is present (nothing is checked or changed then)."""
     if not needed():
@@ -145,10 +248,10 @@ def install() -> bool:
     if _ORIGINALS:
         return True
     check_sites()
-    for name, repl in (("current_device", _current_device), ("synchronize", _synchronize),
-                       ("set_device", _set_device), ("device_count", _device_count)):
+    for name, repl in _replacements().items():
         _ORIGINALS[name] = getattr(torch.cuda, name)
         setattr(torch.cuda, name, repl)
+    _training_thread[:] = [threading.get_ident()]
     return True
 
 
@@ -156,6 +259,7 @@ def uninstall() -> None:
     for name, orig in _ORIGINALS.items():
         setattr(torch.cuda, name, orig)
     _ORIGINALS.clear()
+    _training_thread.clear()
 
 
 def _is_cuda(device) -> bool:

@@ -7,9 +7,18 @@
 """
 from __future__ import annotations
 
+import os
+import sys
 from functools import partial
 
-import torch
+# This repository's trainer is `megatron.training` here, beside megatron-core's `megatron.core`; megatron-core
+# 0.17+ ships upstream's own `megatron/training` too. Put this directory first on the path whatever the start:
+# another working directory, torchrun, or `python -P` / PYTHONSAFEPATH=1 (which leave the script's directory out).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path[:1]:
+    sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
 
 
 def model_provider(pre_process=True, post_process=True):
@@ -73,6 +82,15 @@ def train_valid_test_datasets_provider(args):
     return build_dataset(args)
 
 
+def _this_repository_trainer():
+    import megatron.training
+    where = os.path.dirname(os.path.abspath(megatron.training.__file__))
+    if where != os.path.join(_HERE, "megatron", "training"):
+        raise ImportError(f"megatron.training was imported from {where}, not from this repository ({_HERE}): "
+                          "something imported upstream's megatron.training before pretrain_gpt.py ran")
+    return megatron.training.pretrain
+
+
 if __name__ == "__main__":
-    from megatron.training import pretrain
+    pretrain = _this_repository_trainer()
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func=forward_step)

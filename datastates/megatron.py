@@ -272,10 +272,11 @@ def _resolve(template, loaded):
 
 
 def finalize_load(template: dict, loaded: dict, nonpersistent: dict, factories: dict) -> dict:
+    """The loaded state in megatron-core's order: non-persistent values merged back first, then the factory
+    merges, which may read them (a grouped-GEMM MLP's merge reads its sibling `singleton_local_shards`)."""
     state = _resolve(template, loaded)
-    state = apply_factory_merges(state, factories)
     merge(state, nonpersistent)
-    return state
+    return apply_factory_merges(state, factories)
 
 
 def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optional[ReplicaOwnership] = None):

@@ -20,10 +20,11 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 240, check: bool = True,
-             faults: bool = False):
-    """Run pretrain_gpt.py (through tests/fault_launcher.py with `faults`, which reads FAULT_* from `env`)."""
+             faults: bool = False, python: str = sys.executable):
+    """Run pretrain_gpt.py (through tests/fault_launcher.py with `faults`, which reads FAULT_* from `env`) with
+    `python` (another environment's interpreter for cross-version tests)."""
     script = os.path.join(ROOT, "tests", "fault_launcher.py") if faults else os.path.join(ROOT, "pretrain_gpt.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), script, *args]
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
     e.update(env or {})

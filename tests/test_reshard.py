@@ -122,10 +122,8 @@ def _plain(x):
     return x
 
 
-def assert_same_state(src: str, dst: str) -> int:
-    """Every full tensor and every common object of `dst` equals `src`'s, bit for bit. Returns #tensors."""
-    st, so = read_full(src)
-    dt, do = read_full(dst)
+def assert_same_tensors(st: dict, dt: dict, src: str, dst: str) -> int:
+    """Every full tensor of `dst` (model, fp32 main params, moments) equals `src`'s, bit for bit. Returns #."""
     assert sorted(st) == sorted(dt), (sorted(set(st) ^ set(dt)))
     assert any(k.startswith("optimizer.state.exp_avg.") for k in st), sorted(st)
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in st), sorted(st)
@@ -134,6 +132,14 @@ def assert_same_state(src: str, dst: str) -> int:
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, a.shape, b.dtype, b.shape)
         assert not torch.isnan(a).any(), f"{name}: not fully covered in {src}"
         assert torch.equal(a, b), f"{name} differs between {src} and {dst}"
+    return len(st)
+
+
+def assert_same_state(src: str, dst: str) -> int:
+    """Every full tensor and every common object of `dst` equals `src`'s, bit for bit. Returns #tensors."""
+    st, so = read_full(src)
+    dt, do = read_full(dst)
+    n = assert_same_tensors(st, dt, src, dst)
     sc, dc = _comparable_objects(so), _comparable_objects(do)
     assert sorted(sc) == sorted(dc), sorted(set(sc) ^ set(dc))
     for name in ("common:iteration", "common:train_state", "common:opt_param_scheduler",
@@ -141,7 +147,7 @@ def assert_same_state(src: str, dst: str) -> int:
         assert name in sc, sorted(sc)
     for name in sc:
         assert _plain(sc[name]) == _plain(dc[name]), (name, sc[name], dc[name])
-    return len(st)
+    return n
 
 
 def assert_close_losses(got: dict, ref: dict, iters, what: str):

@@ -17,6 +17,7 @@ when the Python 3.11 one (`.venv`) exists beside it; `.ci/run` sets up both.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -108,3 +109,22 @@ def test_resume_across_versions(tmp_path, sources, written, resumed, target):
     assert sorted(got) == list(range(N + 1, 2 * N + 1)), log[-3000:]
     bound = NUMERICS_REL if target is TP2_DP2 else LAYOUT_REL
     assert _relative_gap(got, {i: ref[i] for i in got}) <= bound, (got, ref)
+
+
+@pytest.mark.parametrize("written,read", [("0.16", "0.19"), ("0.19", "0.16")],
+                         ids=["common.pt-read-by-0.19", "common_state-object-read-by-0.16"])
+def test_torch_dist_of_one_version_converts_under_the_other(tmp_path, sources, written, read):
+    """megatron-core 0.19 moved torch_dist's common state from `common.pt` into a `common_state` ShardedObject;
+    tools/convert_checkpoint.py reads both forms: datastates -> torch_dist under one version, back under the
+    other, every tensor and the training state unchanged."""
+    root, _ = sources[written]
+    td, back = str(tmp_path / "td"), str(tmp_path / "back")
+    for python, frm, to, src, dst in ((VERSIONS[written], "datastates", "torch_dist", root, td),
+                                      (VERSIONS[read], "torch_dist", "datastates", td, back)):
+        p = subprocess.run([python, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", frm, "--to", to,
+                            "--input", src, "--output", dst, "--iteration", str(2 * N)], capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert p.returncode == 0, p.stdout + p.stderr
+    has_common_pt = os.path.exists(os.path.join(iter_dir(td, 2 * N), "common.pt"))
+    assert has_common_pt == (written == "0.16")
+    assert assert_same_state_across_versions(iter_dir(root, 2 * N), iter_dir(back, 2 * N)) > 20

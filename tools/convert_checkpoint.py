@@ -78,6 +78,8 @@ FORMATS_OUT = ("datastates", "torch_dist", "safetensors")
 OBJ_NAME_RE = re.compile(r"^(?P<key>.+)@(?P<offset>\d+(?:,\d+)*)$")
 STACK_SEGMENTS = ("layers", "local_experts")
 COMMON_PREFIX = "common:"
+TORCH_DIST_COMMON_FILE = "common.pt"            # megatron-core <= 0.16
+TORCH_DIST_COMMON_OBJECT = "common_state"       # megatron-core 0.19: a ShardedObject inside the DCP files
 
 
 log = logging.getLogger("tools.convert_checkpoint")
@@ -311,13 +313,15 @@ def read_torch_dist(path: str, iteration: int | None) -> Bundle:
         raise ConvertError(f"{ckpt!r} is not a torch_dist checkpoint: its metadata.json says "
                            f"{ {k: doc.get(k) for k in ('format', 'sharded_backend')} }")
     init_megatron()
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     try:
-        common = dist_checkpointing.load_common_state_dict(ckpt)
         meta = serialization.load_sharded_metadata(ckpt)
-        loaded = dist_checkpointing.load(meta, ckpt, validate_access_integrity=False)
+        # the sharded strategy itself: megatron-core 0.16's dist_checkpointing.load insists on common.pt
+        loaded = serialization.get_default_load_sharded_strategy(ckpt).load(meta, ckpt)
+        common = _torch_dist_common(ckpt, meta, loaded)
+    except ConvertError:
+        raise
     except Exception as e:  # megatron-core raises many types (CheckpointingException, RuntimeError, OSError)
         raise ConvertError(f"reading torch_dist checkpoint {ckpt!r} failed: {type(e).__name__}: {e}") from None
     it = common.get("iteration") if isinstance(common, dict) else None
@@ -330,6 +334,24 @@ def read_torch_dist(path: str, iteration: int | None) -> Bundle:
             bundle.objects[(sh.key, tuple(sh.global_offset))] = loaded[k]
             bundle.object_shapes[sh.key] = tuple(sh.global_shape)
     return bundle
+
+
+def _torch_dist_common(ckpt: str, meta: dict, loaded: dict):
+    """The common state dict of a torch_dist checkpoint in either form: `common.pt` beside the DCP files
+    (megatron-core up to 0.16), or the ShardedObject `common_state` inside them (0.19). Takes the latter out of
+    `meta`/`loaded`: it is not one of the checkpoint's sharded objects."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    inside = [k for k, sh in meta.items() if isinstance(sh, ShardedObject) and sh.key == TORCH_DIST_COMMON_OBJECT]
+    for k in inside:
+        del meta[k]
+    values = [loaded.pop(k) for k in inside]
+    if os.path.exists(os.path.join(ckpt, TORCH_DIST_COMMON_FILE)):
+        from megatron.core import dist_checkpointing
+        return dist_checkpointing.load_common_state_dict(ckpt)
+    if not values:
+        raise ConvertError(f"torch_dist checkpoint {ckpt!r} has no common state: neither {TORCH_DIST_COMMON_FILE} "
+                           f"nor a {TORCH_DIST_COMMON_OBJECT!r} object")
+    return values[0]
 
 
 # ----- writers -----

@@ -3,6 +3,7 @@ site fails naming it, its adaptations hold only inside `cuda_free()` on the call
 it does nothing at all."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -81,3 +82,36 @@ def test_nothing_changes_when_cuda_is_present(monkeypatch):
         monkeypatch.undo()
         if was:
             cpu_shim.install()
+
+
+def test_an_unadapted_torch_cuda_call_on_the_training_thread_names_its_caller(shim):
+    """A megatron-core release that adds a CUDA call fails at that call, naming the file and line, on the thread
+    that installed the shim; the adapter's answers and device-free queries keep working."""
+    assert torch.cuda.device_count() == 0 and torch.cuda.is_available() is False
+    torch.cuda.current_stream().wait_stream(torch.cuda.current_stream())  # answered: the CPU stream
+    assert torch.cuda.is_current_stream_capturing() is False
+    torch.cuda.manual_seed_all(1)  # queued by torch until CUDA starts: harmless
+    line = sys._getframe().f_lineno + 2
+    with pytest.raises(cpu_shim.ShimError) as e:
+        torch.cuda.memory_allocated()
+    assert f"torch.cuda.memory_allocated called at {__file__}:{line}" in str(e.value)
+    assert "megatron/training/cpu_shim.py does not adapt it" in str(e.value)
+    with pytest.raises(cpu_shim.ShimError, match=r"torch\.cuda\.Event called at .*test_cpu_shim\.py"):
+        torch.cuda.Event()
+
+    seen = {}
+
+    def engine_thread():  # torch's own behaviour off the training thread (here: no driver)
+        try:
+            torch.cuda.memory_allocated()
+        except Exception as exc:
+            seen["error"] = exc
+    th = threading.Thread(target=engine_thread)
+    th.start()
+    th.join()
+    assert not isinstance(seen.get("error"), cpu_shim.ShimError)
+
+
+def test_each_megatron_core_version_has_its_own_sites():
+    assert len(cpu_shim.sites_of("0.19.2")) == len(cpu_shim.sites_of("0.16.1")) + 1
+    assert any("start_grad_sync" in s.qualname for s in cpu_shim.sites_of("0.19.2"))

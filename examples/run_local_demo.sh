@@ -4,15 +4,17 @@
 # stall next to what a synchronous save of the same state costs (datastates sync, megatron-core torch_dist).
 #
 #   bash examples/run_local_demo.sh [OUT_DIR]          (about 4-5 minutes on 2 CPU cores)
+#   PYTHON=python3.12 bash examples/run_local_demo.sh  (the same on Python 3.12 + megatron-core 0.19)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh  # idempotent: the same venv as the test command
+bash scripts/setup.sh  # idempotent: the same venv as the test command (PYTHON=python3.12: the second environment)
+. scripts/env.sh
 OUT=${1:-/tmp/datastates_demo}
 NPROC=${NPROC:-4}
 ITERS=${ITERS:-20}
 HALF=$((ITERS / 2))
 INTERVAL=${INTERVAL:-5}
-PY=.venv/bin/python
+PY=$VENV/bin/python
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 rm -rf "$OUT" && mkdir -p "$OUT"
 

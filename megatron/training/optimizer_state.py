@@ -1,8 +1,10 @@
 """The optimizer's part of a checkpoint: megatron-core's optimizer sharded state dicts, and the megatron-core
-0.16 defects this trainer works around when that state is saved and loaded.
+defects this trainer works around when that state is saved and loaded.
 
 Every optimizer is megatron-core's (`DistributedOptimizer`, `Float16OptimizerWithFloat16Params`, `FP32Optimizer`);
-its `sharded_state_dict` / `load_state_dict` do the work. The workarounds, each where it applies:
+its `sharded_state_dict` / `load_state_dict` do the work. The workarounds, each where it applies, and each needed
+by both supported releases, 0.16.1 and 0.19.2 (the code they work around is unchanged between them; the
+bit-exact resume and resharding tests, which fail without them, run in both environments):
 
 - with torch's Adam (no TE/apex) a fresh optimizer has no `step` to describe (`_init_optimizer_state`), the
   non-distributed optimizers leave their common step out at 0 (`_one_common_step`), the
@@ -164,9 +166,10 @@ def load_optimizer_state(optimizer, loaded: dict) -> None:
 def _load_fully_reshardable(optimizer, loaded: dict) -> None:
     """DistributedOptimizer.load_state_dict in its two steps, the Adam steps set aside for the second.
 
-    megatron-core 0.16 copies a fully_reshardable param state into every key of the parameter's optimizer
-    state; with torch's Adam (no TE/apex) that state also holds `step`, which the checkpoint keeps in the param
-    groups, and the copy fails (KeyError: 'step'). The steps come back from the param groups afterwards."""
+    megatron-core (0.16.1, 0.19.2) copies a fully_reshardable param state into every key of the parameter's
+    optimizer state; with torch's Adam (no TE/apex) that state also holds `step`, which the checkpoint keeps in
+    the param groups, and the copy fails (KeyError: 'step'). The steps come back from the param groups
+    afterwards."""
     (opt,) = _parts(optimizer)
     param_state = loaded.pop("param_state")
     opt.load_state_dict(loaded)
@@ -180,9 +183,9 @@ def _load_fully_reshardable(optimizer, loaded: dict) -> None:
 def _restore_adam_steps(optimizer) -> None:
     """Every parameter's own Adam step, from the loaded param groups, for megatron-core's DistributedOptimizer.
 
-    With torch's Adam (no TE/apex) megatron-core 0.16 first gives every parameter one shared step tensor (torch's
-    Adam increments it in place, once per parameter), then its dp_reshardable loader overwrites the steps with
-    the template's. The step it saved in each param group is the truth."""
+    With torch's Adam (no TE/apex) megatron-core (0.16.1, 0.19.2) first gives every parameter one shared step
+    tensor (torch's Adam increments it in place, once per parameter), then its dp_reshardable loader overwrites
+    the steps with the template's. The step it saved in each param group is the truth."""
     for opt in _parts(optimizer):
         inner = getattr(opt, "optimizer", None)
         for group in (inner.param_groups if inner is not None else ()):

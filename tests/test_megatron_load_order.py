@@ -40,11 +40,14 @@ def _expert_state(weight: torch.Tensor) -> dict:
 def gloo(tmp_path_factory):
     import torch.distributed as dist
     from megatron.training import cpu_shim
+    was = cpu_shim.installed()
     cpu_shim.install()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store')}/s", rank=0,
                             world_size=1)
     yield
     dist.destroy_process_group()
+    if not was:
+        cpu_shim.uninstall()
 
 
 def test_factory_merge_reads_a_nonpersistent_value_as_in_megatron_core(tmp_path, gloo):

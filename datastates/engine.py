@@ -32,7 +32,8 @@ from . import commit
 from . import format as fmt
 from .coordination import Coordinator, default_store
 from .errors import CheckpointError, CheckpointTimeoutError
-from .plan import Entry, Item, Plan
+from .plan import Entry, Plan
+from .schema import Item
 from .providers import ProviderRegistry, default_registry
 from .restore import CheckpointReader, check_read_mode, resolve_checkpoint
 from .snapshot import CopyBackend, SlotFiller, copy_tensor_bytes, make_backend

@@ -26,9 +26,8 @@ import torch
 
 from . import _native
 from .errors import CheckpointCorruptError, CheckpointError
+from .schema import FORMAT_NAME, SCHEMA_VERSION, Index, Manifest, RankPart, check_schema
 
-SCHEMA_VERSION = 2
-FORMAT_NAME = "datastates"
 METADATA = "metadata.json"
 SKELETON_ID = "__skeleton__"  # the pickled structure of a rank's state, whose leaves are item ids
 
@@ -91,16 +90,41 @@ def index_metadata(manifests: dict[int, dict], iteration: int | None, world_size
     return dict(body, metadata_crc32c=_body_crc(body))
 
 
-def read_metadata(path: str) -> dict:
-    """A checkpoint's metadata.json, schema-checked; a schema-2 index must match its own checksum."""
-    doc = read_json(path, "checkpoint metadata")
+def _checked(doc: dict, path: str, what: str, crc_field: str) -> dict:
+    """`doc` after the checks every checkpoint file gets: its format, a schema this datastates reads, and its own
+    checksum (an index from schema 2 on, every manifest)."""
     check_schema(doc, path)
-    if doc["schema_version"] >= 2 or "metadata_crc32c" in doc:  # a checksummed index cannot pass as schema 1
-        body = {k: v for k, v in doc.items() if k != "metadata_crc32c"}
-        if doc.get("metadata_crc32c") != _body_crc(body):
-            raise CheckpointCorruptError(f"checkpoint metadata {path!r} fails its checksum: it was modified or "
-                                         f"damaged")
+    if crc_field == "manifest_crc32c" or doc["schema_version"] >= 2 or crc_field in doc:
+        body = {k: v for k, v in doc.items() if k != crc_field}  # a checksummed index cannot pass as schema 1
+        if doc.get(crc_field) != _body_crc(body):
+            raise CheckpointCorruptError(f"{what} {path!r} fails its checksum: it was modified or damaged")
     return doc
+
+
+def read_index(path: str) -> Index:
+    """A checkpoint's metadata.json, checked (schema, checksum) and parsed (`schema.Index`)."""
+    return Index.parse(_checked(read_json(path, "checkpoint metadata"), path, "checkpoint metadata",
+                                "metadata_crc32c"), path)
+
+
+def read_manifest(path: str) -> Manifest:
+    """A rank's manifest, checked (schema, checksum) and parsed (`schema.Manifest`)."""
+    return Manifest.parse(_checked(read_json(path, "manifest"), path, "manifest", "manifest_crc32c"),
+                          f"manifest {path!r}")
+
+
+def rank_part(index: Index, rank: int) -> RankPart:
+    """A rank's part of the checkpoint `index` describes: its entry in the index (schema 2), or its manifest,
+    which must be the one the index published (schema 1)."""
+    if index.schema_version >= 2:
+        return index.part(rank)
+    index.check_rank(rank)
+    path = os.path.join(index.directory, manifest_file(rank))
+    manifest = read_manifest(path)
+    expected = index.manifest_crcs.get(rank)
+    if expected is not None and expected != manifest.crc32c:
+        raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
+    return manifest
 
 
 def read_json(path: str, what: str) -> dict:
@@ -116,24 +140,6 @@ def read_json(path: str, what: str) -> dict:
         raise CheckpointCorruptError(f"{what} {path!r} is not valid JSON: {e}") from None
     except OSError as e:
         raise CheckpointError(f"cannot read {what} {path!r}: {e.strerror}") from None
-
-
-def check_schema(doc: dict, path: str) -> None:
-    version = doc.get("schema_version")
-    if doc.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path!r} is not a {FORMAT_NAME} checkpoint file (format={doc.get('format')!r})")
-    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= SCHEMA_VERSION:
-        raise CheckpointError(f"{path!r} has schema version {version!r}; this datastates reads versions "
-                              f"1 to {SCHEMA_VERSION}: a newer one needs an upgrade of datastates to load it")
-
-
-def read_manifest(path: str) -> dict:
-    doc = read_json(path, "manifest")
-    check_schema(doc, path)
-    body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
-    if doc.get("manifest_crc32c") != _body_crc(body):
-        raise CheckpointCorruptError(f"manifest {path!r} fails its checksum: it was modified or damaged")
-    return doc
 
 
 # ----- objects -----

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from .plan import Entry, Item, dtype_name
+from .plan import Entry
+from .schema import Item, dtype_name
 
 
 class ItemRef:

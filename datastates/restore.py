@@ -11,6 +11,7 @@ the targets while later reads are in flight.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections import deque
 from typing import Any, Callable, NamedTuple
@@ -21,8 +22,10 @@ from . import _native
 from . import commit
 from . import format as fmt
 from .errors import CheckpointCorruptError, CheckpointError
-from .plan import ALIGN, Item, dtype_from_name, dtype_name
+from .load_plan import BoxRead, Piece, plan_global, plan_whole
+from .plan import ALIGN
 from .providers import ProviderRegistry, unflatten
+from .schema import Box, Item, RankPart, Shard, dtype_from_name, dtype_name, volume
 from .snapshot import CopyBackend
 from .staging import Slot, StagingPool
 
@@ -229,65 +232,23 @@ class CheckpointReader:
         self.backend = backend
         self.registry = registry
         self.read_mode, self.direct_io = read_mode, direct_io
-        meta_path = os.path.join(self.path, fmt.METADATA)
-        self.metadata = fmt.read_metadata(meta_path)
-        self.world_size = self.metadata.get("world_size")
-        if type(self.world_size) is not int or self.world_size < 1:
-            raise CheckpointCorruptError(f"checkpoint metadata {meta_path!r} has no valid world_size")
-        self._manifests: dict[int, dict[str, Item]] = {}
-        self._data_bytes: dict[int, int] = {}
+        self.index = fmt.read_index(os.path.join(self.path, fmt.METADATA))
+        self.world_size = self.index.world_size
+        self._parts: dict[int, RankPart] = {}
         self._files: dict[int, _native.File] = {}
-        self._v1_manifests: dict[int, dict] = {}
         self._global: dict[str, list[Shard]] | None = None
 
-    # ----- manifests and files -----
+    # ----- the index and the files -----
 
-    def _rank_doc(self, rank: int) -> tuple[str, dict]:
-        """Where a rank's items are described (for messages), and the description: its entry in the index
-        (schema 2), or its manifest (schema 1)."""
-        if not 0 <= rank < self.world_size:
-            raise CheckpointError(f"checkpoint {self.path!r} was saved by {self.world_size} rank(s); "
-                                  f"it has no rank {rank}")
-        if self.metadata["schema_version"] >= 2:
-            where = f"checkpoint index {os.path.join(self.path, fmt.METADATA)!r} (rank {rank})"
-            ranks = self.metadata.get("ranks")
-            doc = ranks.get(str(rank)) if isinstance(ranks, dict) else None
-            if not isinstance(doc, dict):
-                raise CheckpointCorruptError(f"{where} is missing")
-            return where, doc
-        path = os.path.join(self.path, fmt.manifest_file(rank))
-        if rank not in self._v1_manifests:
-            doc = fmt.read_manifest(path)
-            expected = self.metadata.get("manifests", {}).get(str(rank))
-            if expected is not None and expected != doc["manifest_crc32c"]:
-                raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
-            self._v1_manifests[rank] = doc
-        return f"manifest {path!r}", self._v1_manifests[rank]
+    def part(self, rank: int) -> RankPart:
+        """A rank's part (`format.rank_part`), read once; its items are parsed only when a load reads them."""
+        if rank not in self._parts:
+            self._parts[rank] = fmt.rank_part(self.index, rank)
+        return self._parts[rank]
 
     def items(self, rank: int) -> dict[str, Item]:
         """A rank's items, parsed and validated (only for the ranks a load actually reads from)."""
-        if rank not in self._manifests:
-            self._manifests[rank] = self._parse_items(rank, *self._rank_doc(rank))
-        return self._manifests[rank]
-
-    def _parse_items(self, rank: int, where: str, doc: dict) -> dict[str, Item]:
-        """A rank's items, each checked against itself: a checksummed index can still have been forged, and
-        nothing it says may make a read overrun its destination (the data file's size is checked on open)."""
-        try:
-            data_bytes = doc["data_bytes"]
-            if type(data_bytes) is not int or data_bytes < 0:
-                raise ValueError(f"data_bytes {data_bytes!r}")
-            items = {}
-            for d in doc["items"]:
-                it = Item.from_json(d)
-                it.validate(data_bytes)
-                if it.id in items:
-                    raise ValueError(f"duplicate item id {it.id!r}")
-                items[it.id] = it
-        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
-            raise CheckpointCorruptError(f"{where} is malformed: {type(e).__name__}: {e}") from None
-        self._data_bytes[rank] = data_bytes
-        return items
+        return self.part(rank).items
 
     def close(self) -> None:
         """Close the data files this reader opened."""
@@ -300,7 +261,7 @@ class CheckpointReader:
 
     def data_file(self, rank: int) -> _native.File:
         if rank not in self._files:
-            self.items(rank)  # its data size, from the index
+            self.items(rank)  # validated before anything is read
             data = self.data_path(rank)
             try:
                 f = (_native.File(data, "r", "off", stream=True) if self.read_mode == "stream"
@@ -308,7 +269,7 @@ class CheckpointReader:
                 size = f.size()
             except OSError as e:
                 raise CheckpointError(f"cannot open {data!r}: {e.strerror or e}") from None
-            expected = self._data_bytes[rank]
+            expected = self.part(rank).data_bytes
             if size < expected:
                 f.close()
                 raise CheckpointCorruptError(f"data file {data!r} is truncated: {size} bytes, the checkpoint's "
@@ -322,15 +283,8 @@ class CheckpointReader:
         if self._global is None:
             index: dict[str, list[Shard]] = {}
             for r in range(self.world_size):
-                where, doc = self._rank_doc(r)
-                try:
-                    for d in doc["items"]:
-                        if d.get("scope") == "global" and d.get("write", True):
-                            index.setdefault(d["name"], []).append(Shard(
-                                r, d["id"], d["kind"], d.get("dtype"), tuple(d.get("shape") or ()),
-                                tuple(d.get("global_shape") or ()), tuple(d.get("global_offset") or ())))
-                except (KeyError, TypeError, AttributeError) as e:
-                    raise CheckpointCorruptError(f"{where} is malformed: {type(e).__name__}: {e}") from None
+                for shard in self.part(r).shards(r):
+                    index.setdefault(shard.name, []).append(shard)
             self._global = index
         return self._global
 
@@ -424,92 +378,42 @@ class CheckpointReader:
 
     def _read_global(self, target: Item, dst: torch.Tensor, reads: _Reads) -> None:
         """Fill the target shard `dst` (box target.global_offset + dst.shape) from every saved shard it overlaps."""
-        shards = self.global_index().get(target.name)
-        if not shards:
-            raise CheckpointError(f"checkpoint {self.path!r} has no tensor named {target.name!r}")
-        t_off, t_shape = tuple(target.global_offset), tuple(dst.shape)
-        covered = 0
-        for shard in shards:
-            if shard.global_shape != tuple(target.global_shape) or shard.dtype != dtype_name(dst.dtype):
-                raise CheckpointError(
-                    f"checkpoint {self.path!r}: {target.name!r} is {shard.dtype} with global shape "
-                    f"{shard.global_shape}, the target wants {dtype_name(dst.dtype)} {tuple(target.global_shape)}")
-            try:
-                box = _overlap(t_off, t_shape, shard.global_offset, shard.shape)
-            except TypeError as e:  # a forged index; the item itself is validated below only if it overlaps
-                raise CheckpointCorruptError(f"checkpoint {self.path!r}: shard {shard.id!r} of rank {shard.rank} "
-                                             f"has a malformed box: {e}") from None
-            if box is None:
-                continue
-            saved = self.shard_item(shard)
-            covered += _volume(box[1])
-            self._read_box(shard.rank, saved, box, t_off, dst, reads)
-        if covered != _volume(t_shape):
-            raise CheckpointError(f"checkpoint {self.path!r} does not cover {target.name!r} at offset {t_off} "
-                                  f"shape {t_shape}: {covered} of {_volume(t_shape)} elements saved")
+        box = Box(tuple(target.global_offset), tuple(dst.shape))
+        plan = plan_global(f"checkpoint {self.path!r}", target.name, box, tuple(target.global_shape),
+                           dtype_name(dst.dtype), self.global_index().get(target.name, ()), self.shard_item)
+        for read in plan:
+            self._execute(read, dst, reads)
 
     def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: _Reads) -> None:
         """Fill `dst` (of the saved shape) with the whole saved item."""
-        origin = _origin(saved)
-        self._read_box(rank, saved, (origin, tuple(saved.shape)), origin, dst, reads)
+        for read in plan_whole(rank, saved):
+            self._execute(read, dst, reads)
 
-    def _read_box(self, rank: int, saved: Item, box, t_off, dst: torch.Tensor, reads: _Reads) -> None:
-        """Fill the part of `dst` (whose first element is at t_off) that `box` names, from the saved item.
+    def _execute(self, read: BoxRead, dst: torch.Tensor, reads: _Reads) -> None:
+        """Submit one box read of the load plan into `dst`.
 
-        Box and offsets are in global coordinates (a local item's are its own). A whole saved item bound for a
-        contiguous host view is streamed straight into it (`_Reads.reads_into`). Otherwise reads the rows of
-        `saved` that hold the box, widened to whole checksum chunks, in pieces of at most a slot, and copies each
-        piece's part of the box out. In read mode "parallel" even a whole tensor into a contiguous host target
-        goes through the slots: O_DIRECT into the same few hot slots, then a memcpy on the copy threads, loaded
-        1 GB in 0.68 s against 1.01 s for O_DIRECT straight into the target's own pages (medians of 8
-        interleaved loads, page cache evicted)."""
-        if saved.nbytes == 0:
-            return
-        (b_off, b_shape), s_shape = box, tuple(saved.shape)
-        s_off = _origin(saved)
-        esize = dst.element_size()
-        row_bytes = esize * _volume(s_shape[1:])
-        lo, hi = ((b_off[0] - s_off[0]) * row_bytes, (b_off[0] - s_off[0] + b_shape[0]) * row_bytes) if s_shape \
-            else (0, esize)
-        if (tuple(b_off), tuple(b_shape)) == (s_off, s_shape):
-            view = dst[tuple(slice(a - to, a - to + n) for a, to, n in zip(b_off, t_off, b_shape))]
+        A whole saved item bound for a contiguous host view is streamed straight into it (`_Reads.reads_into`).
+        Otherwise the read goes in pieces through the slots, and each piece's part of the box is copied out. In
+        read mode "parallel" even a whole tensor into a contiguous host target goes through the slots: O_DIRECT
+        into the same few hot slots, then a memcpy on the copy threads, loaded 1 GB in 0.68 s against 1.01 s for
+        O_DIRECT straight into the target's own pages (medians of 8 interleaved loads, page cache evicted)."""
+        if read.whole:
+            view = dst[read.dst]
             if reads.reads_into(view):
-                reads.read_chunks(rank, saved, 0, len(saved.crcs), view.reshape(-1).view(torch.uint8))
+                reads.read_chunks(read.rank, read.item, 0, len(read.item.crcs), view.reshape(-1).view(torch.uint8))
                 return
-        cb = saved.chunk_bytes or saved.nbytes
-        local_box = (tuple(o - so for o, so in zip(b_off, s_off)), b_shape)
-        first, end = lo // cb, -(-hi // cb)
-        while first < end:  # pieces of whole chunks, each as large as a slot allows (at least one chunk)
-            last = max(first + 1, min(end, first + max(1, reads.pool.slot_bytes // cb)))
-            start, stop = first * cb, min(last * cb, saved.nbytes)
-            buf, slot, fresh = reads.buffer(stop - start)
-
-            def place(buf, start=start, stop=stop):
-                src = buf[:stop - start].view(dst.dtype)
-                for p_off, p_shape in _flat_boxes(s_shape, start // esize, stop // esize):
-                    part = _overlap(p_off, p_shape, *local_box)
-                    if part is None:
-                        continue
-                    o, n = part
-                    first_elem = _ravel(p_off, s_shape) - start // esize
-                    piece = src[first_elem:first_elem + _volume(p_shape)].view(p_shape)
-                    reads.place(dst[tuple(slice(a + so - to, a + so - to + m) for a, so, to, m in
-                                          zip(o, s_off, t_off, n))],
-                                piece[tuple(slice(a - pa, a - pa + m) for a, pa, m in zip(o, p_off, n))])
-            reads.read_chunks(rank, saved, first, last, buf, place, slot, fresh)
-            first = last
+        for piece in read.pieces(reads.pool.slot_bytes):
+            buf, slot, fresh = reads.buffer(piece.stop - piece.start)
+            reads.read_chunks(read.rank, read.item, piece.first, piece.last, buf,
+                              functools.partial(_place, reads, piece, dst), slot, fresh)
 
 
-class Shard(NamedTuple):
-    """One written global item as the index lists it, before validation."""
-
-    rank: int
-    id: str
-    kind: str
-    dtype: str | None
-    shape: tuple
-    global_shape: tuple
-    global_offset: tuple
+def _place(reads: _Reads, piece: Piece, dst: torch.Tensor, buf: torch.Tensor) -> None:
+    """Copy a verified piece's elements out into the target."""
+    src = buf[:piece.stop - piece.start].view(dst.dtype)
+    for copy in piece.copies:
+        run = src[copy.start:copy.start + volume(copy.run)].view(copy.run)
+        reads.place(dst[copy.dst], run[copy.src])
 
 
 def _writable(t: torch.Tensor) -> torch.Tensor:
@@ -517,63 +421,3 @@ def _writable(t: torch.Tensor) -> torch.Tensor:
     if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return t
-
-
-def _origin(item: Item) -> tuple:
-    """Where a saved tensor's first element sits: its global offset, or the origin for a rank-local item."""
-    return tuple(item.global_offset) if item.scope == "global" else (0,) * len(item.shape)
-
-
-def _overlap(a_off, a_shape, b_off, b_shape):
-    if len(a_off) != len(b_off):
-        return None
-    off, shape = [], []
-    for ao, an, bo, bn in zip(a_off, a_shape, b_off, b_shape):
-        lo, hi = max(ao, bo), min(ao + an, bo + bn)
-        if hi <= lo:
-            return None
-        off.append(lo)
-        shape.append(hi - lo)
-    return tuple(off), tuple(shape)
-
-
-def _flat_boxes(shape, lo: int, hi: int):
-    """Boxes (offset, shape) that together are the row-major elements [lo, hi) of a tensor of `shape`, each of
-    them one contiguous run of those elements."""
-    if hi <= lo:
-        return
-    if not shape:
-        yield (), ()
-        return
-    inner = _volume(shape[1:])
-    r0, o0 = divmod(lo, inner)
-    r1, o1 = divmod(hi, inner)
-    rest = len(shape) - 1
-
-    def row(r, a, b):
-        for off, sh in _flat_boxes(shape[1:], a, b):
-            yield (r,) + off, (1,) + sh
-    if r0 == r1:
-        yield from row(r0, o0, o1)
-        return
-    if o0:
-        yield from row(r0, o0, inner)
-        r0 += 1
-    if r1 > r0:
-        yield (r0,) + (0,) * rest, (r1 - r0,) + tuple(shape[1:])
-    if o1:
-        yield from row(r1, 0, o1)
-
-
-def _ravel(index, shape) -> int:
-    flat = 0
-    for i, n in zip(index, shape):
-        flat = flat * n + i
-    return flat
-
-
-def _volume(shape) -> int:
-    v = 1
-    for s in shape:
-        v *= s
-    return v

@@ -24,7 +24,8 @@ import torch
 
 from . import _native
 from .errors import CheckpointError
-from .plan import Item, align_up
+from .plan import align_up
+from .schema import Item
 from .staging import Slot, StagingPool
 
 

@@ -89,7 +89,7 @@ def global_items(ckpt: str) -> dict[str, dict]:
 def read_full(ckpt: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """(every global tensor assembled whole, every global object) of a published datastates checkpoint."""
     from datastates import CheckpointEngine
-    from datastates.plan import dtype_from_name
+    from datastates.schema import dtype_from_name
     items = global_items(ckpt)
     template = {}
     for name, it in items.items():

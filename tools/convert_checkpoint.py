@@ -61,7 +61,7 @@ from datastates import _native, commit  # noqa: E402
 from datastates import format as fmt  # noqa: E402
 from datastates.errors import CheckpointError  # noqa: E402
 from datastates.logs import setup_logging  # noqa: E402
-from datastates.plan import dtype_from_name  # noqa: E402
+from datastates.schema import dtype_from_name  # noqa: E402
 from datastates.providers import (ContainerProvider, ItemRef, ObjectProvider, ProviderRegistry,  # noqa: E402
                                   StateProvider, TensorProvider)
 from datastates.restore import CheckpointReader  # noqa: E402

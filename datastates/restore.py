@@ -50,9 +50,9 @@ def resolve_checkpoint(path: str) -> str:
     if commit.is_published(path):
         return path
     if os.path.isdir(path) and commit.iteration_of(path) is None:
-        latest = commit.read_latest(path)
-        if latest is not None:
-            return commit.checkpoint_dir(path, latest)
+        latest = commit.find_latest(path)
+        if latest.path is not None:
+            return latest.path
         raise CheckpointError(f"no published checkpoint under {path!r}")
     if os.path.isdir(commit.partial_dir(path)) or (os.path.isdir(path) and not commit.is_published(path)):
         raise CheckpointError(f"checkpoint {path!r} is not published (an unfinished or failed save): "

@@ -203,19 +203,15 @@ class RankPart:
     @functools.cached_property
     def items(self) -> dict[str, Item]:
         """Every item by id, each checked against itself and the data file's size; the first problem raises."""
-        problems: list[str] = []
-        items = self._parse(problems, stop=True)
+        items, problems = self.checked_items(stop=True)
         if problems:
             raise CheckpointCorruptError(f"{self.where} is malformed: {problems[0]}")
         return items
 
-    def problems(self) -> list[str]:
-        """Every problem of the items, not only the first (for tools that report them all)."""
+    def checked_items(self, stop: bool = False) -> tuple[dict[str, Item], list[str]]:
+        """The valid items by id and every problem of the others (only the first with `stop`), for tools that
+        report them all."""
         problems: list[str] = []
-        self._parse(problems, stop=False)
-        return problems
-
-    def _parse(self, problems: list[str], stop: bool) -> dict[str, Item]:
         items: dict[str, Item] = {}
         for d in self.raw_items:
             try:
@@ -230,7 +226,7 @@ class RankPart:
                                 f"{type(e).__name__}: {e}")
                 if stop:
                     break
-        return items
+        return items, problems
 
     def shards(self, rank: int) -> Iterator[Shard]:
         """The written global items, read from the raw records: O(items), no validation."""

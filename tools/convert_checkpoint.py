@@ -120,19 +120,11 @@ def resolve_input(path: str, iteration: int | None, what: str) -> str:
         return cand
     if os.path.isfile(os.path.join(path, fmt.METADATA)) or commit.iteration_of(path) is not None:
         return path
-    tracker = os.path.join(path, commit.TRACKER)
-    if what == "datastates":
-        latest = commit.read_latest(path)
-        if latest is None:
-            raise ConvertError(f"input {path!r} holds no published datastates checkpoint (no iter_XXXXXXX/ with a "
-                               f"metadata.json)")
-        return commit.checkpoint_dir(path, latest)
-    if os.path.isfile(tracker):
-        text = open(tracker).read().strip()
-        if text.isdigit():
-            return commit.checkpoint_dir(path, int(text))
-    raise ConvertError(f"input {path!r} has no metadata.json and no {commit.TRACKER}: not a {what} checkpoint "
-                       f"directory or save root")
+    latest = commit.find_latest(path)
+    if latest.path is None:
+        raise ConvertError(f"input {path!r} is not a {what} checkpoint directory (no metadata.json) nor a save root "
+                           f"holding a published one: {latest.why_none()}")
+    return latest.path
 
 
 def resolve_output(path: str, iteration) -> tuple[str, str | None]:
@@ -187,7 +179,7 @@ def read_datastates(path: str, iteration: int | None, threads: int = 4) -> Bundl
     if problems:
         raise ConvertError(f"input checkpoint {ckpt!r} is unusable:\n" +
                            "\n".join(f"  {p['file']}: {p['problem']}" for p in problems.items))
-    bundle = Bundle(ckpt, scan.metadata.get("iteration"))
+    bundle = Bundle(ckpt, scan.index.iteration)
     registry = ProviderRegistry([_WholeProvider(), ContainerProvider(), TensorProvider(), ObjectProvider()])
     template = {"t": {name: _Whole(name, torch.empty(t["global_shape"], dtype=dtype_from_name(t["dtype"])))
                       for name, t in tensors.items()},

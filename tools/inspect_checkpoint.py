@@ -38,7 +38,8 @@ from datastates import _native, commit  # noqa: E402
 from datastates import format as fmt  # noqa: E402
 from datastates.errors import CheckpointError  # noqa: E402
 from datastates.logs import setup_logging  # noqa: E402
-from datastates.plan import ALIGN, Item  # noqa: E402
+from datastates.plan import ALIGN  # noqa: E402
+from datastates.schema import Index, Manifest  # noqa: E402
 
 log = logging.getLogger("tools.inspect_checkpoint")
 RANK_FILE_RE = re.compile(r"^rank_(\d{5,})\.(data|manifest\.json)$")
@@ -95,14 +96,15 @@ class Problems:
 # ----- one iteration directory -----
 
 class Scan:
-    """Everything the manifests of one checkpoint directory say, read tolerantly (problems are collected)."""
+    """Everything the index and the manifests of one checkpoint directory say, read tolerantly: every problem is
+    collected (the records are parsed and validated by `datastates.schema`, as a load does)."""
 
     def __init__(self, path: str, problems: Problems | None = None):
         self.path = os.path.normpath(path)
         self.problems = problems if problems is not None else Problems()
-        self.metadata: dict | None = None
+        self.index: Index | None = None
         self.world_size = 0
-        self.ranks: dict[int, dict] = {}  # rank -> {"manifest": doc, "items": [Item], "data_size": int}
+        self.ranks: dict[int, dict] = {}  # rank -> {"manifest": Manifest, "items": [Item], "data_size": int, ...}
         self._scan()
 
     # -- reading --
@@ -117,7 +119,7 @@ class Scan:
         meta_path = os.path.join(path, fmt.METADATA)
         if fmt.METADATA in names:
             try:
-                self.metadata = fmt.read_metadata(meta_path)
+                self.index = fmt.read_index(meta_path)
             except CheckpointError as e:
                 p.add(meta_path, str(e))
         elif not path.endswith(commit.PARTIAL):
@@ -128,85 +130,85 @@ class Scan:
             m = RANK_FILE_RE.match(n)
             if m:
                 rank_files.setdefault(int(m.group(1)), set()).add(m.group(2))
-        if self.metadata is not None and isinstance(self.metadata.get("world_size"), int):
-            self.world_size = self.metadata["world_size"]
-        else:  # unpublished: what the manifests say, else the rank files present
-            sizes = []
-            for r in sorted(rank_files):
-                try:
-                    with open(os.path.join(path, fmt.manifest_file(r))) as f:
-                        sizes.append(int(json.load(f).get("world_size", 0)))
-                except (OSError, ValueError, AttributeError):
-                    pass
-            self.world_size = max(sizes + [max(rank_files, default=-1) + 1])
+        self.world_size = self.index.world_size if self.index is not None else self._unpublished_world(rank_files)
         if self.world_size <= 0:
             p.add(path, "no rank files (rank_XXXXX.data / rank_XXXXX.manifest.json) in this directory")
-
-        published = self.metadata.get("manifests", {}) if self.metadata else {}
-        if self.metadata is not None:
-            if not isinstance(published, dict):
-                p.add(meta_path, "metadata 'manifests' is not a mapping of rank to manifest crc32c")
-                published = {}
-            extra = sorted(set(published) - {str(r) for r in range(self.world_size)})
+        if self.index is not None:
+            extra = sorted(set(self.index.manifest_crcs) - set(range(self.world_size)))
             if extra:
                 p.add(meta_path, f"metadata lists manifests of rank(s) {extra} beyond world size {self.world_size}")
         for r in range(self.world_size):
-            self._scan_rank(r, published)
+            self._scan_rank(r)
         for r in sorted(rank_files):
             if r >= self.world_size and self.world_size > 0:
                 p.warn(os.path.join(path, f"rank_{r:05d}.*"), f"files of rank {r}, beyond world size "
                                                              f"{self.world_size}: not part of this checkpoint")
-        if self.metadata is not None and isinstance(self.metadata.get("bytes"), int) and \
-                len(self.ranks) == self.world_size:
-            total = sum(r["manifest"]["data_bytes"] for r in self.ranks.values())
-            if total != self.metadata["bytes"]:
-                p.add(meta_path, f"metadata says {self.metadata['bytes']} data bytes, the manifests say {total}")
+        if self.index is not None and len(self.ranks) == self.world_size:
+            total = sum(r["manifest"].data_bytes for r in self.ranks.values())
+            if total != self.index.bytes:
+                p.add(meta_path, f"metadata says {self.index.bytes} data bytes, the manifests say {total}")
 
-    def _scan_rank(self, r: int, published: dict) -> None:
+    def _unpublished_world(self, rank_files: dict[int, set]) -> int:
+        """Without an index: the world size the manifests say, else the rank files present."""
+        sizes = []
+        for r in sorted(rank_files):
+            try:
+                sizes.append(fmt.read_manifest(os.path.join(self.path, fmt.manifest_file(r))).world_size)
+            except CheckpointError:
+                pass
+        return max(sizes + [max(rank_files, default=-1) + 1])
+
+    def _scan_rank(self, r: int) -> None:
         p = self.problems
         mpath = os.path.join(self.path, fmt.manifest_file(r))
         dpath = os.path.join(self.path, fmt.data_file(r))
-        if self.metadata is not None and str(r) not in published:
+        published = self.index.manifest_crcs.get(r) if self.index is not None else None
+        if self.index is not None and published is None:
             p.add(os.path.join(self.path, fmt.METADATA), f"metadata does not list rank {r}'s manifest")
         if not os.path.exists(mpath):
             p.add(mpath, f"manifest of rank {r} is missing (world size {self.world_size})")
             return
         try:
-            doc = fmt.read_manifest(mpath)
+            manifest = fmt.read_manifest(mpath)
         except CheckpointError as e:
             p.add(mpath, str(e))
             return
-        index = (self.metadata or {}).get("ranks", {}).get(str(r))
-        if index is not None and index != {k: doc.get(k) for k in ("data_file", "data_bytes", "items")}:
-            p.add(mpath, f"manifest of rank {r} differs from rank {r}'s entry in the index (metadata.json)")
-        if str(r) in published and published[str(r)] != doc.get("manifest_crc32c"):
-            p.add(mpath, f"manifest crc32c {doc.get('manifest_crc32c')} differs from the one metadata.json "
-                         f"published for rank {r} ({published[str(r)]}): it is not the manifest of this checkpoint")
-        if doc.get("rank") != r or doc.get("world_size") != self.world_size:
-            p.add(mpath, f"manifest says rank {doc.get('rank')} of world size {doc.get('world_size')}, expected "
+        self._compare_with_index(r, manifest, mpath, published)
+        if manifest.rank != r or manifest.world_size != self.world_size:
+            p.add(mpath, f"manifest says rank {manifest.rank} of world size {manifest.world_size}, expected "
                          f"rank {r} of {self.world_size}")
-        try:
-            items = [Item.from_json(d) for d in doc["items"]]
-            data_bytes = int(doc["data_bytes"])
-        except (KeyError, TypeError, ValueError) as e:
-            p.add(mpath, f"manifest has a malformed item or field: {e}")
-            return
+        items, problems = manifest.checked_items()
+        for problem in problems:
+            p.add(mpath, f"manifest has a malformed item: {problem}")
         try:
             data_size = os.path.getsize(dpath)
         except OSError as e:
             p.add(dpath, f"data file of rank {r} is missing or unreadable: {e.strerror}")
             data_size = None
-        if data_size is not None and data_size != data_bytes:
-            what = "truncated" if data_size < data_bytes else "longer than recorded"
-            p.add(dpath, f"data file is {what}: {data_size} bytes, manifest says {data_bytes}")
-        for it in items:
-            if it.write and (it.offset < 0 or it.offset + it.nbytes > data_bytes or len(it.crcs) != len(it.chunks())):
-                p.add(mpath, f"item {it.id!r} has an invalid extent (offset {it.offset}, {it.nbytes} bytes, "
-                             f"{len(it.crcs)} checksums) for {data_bytes} data bytes")
-        if not any(it.id == fmt.SKELETON_ID for it in items):
+        if data_size is not None and data_size != manifest.data_bytes:
+            what = "truncated" if data_size < manifest.data_bytes else "longer than recorded"
+            p.add(dpath, f"data file is {what}: {data_size} bytes, manifest says {manifest.data_bytes}")
+        if fmt.SKELETON_ID not in items:
             p.add(mpath, "manifest has no state skeleton item")
-        self.ranks[r] = {"manifest": doc, "items": items, "data_size": data_size, "data_bytes": data_bytes,
-                         "manifest_path": mpath, "data_path": dpath}
+        self.ranks[r] = {"manifest": manifest, "items": list(items.values()), "data_size": data_size,
+                         "data_bytes": manifest.data_bytes, "manifest_path": mpath, "data_path": dpath}
+
+    def _compare_with_index(self, r: int, manifest: Manifest, mpath: str, published: int | None) -> None:
+        """The manifest is the rank's proof: it must be the one the index published, and say what the index says."""
+        if published is not None and published != manifest.crc32c:
+            self.problems.add(mpath, f"manifest crc32c {manifest.crc32c} differs from the one metadata.json "
+                                     f"published for rank {r} ({published}): it is not the manifest of this "
+                                     f"checkpoint")
+        if self.index is None or self.index.schema_version < 2:
+            return
+        try:
+            entry = self.index.part(r)
+        except CheckpointError as e:
+            self.problems.add(os.path.join(self.path, fmt.METADATA), str(e))
+            return
+        if not entry.same_record(manifest):
+            self.problems.add(mpath, f"manifest of rank {r} differs from rank {r}'s entry in the index "
+                                     f"(metadata.json)")
 
     # -- views --
     def global_tensors(self) -> dict[str, dict]:
@@ -355,13 +357,12 @@ def verify_data(scan: Scan, threads: int = 4, budget_bytes: int = 256 << 20, req
 def scan_root(root: str, problems: Problems) -> dict:
     root = os.path.normpath(root)
     tracker_path = os.path.join(root, commit.TRACKER)
-    tracker = None
-    if os.path.exists(tracker_path):
-        try:
-            tracker = open(tracker_path).read().strip()
-        except OSError as e:
-            problems.add(tracker_path, f"cannot read: {e.strerror}")
-    latest = commit.read_latest(root)
+    try:
+        found = commit.find_latest(root)
+        tracker, latest = found.tracker, found.iteration
+    except CheckpointError as e:
+        problems.add(tracker_path, str(e))
+        tracker, latest = None, None
     entries = []
     for name in sorted(os.listdir(root)):
         full = os.path.join(root, name)
@@ -382,9 +383,9 @@ def scan_root(root: str, problems: Problems) -> dict:
             e["ranks_done"] = done
         elif commit.is_published(full):
             try:
-                meta = fmt.read_json(os.path.join(full, fmt.METADATA), "metadata")
-                e.update(state="published", world_size=meta.get("world_size"), bytes=meta.get("bytes"),
-                         created_unix=meta.get("created_unix"))
+                index = fmt.read_index(os.path.join(full, fmt.METADATA))
+                e.update(state="published", world_size=index.world_size, bytes=index.bytes,
+                         created_unix=index.created_unix)
             except CheckpointError as err:
                 e["state"] = "published, unreadable metadata"
                 problems.add(os.path.join(full, fmt.METADATA), str(err))
@@ -392,7 +393,7 @@ def scan_root(root: str, problems: Problems) -> dict:
             e["state"] = "UNPUBLISHED (no metadata.json)"
         e["latest"] = it == latest and e["state"] == "published"
         entries.append(e)
-    if tracker is not None and (not tracker.isdigit() or int(tracker) != latest):
+    if tracker is not None and tracker != str(latest):
         problems.warn(tracker_path, f"tracker says {tracker!r} but the latest published iteration is {latest}; "
                                     "loads use the latest published one")
     return {"root": root, "tracker": tracker, "latest": latest, "entries": entries}
@@ -438,12 +439,13 @@ def iteration_report(scan: Scan, verify: bool, threads: int) -> dict:
     tensors = scan.global_tensors()
     scan.check_coverage(tensors)
     objects = scan.objects()
-    report = {"path": scan.path, "published": scan.metadata is not None,
-              "iteration": (scan.metadata or {}).get("iteration", commit.iteration_of(scan.path)),
+    index = scan.index
+    report = {"path": scan.path, "published": index is not None,
+              "iteration": index.iteration if index is not None else commit.iteration_of(scan.path),
               "world_size": scan.world_size, "bytes": sum((r["data_bytes"] for r in scan.ranks.values()), 0),
-              "created_unix": (scan.metadata or {}).get("created_unix"),
+              "created_unix": index.created_unix if index is not None else None,
               "ranks": [{"rank": r, "data_file": info["data_path"], "data_bytes": info["data_bytes"],
-                         "file_bytes": info["data_size"], "direct_io": info["manifest"].get("direct_io"),
+                         "file_bytes": info["data_size"], "direct_io": info["manifest"].direct_io,
                          "items": len(info["items"]),
                          "tensors_written": sum(1 for i in info["items"] if i.kind == "tensor" and i.write),
                          "objects_written": sum(1 for i in info["items"] if i.kind == "object" and i.write),

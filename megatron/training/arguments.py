@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
 
 class ArgumentError(ValueError):
@@ -183,21 +182,9 @@ def _loadable(path: str) -> tuple[bool, str]:
     """Whether --load points at something this trainer can load, and why not."""
     if not os.path.isdir(path):
         return False, f"--load {path!r} does not exist or is not a directory"
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    if re.match(r"^iter_\d{7,}$", os.path.basename(os.path.normpath(path))):
-        return True, ""
-    if not os.path.isfile(tracker):
-        return False, (f"--load {path!r} holds no checkpoint: neither latest_checkpointed_iteration.txt nor an "
-                       "iter_XXXXXXX directory")
-    text = open(tracker).read().strip()
-    if text == "release":
-        return os.path.isdir(os.path.join(path, "release")), f"--load {path!r}: release/ is missing"
-    if not text.isdigit():
-        return False, f"--load {path!r}: latest_checkpointed_iteration.txt holds {text!r}, not an iteration"
-    it_dir = os.path.join(path, f"iter_{int(text):07d}")
-    if not os.path.isdir(it_dir):
-        return False, f"--load {path!r}: latest_checkpointed_iteration.txt names {text} but {it_dir} is missing"
-    return True, ""
+    from datastates import commit  # the one reader of the tracker; imported only when --load is given
+    latest = commit.find_latest(path)
+    return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
 
 
 def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argparse.Namespace:

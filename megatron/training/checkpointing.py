@@ -38,7 +38,6 @@ from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sh
 
 from .optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 
-TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
 log = logging.getLogger(__name__)
@@ -151,21 +150,7 @@ def _state_nbytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-# ----- format detection and the tracker -----
-
-def read_tracker(load_dir: str):
-    """(iteration or 'release', directory) of the latest published checkpoint, or (None, None)."""
-    if os.path.basename(os.path.normpath(load_dir)).startswith("iter_"):
-        return commit.iteration_of(load_dir), os.path.normpath(load_dir)
-    path = os.path.join(load_dir, TRACKER)
-    if not os.path.isfile(path):
-        return None, None
-    text = open(path).read().strip()
-    if text == "release":
-        return "release", os.path.join(load_dir, "release")
-    it = int(text)
-    return it, commit.checkpoint_dir(load_dir, it)
-
+# ----- format detection -----
 
 def detect_format(ckpt_dir: str) -> str:
     meta = os.path.join(ckpt_dir, ds_format.METADATA)
@@ -173,7 +158,8 @@ def detect_format(ckpt_dir: str) -> str:
         return "datastates"  # told apart without reading the index (the engine reads it once, later)
     if os.path.isfile(meta):
         try:
-            doc = json.load(open(meta))
+            with open(meta) as f:
+                doc = json.load(f)
         except (OSError, ValueError):
             doc = {}
         if "sharded_backend" in doc:
@@ -448,7 +434,8 @@ class Checkpointer:
         args = self.args
         if args.load is None:
             return 0, 0
-        iteration, ckpt_dir = read_tracker(args.load)
+        latest = commit.find_latest(args.load)
+        iteration, ckpt_dir = latest.iteration, latest.path
         if self.tier is not None:  # the newest checkpoint every rank can load from memory, if newer than storage's
             local = self.tier.choose(iteration if isinstance(iteration, int) else None)
             if local is not None:

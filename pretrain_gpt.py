@@ -23,7 +23,6 @@ import torch  # noqa: E402
 
 def model_provider(pre_process=True, post_process=True):
     """Build the GPT model of this rank's pipeline stage."""
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig

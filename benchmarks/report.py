@@ -10,7 +10,6 @@ import glob
 import json
 import os
 import platform
-import statistics
 
 LABELS = {
     "torch_save": "torch.save (sync)",

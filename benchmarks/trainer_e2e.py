@@ -46,7 +46,7 @@ def _one(name, extra, iters, ckpt, timeout=600, model_extra=()):
     shutil.rmtree(ckpt, ignore_errors=True)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     first = done = None
-    blocking, tail, ckpts, sums = [], [], [], []
+    tail, ckpts, sums = [], [], []
     t_start = time.time()
     for line in p.stdout:
         now = time.perf_counter()

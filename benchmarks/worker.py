@@ -105,8 +105,6 @@ class _RawRead:
 
 
 def _run(rank, world, cfg):
-    import torch
-    import torch.distributed as dist
 
     import common
     import systems as S

@@ -55,11 +55,12 @@ _STOP = object()
 
 
 class SaveHandle:
-    """One save in flight. `wait()` raises the save's error, if any."""
+    """One save in flight. `wait()` raises the save's error, if any, and the engine never raises it again."""
 
     def __init__(self, path: str):
         self.path = path
         self.error: BaseException | None = None
+        self.delivered = False  # the error was raised to the caller (by this handle's or the engine's wait)
         self.stats: dict[str, Any] = {"blocking_s": 0.0}
         self._snapshot_done = threading.Event()
         self._done = threading.Event()
@@ -79,6 +80,7 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save of {self.path!r} still running after {timeout} s")
         if self.error is not None:
+            self.delivered = True
             raise self.error
         return self.stats
 
@@ -208,12 +210,14 @@ class CheckpointEngine:
             waiting[-1].stats["blocking_s"] += time.perf_counter() - t0
 
     def wait(self) -> list[dict]:
-        """Block until every pending save is durable and published; raise the first failure."""
+        """Block until every pending save is durable and published; raise the first failure not yet raised by
+        its handle's `wait()` (so `close()`, and leaving a `with` block, never repeat an error already seen)."""
         handles, self._pending = self._pending, []
         for h in handles:
             h._done.wait()
         for h in handles:
-            if h.error is not None:
+            if h.error is not None and not h.delivered:
+                h.delivered = True
                 raise h.error
         return [h.stats for h in handles]
 

@@ -10,7 +10,8 @@
 Schema versions: 1 (metadata.json lists each rank's manifest checksum; loading reads every manifest) and 2
 (metadata.json also holds every rank's items: a load reads this one file, never W manifests). Version 2 is
 written; both are read. A manifest and the metadata each carry a crc32c of their own canonical body, so a
-damaged or hand-edited one is refused rather than trusted. Objects are unpickled by a restricted unpickler: a
+damaged or hand-edited one is refused rather than trusted; what passes is parsed into the typed records of
+`schema` (`read_index`, `read_manifest`, `rank_part`). Objects are unpickled by a restricted unpickler: a
 checkpoint cannot run code.
 """
 from __future__ import annotations

@@ -92,7 +92,10 @@ def _rank_dir(node_dir: str, rank: int) -> str:
 def _read_part(path: str) -> bytes:
     """A published part as one buffer: a JSON header naming each file and its length, then the bytes."""
     names = sorted(os.listdir(path))
-    blobs = [open(os.path.join(path, n), "rb").read() for n in names]
+    blobs = []
+    for name in names:
+        with open(os.path.join(path, name), "rb") as f:
+            blobs.append(f.read())
     header = json.dumps([[n, len(b)] for n, b in zip(names, blobs)]).encode()
     return len(header).to_bytes(8, "little") + header + b"".join(blobs)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

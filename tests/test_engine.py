@@ -241,6 +241,23 @@ def test_unpicklable_object_fails_save_and_keeps_previous(tmp_path, engine):
     assert torch.equal(engine.load(str(tmp_path))["w"], torch.full((1000,), 1.0))
 
 
+def test_close_does_not_raise_an_error_the_caller_already_got(tmp_path):
+    """A save fails, the caller catches it from its handle, later saves succeed: leaving the engine is quiet.
+    A failure nobody waited for is still raised, once, by close()."""
+    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+        handle = eng.save({"fn": lambda x: x}, str(tmp_path / "iter_0000001"))
+        with pytest.raises(CheckpointError, match=r"iter_0000001.*not picklable"):
+            handle.wait()
+        for it in (2, 3):
+            eng.save({"w": torch.full((10,), float(it))}, str(tmp_path / f"iter_{it:07d}")).wait()
+    assert commit.read_latest(str(tmp_path)) == 3
+    eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2)
+    eng.save({"fn": lambda x: x}, str(tmp_path / "iter_0000004"))
+    with pytest.raises(CheckpointError, match=r"iter_0000004.*not picklable"):
+        eng.close()
+    eng.close()  # closed: nothing left to report
+
+
 def test_restricted_unpickler_refuses_code(tmp_path, engine):
     class Evil:
         def __reduce__(self):

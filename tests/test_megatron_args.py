@@ -72,6 +72,15 @@ def test_missing_required():
         validate_args(parse_args(argv=BASE[:i] + BASE[i + 2:]), 1, cuda=False)
 
 
+def test_script_defaults_fill_only_flags_left_unset():
+    from megatron.training.initialize import apply_args_defaults
+    args = parse_args(argv=BASE + ["--seq-length", "64"])
+    apply_args_defaults(args, {"seq_length": 128, "vocab_size": 512})
+    assert (args.seq_length, args.vocab_size) == (64, 512)  # the command line wins, as in Megatron-LM
+    with pytest.raises(ArgumentError, match="args_defaults names 'no_such_flag'"):
+        apply_args_defaults(args, {"no_such_flag": 1})
+
+
 def test_megatron_import_is_lazy():
     import sys
     import megatron.training  # noqa: F401

@@ -32,7 +32,10 @@ def test_exact_resume_tp2_dp2(tmp_path, reference):
     first = losses(log1)
     assert sorted(first) == list(range(1, N + 1))
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == str(N)
-    assert "checkpoint iteration" in log1 and "blocking ms" in log1
+    assert "checkpoint iteration" in log1 and "blocking ms" in log1 and "(rank 0)" not in log1
+    for rank in range(4):  # a warning is logged at WARNING: every rank shows it, not rank 0 alone
+        assert re.search(rf"\[rank {rank}\] WARNING \S+: could not find a checkpoint at {re.escape(ck)}", log1), \
+            log1[-3000:]
     _, log2 = torchrun(4, flags + ["--ckpt-read-mode", "parallel"])  # the other resumes here stream
     assert f"at iteration {N}" in log2
     second = losses(log2)

@@ -162,6 +162,13 @@ def _first_item(manifest_path):
     return next(i for i in doc["items"] if i["kind"] == "tensor" and i.get("write", True) and i["nbytes"] > 0)
 
 
+def test_verify_works_without_tqdm(ckpt, monkeypatch, capsys):
+    from tools.inspect_checkpoint import main
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as if the `tools` extra were not installed
+    rc, out, err = run_here(main, [ckpt[0], "--verify"], capsys)
+    assert rc == 0 and "verify: OK" in out, out + err
+
+
 def test_verify_fails_on_a_flipped_byte(ckpt, tmp_path, capsys):
     _, it = copy_iter(ckpt, tmp_path)
     item = _first_item(os.path.join(it, "rank_00001.manifest.json"))

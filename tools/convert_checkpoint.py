@@ -296,7 +296,8 @@ def read_torch_dist(path: str, iteration: int | None) -> Bundle:
     ckpt = resolve_input(path, iteration, "torch_dist")
     meta_path = os.path.join(ckpt, fmt.METADATA)
     try:
-        doc = json.load(open(meta_path))
+        with open(meta_path) as f:
+            doc = json.load(f)
     except FileNotFoundError:
         raise ConvertError(f"{ckpt!r} is not a published torch_dist checkpoint: {meta_path!r} is missing") from None
     except (OSError, ValueError) as e:

@@ -280,16 +280,34 @@ class Scan:
 
 # ----- reading every byte -----
 
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int):
+    """tqdm's bar (off when not a terminal) when the `tools` extra is installed; without tqdm, --verify works
+    the same with no bar."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        log.info("verify: no progress bar (tqdm is not installed: pip install -e '.[tools]')")
+        return _NoProgress()
+    return tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=None)
+
+
 def verify_data(scan: Scan, threads: int = 4, budget_bytes: int = 256 << 20, request_bytes: int = 64 << 20) -> dict:
     """Read every written item of every rank through the native pool and compare each chunk's crc32c.
 
     Each data file is read as one buffered stream, its pages dropped behind (the engine's default read mode, see
     datastates.restore), on `threads` native readers with at most `budget_bytes` of buffers in flight."""
     p = scan.problems
-    from tqdm import tqdm
     pool = _native.IOPool(threads)
     total = sum(it.nbytes for info in scan.ranks.values() for it in info["items"] if it.write)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=None)  # off when not a terminal
+    bar = _progress(total)
     stats = {"bytes_read": 0, "chunks": 0, "seconds": 0.0}
     t0 = time.perf_counter()
     pending: list = []

@@ -1,4 +1,4 @@
-"""Megatron-LM compatible command line flags, plus the checkpoint flags of DESIGN.md.
+"""Megatron-LM compatible command line flags, plus the checkpoint flags (README.md, "Flags").
 
 Only the flags this trainer honours are accepted; a Megatron-LM flag that would silently change nothing here is
 rejected by argparse rather than ignored. `validate_args` checks the whole configuration against the world size

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import random
-import sys
 import time
 
 import numpy as np
@@ -383,7 +382,7 @@ class Checkpointer:
         log.info(f"{'memory ' if tier == 'memory' else ''}checkpoint iteration {iteration:8d} | format: {rec['format']} ({rec['mode']}) | "
                  f"blocking ms: {rec['stall_ms']:.2f} | snapshot ms: {rec['snapshot_ms']:.2f} | "
                  f"time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
-                 f"throughput GB/s: {rec['throughput_gbps']:.3f} (rank 0)")
+                 f"throughput GB/s: {rec['throughput_gbps']:.3f}")
 
     def finalize(self) -> None:
         """Wait until every pending save is durable and published; log them and a cross-rank summary."""
@@ -443,7 +442,7 @@ class Checkpointer:
         if iteration is None:
             if args.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--load {args.load!r}: no checkpoint found")
-            print_rank_0(f"WARNING: could not find a checkpoint at {args.load}; training from scratch")
+            log.warning("could not find a checkpoint at %s; training from scratch", args.load)
             return 0, 0
         fmt = detect_format(ckpt_dir)
         if fmt == "torch":

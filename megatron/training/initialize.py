@@ -12,7 +12,7 @@ import torch
 from datastates.logs import setup_logging
 
 from . import cpu_shim
-from .arguments import parse_args, validate_args
+from .arguments import ArgumentError, parse_args, validate_args
 from .global_vars import set_args
 
 
@@ -20,9 +20,19 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def initialize_megatron(extra_args_provider=None, argv=None):
+def apply_args_defaults(args, defaults: dict | None) -> None:
+    """Megatron-LM's `args_defaults`: a script's own defaults for the flags its command line leaves unset."""
+    for key, value in (defaults or {}).items():
+        if not hasattr(args, key):
+            raise ArgumentError(f"args_defaults names {key!r}, which is not a flag of this trainer")
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None):
     """Parse and validate flags (before any work), then init distributed, model parallel groups and seeds."""
     args = parse_args(extra_args_provider, argv)
+    apply_args_defaults(args, args_defaults)
     validate_args(args, _world_size_from_env())
     cuda = torch.cuda.is_available()
     cpu_shim.install()  # no-op with CUDA

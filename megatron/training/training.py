@@ -5,7 +5,7 @@
         gradient reductions (DP, SP layer norms, tied embedding), clipping, all megatron-core's
         checkpointer.fence()                            <- right before anything saved is mutated
         optimizer.step(); scheduler.step()
-        if i+1 % save_interval == 0: save_checkpoint(i+1)   (returns at once with --async-ckpt)
+        if (i+1) % save_interval == 0: checkpointer.save(i+1)   (returns at once with --async-ckpt)
 
 The objects that train are megatron-core's on every device: DistributedDataParallel, `get_megatron_optimizer`
 (`--use-distributed-optimizer` included) and the `get_forward_backward_func` schedules. On CPU ranks (gloo)
@@ -14,17 +14,21 @@ they run under `cpu_shim.cuda_free()`, the one module that adapts megatron-core'
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.enums import ModelType
 
 from . import cpu_shim
 from .checkpointing import Checkpointer, print_rank_0, print_rank_last
 from .data import MicroBatches, build_dataset
 from .initialize import initialize_megatron, shutdown_distributed
+
+log = logging.getLogger(__name__)
 
 
 # ----- model and optimizer -----
@@ -103,7 +107,7 @@ def train_step(args, model, optimizer, scheduler, forward_step_func, batches, co
         num_microbatches=args.num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
     # The optimizer step below mutates params and optimizer state: the snapshots of pending saves must be
-    # taken. (With --overlap-param-gather the forward pass gathers params too, but save_checkpoint finishes
+    # taken. (With --overlap-param-gather the forward pass gathers params too, but a save finishes
     # that gather before building its state, so the saved params are the saved step's and nothing mutates
     # them before this point.)
     checkpointer.fence()
@@ -160,8 +164,14 @@ def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpo
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None, forward_step_func=None,
              extra_args_provider=None, args_defaults=None, argv=None):
-    """Megatron's entry point: initialize, build, load, train, finish every checkpoint."""
-    args = initialize_megatron(extra_args_provider, argv)
+    """Megatron's entry point: initialize, build, load, train, finish every checkpoint.
+
+    As in Megatron-LM, `args_defaults` are the script's defaults for flags its command line leaves unset;
+    `model_type` may only be the decoder-only ModelType.encoder_or_decoder, the one kind built here."""
+    if model_type not in (None, ModelType.encoder_or_decoder):
+        raise ValueError(f"pretrain: model_type {model_type} is not supported: this trainer builds decoder-only "
+                         "models (ModelType.encoder_or_decoder)")
+    args = initialize_megatron(extra_args_provider, argv, args_defaults)
     with cpu_shim.cuda_free():  # megatron-core's CUDA assumptions, adapted on CPU ranks (a no-op with CUDA)
         return _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func)
 
@@ -178,7 +188,7 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
             if iteration > 0:
                 checkpointer.save(iteration, consumed)
             else:
-                print_rank_0("WARNING: --save-after-load: nothing was loaded at iteration > 0, nothing saved")
+                log.warning("--save-after-load: nothing was loaded at iteration > 0, nothing saved")
         dataset = (train_valid_test_dataset_provider(args) if train_valid_test_dataset_provider
                    else build_dataset(args))
         iteration = train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpointer,

@@ -60,7 +60,8 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
         last_rss = 0.0
         while not stop.is_set():
             try:
-                text = open(tracker).read().strip()
+                with open(tracker) as f:  # the file itself, as an observer sees it change
+                    text = f.read().strip()
                 if text.isdigit() and (not trackers or trackers[-1] != int(text)):
                     trackers.append(int(text))
             except FileNotFoundError:

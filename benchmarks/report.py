@@ -609,7 +609,8 @@ def render(out, results_dir=None, results_md=None, command=None):
             doc.append("")
         notes = os.path.join(out, "notes.md")
         if os.path.exists(notes):
-            doc += ["## Notes", "", open(notes).read()]
+            with open(notes) as f:
+                doc += ["## Notes", "", f.read()]
         with open(results_md, "w") as f:
             f.write("\n".join(doc) + "\n")
     return rs, rat

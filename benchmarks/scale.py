@@ -253,6 +253,15 @@ def run_world(world: int, iters: int = 2, workers: int = 2) -> dict:
     return row
 
 
+def _tracker_text(root: str) -> str | None:
+    """The tracker's text as an observer polls it (this process forks later: it does not import torch)."""
+    try:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
 def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict:
     root = tempfile.mkdtemp(prefix=f"ds-scale-{world}-", dir=os.environ.get("DS_SCALE_DIR"))
     store = _store(0, master=True)
@@ -274,8 +283,7 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict
         p.start()
     for it in range(1, iters + 1):
         store.set(f"go/{it}", "1")
-        while not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt")) or \
-                open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip() != str(it):
+        while _tracker_text(root) != str(it):
             time.sleep(0.01)
     report_times = [t for _ in light for t in queue.get()]
     for p in light:

@@ -55,12 +55,18 @@ def engine():
         yield eng
 
 
-def test_schema_1_checkpoint_loads_and_reshards(tmp_path, engine):
-    whole, state = _state(3)
-    ckpt = str(tmp_path / "iter_0000003")
+def _schema_1_checkpoint(engine, root, step):
+    """(checkpoint directory, the logical tensor, the state) of a save of `step`, rewritten as schema 1."""
+    whole, state = _state(step)
+    ckpt = commit.checkpoint_dir(str(root), step)
     engine.save(state, ckpt)
     engine.wait()
     _as_schema_1(ckpt)
+    return ckpt, whole, state
+
+
+def test_schema_1_checkpoint_loads_and_reshards(tmp_path, engine):
+    ckpt, whole, state = _schema_1_checkpoint(engine, tmp_path, 3)
     assert engine.reader(str(tmp_path)).index.schema_version == 1
     plain = engine.load(str(tmp_path))
     assert torch.equal(plain["w0"], whole[:25]) and torch.equal(plain["local"], state["local"])
@@ -77,11 +83,7 @@ def test_schema_1_checkpoint_loads_and_reshards(tmp_path, engine):
 
 
 def test_schema_1_manifest_not_the_published_one_is_refused(tmp_path, engine):
-    _, state = _state(1)
-    ckpt = str(tmp_path / "iter_0000001")
-    engine.save(state, ckpt)
-    engine.wait()
-    _as_schema_1(ckpt)
+    ckpt, _, _ = _schema_1_checkpoint(engine, tmp_path, 1)
     path = os.path.join(ckpt, fmt.manifest_file(0))
     with open(path) as f:
         doc = json.load(f)

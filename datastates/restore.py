@@ -4,7 +4,8 @@ Everything a load needs to know is in one file, the global index in metadata.jso
 checkpoints are read through their per-rank manifests). Rank-local items are found by id among the same rank's
 items. Global items (shards of a logical tensor) are indexed by name across every rank's items; each target
 shard reads exactly the rows of the saved shards it overlaps, widened to whole checksum chunks so every byte
-read is verified. Only the data files holding wanted bytes are opened. Each is read through the native pool as
+read is verified: the load plan (`load_plan`), computed without I/O and executed here. Only the data files
+holding wanted bytes are opened. Each is read through the native pool as
 one sequential stream (read mode "stream") or with several O_DIRECT reads in flight ("parallel"); a whole item
 streams straight into a contiguous host target, other reads land in the staging slots and are copied out into
 the targets while later reads are in flight.

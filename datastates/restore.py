@@ -78,6 +78,16 @@ class _Read(NamedTuple):
     fresh: int  # bytes of a buffer allocated for this read alone
 
 
+class _Held:
+    """A buffer of its own (for a chunk larger than a slot) and the completions of the copies out of it: the
+    host copy threads read it after its read completed, so it must live until they have landed."""
+
+    __slots__ = ("buffer", "nbytes", "waits")
+
+    def __init__(self, buffer: torch.Tensor, nbytes: int):
+        self.buffer, self.nbytes, self.waits = buffer, nbytes, []
+
+
 class _Reads:
     """One load's reads: submitted to the native pool as soon as known, completed oldest first (verified, then
     placed), so reading, checksum verification (on the pool's threads) and placement all overlap.
@@ -95,7 +105,8 @@ class _Reads:
         self.ahead = 0  # bytes of the pending reads into slots
         self.pending: deque[_Read] = deque()
         self.placed: list[Slot] = []  # slots whose copies out may still be landing
-        self.fresh = 0
+        self.held: list[_Held] = []  # buffers of their own whose copies out may still be landing
+        self.fresh = 0  # bytes of the buffers of their own, pending or held
 
     def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, place=None,
                     slot: Slot | None = None, fresh: int = 0) -> None:
@@ -124,8 +135,11 @@ class _Reads:
     def buffer(self, nbytes: int) -> tuple[torch.Tensor, Slot | None, int]:
         """Memory for a staged read of `nbytes`: a slot when one is big enough, else a buffer of its own."""
         if nbytes > self.pool.slot_bytes:
-            while self.pending and self.fresh + nbytes > self.pool.budget_bytes:
-                self.complete_oldest()
+            while self.fresh + nbytes > self.pool.budget_bytes and (self.pending or self.held):
+                if self.held:
+                    self.release_held()
+                else:
+                    self.complete_oldest()
             self.fresh += nbytes
             return _aligned_empty(nbytes), None, nbytes
         if self.ahead + nbytes > self.window:  # never with nothing pending: a slot fits in the window
@@ -155,7 +169,6 @@ class _Reads:
         if read.slot is not None:
             self.ahead -= read.buffer.numel()
             self.placed.append(read.slot)  # given back after the copies out of it, or after a failure
-        self.fresh -= read.fresh
         try:
             crcs = self.reader.io.wait(read.ticket)
         except OSError as e:
@@ -171,6 +184,16 @@ class _Reads:
             read.place(read.buffer)
         if read.slot is not None:
             self.backend.mark(read.slot)
+        elif read.fresh:  # the copies out of it may read it after this returns: it lives until they landed
+            held = _Held(read.buffer, read.fresh)
+            self.backend.mark(held)
+            self.held.append(held)
+
+    def release_held(self) -> None:
+        held, self.held = self.held, []
+        for buffer in held:
+            self.backend.ready(buffer)
+            self.fresh -= buffer.nbytes
 
     def release_placed(self) -> None:
         placed, self.placed = self.placed, []
@@ -197,6 +220,7 @@ class _Reads:
             self.abort()
             raise
         self.release_placed()
+        self.held = []
 
     def abort(self) -> None:
         """Wait for whatever is still in flight (its memory must outlive it) and give every slot back."""
@@ -214,7 +238,7 @@ class _Reads:
             pass
         for slot in self.placed:
             self.pool.release(slot)
-        self.placed = []
+        self.placed, self.held = [], []
 
 
 class CheckpointReader:

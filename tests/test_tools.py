@@ -186,6 +186,24 @@ def test_verify_fails_on_a_flipped_byte(ckpt, tmp_path, capsys):
     assert "rank_00001.data" in err and "checksum mismatch" in err and item["id"] in err
 
 
+def test_inspect_reports_every_malformed_item_of_a_manifest(ckpt, tmp_path, capsys):
+    """inspect validates manifests as a load does (datastates.schema), and lists every problem, not the first."""
+    from tools.inspect_checkpoint import main
+    _, it = copy_iter(ckpt, tmp_path)
+    path = os.path.join(it, "rank_00001.manifest.json")
+    with open(path) as f:
+        doc = json.load(f)
+    first, second = [i for i in doc["items"] if i["kind"] == "tensor" and i.get("write", True) and i["nbytes"]][:2]
+    first["offset"] = doc["data_bytes"]  # outside the data file
+    second["nbytes"] += 4  # not what its dtype and shape hold
+    body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
+    with open(path, "w") as f:
+        json.dump(dict(body, manifest_crc32c=fmt._body_crc(body)), f)  # re-signed: only validation can tell
+    rc, _, err = run_here(main, [it], capsys)
+    assert rc == 1 and f"item {first['id']!r}" in err and "outside the data file" in err, err
+    assert f"item {second['id']!r}" in err and "does not match" in err, err
+
+
 def test_verify_fails_on_a_truncated_data_file(ckpt, tmp_path, capsys):
     from tools.inspect_checkpoint import main
     _, it = copy_iter(ckpt, tmp_path)

@@ -1,5 +1,6 @@
 """A copy backend that lands every copy late and out of order, standing in for a GPU's side stream in tests of
 the save direction (device state into slots) and of the load direction (slots into the target tensors)."""
+import ctypes
 import random
 import threading
 
@@ -42,12 +43,30 @@ class LateCopyBackend(CopyBackend):
             threading.Event().wait(self.rng.uniform(0, self.max_delay_s))
             with self.cv:
                 dst, src, done = self.pending.pop(self.rng.randrange(len(self.pending)))
-            dst.copy_(src)  # reads the live state now, not at save(): only the fence keeps it unchanged
+            self._put(dst, src)  # reads the live state now, not at save(): only the fence keeps it unchanged
             self.landed += 1
             done.set()
+
+    def _put(self, dst, src):
+        dst.copy_(src)
 
     def close(self):
         with self.cv:
             self.closed = True
             self.cv.notify()
         self.thread.join()
+
+
+class LateAddressCopyBackend(LateCopyBackend):
+    """Late as above, and like the native host copy pool a contiguous copy holds only its source's address, not the
+    tensor: a source freed before its copy lands is read after it was freed. Strided copies are done at once, as
+    there."""
+
+    def copy(self, dst, src, ordering):
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            dst.copy_(src)
+            return
+        super().copy(dst, (src.data_ptr(), src.numel() * src.element_size()), ordering)
+
+    def _put(self, dst, src):
+        ctypes.memmove(dst.data_ptr(), *src)

@@ -17,7 +17,7 @@ from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegi
 from datastates.restore import CheckpointReader
 from datastates.snapshot import HostCopyBackend
 from datastates.staging import StagingPool
-from late_copies import LateCopyBackend
+from late_copies import LateAddressCopyBackend, LateCopyBackend
 
 ROWS, COLS, SPLIT = 600, 500, 300  # one logical tensor, saved as two row blocks
 
@@ -154,6 +154,18 @@ def test_chunks_larger_than_a_slot_read_into_buffers_of_their_own(saved):
     with _reading(path, 64 << 10, HostCopyBackend(2)) as (reader, pool):
         assert pool.slot_bytes < reader.items(0)["w0"].chunk_bytes
         _check(reader.load(0, _template()), whole, local)
+        _all_slots_back(pool)
+
+
+@pytest.mark.parametrize("read_mode", ["stream", "parallel"])
+def test_buffers_of_their_own_live_until_the_copies_out_of_them_landed(saved, read_mode):
+    """Copies out of a buffer of its own (a chunk larger than a slot) that land late and hold only its address,
+    as the native copy pool's do, still find it: it is not freed when its read completes."""
+    path, whole, local = saved
+    with _reading(path, 64 << 10, LateAddressCopyBackend(7), read_mode) as (reader, pool):
+        _check(reader.load(0, _template()), whole, local)
+        out = reader.load(0, _contiguous_template())  # in "parallel", whole items through the buffers too
+        assert torch.equal(out["w0"], whole[:SPLIT]) and torch.equal(out["w1"], whole[SPLIT:])
         _all_slots_back(pool)
 
 

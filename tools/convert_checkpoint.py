@@ -4,6 +4,10 @@
     python tools/convert_checkpoint.py --from datastates --to torch_dist  --input ckpt     --output ckpt_td
     python tools/convert_checkpoint.py --from torch_dist --to datastates  --input ckpt_td  --output ckpt_ds
     python tools/convert_checkpoint.py --from datastates --to safetensors --input ckpt     --output model.safetensors
+    python tools/convert_checkpoint.py --from datastates --to hf          --input ckpt     --output hf_model
+    python tools/convert_checkpoint.py --from hf         --to datastates  --input hf_model --output ckpt_ft
+
+--to hf / --from hf: a transformers model directory (Llama or GPT-2), see docs/huggingface.md.
 
 --input is a save root (its latest published iteration is converted; --iteration N picks another) or an
 iteration directory. A datastates input must be published (metadata.json present, no `.partial`) and complete
@@ -72,9 +76,10 @@ try:
     from tools.inspect_checkpoint import Problems, Scan, UsageError  # noqa: E402
 except ImportError:  # run as a script: tools/ is on sys.path
     from inspect_checkpoint import Problems, Scan, UsageError  # noqa: E402
+from tools.hf import cli as hf_cli  # noqa: E402
 
-FORMATS_IN = ("datastates", "torch_dist")
-FORMATS_OUT = ("datastates", "torch_dist", "safetensors")
+FORMATS_IN = ("datastates", "torch_dist", "hf")
+FORMATS_OUT = ("datastates", "torch_dist", "safetensors", "hf")
 OBJ_NAME_RE = re.compile(r"^(?P<key>.+)@(?P<offset>\d+(?:,\d+)*)$")
 STACK_SEGMENTS = ("layers", "local_experts")
 COMMON_PREFIX = "common:"
@@ -482,6 +487,28 @@ def write_safetensors(bundle: Bundle, output: str, exclude_prefixes: list[str], 
 
 # ----- main -----
 
+def _convert_hf(args) -> int:
+    """--to hf streams the checkpoint out (tools/hf); --from hf reads the model, then a writer above saves it."""
+    try:
+        if args.dst == "hf":
+            hf_cli.export(args, init_megatron)
+            return 0
+        if args.dst not in ("datastates", "torch_dist"):
+            raise ConvertError(f"--from hf writes datastates or torch_dist, not {args.dst}")
+        bundle = Bundle(os.path.normpath(args.input), 0)
+        bundle.tensors, bundle.objects, bundle.object_shapes, bundle.common, flags = hf_cli.read(args)
+        out = (write_datastates(bundle, args.output, args.threads) if args.dst == "datastates"
+               else write_torch_dist(bundle, args.output))
+        print(f"converted {bundle.source} (hf) -> {out} ({args.dst}); fine-tune with: pretrain_gpt.py --finetune "
+              f"--load {args.output} {' '.join(flags)}")
+        return 0
+    except (ConvertError, hf_cli.HFError) as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        close_megatron()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -497,8 +524,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-split-layers", action="store_true",
                     help="--to safetensors: keep layer-stacked tensors whole instead of one tensor per layer")
     ap.add_argument("--threads", type=int, default=4, help="native reader/writer threads [4]")
+    hf_cli.add_arguments(ap)
     args = ap.parse_args(argv)
     setup_logging(rank=0)
+    if "hf" in (args.src, args.dst):
+        return _convert_hf(args)
     try:
         if args.src == "datastates":
             bundle = read_datastates(args.input, args.iteration, args.threads)

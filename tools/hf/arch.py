@@ -1,0 +1,194 @@
+"""Which transformers architecture a run is, read from its saved flags (export) or a config.json (import).
+
+A model is exported only when a transformers class computes exactly what megatron-core computed: every flag
+that changes the computation is checked, and anything else is refused with what differs. The same checks run
+the other way for a config.json, which becomes the pretrain_gpt.py flags of that architecture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import HFError
+
+ROPE_BASE = 10000.0  # megatron-core's RotaryEmbedding default; this trainer has no --rotary-base flag
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The sizes every name mapping and tensor split needs."""
+    arch: str  # "llama" or "gpt2"
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int  # query groups (key/value heads)
+    head_dim: int
+    vocab: int  # the real vocabulary (transformers' vocab_size)
+    bias: bool  # biases on every linear layer
+    tied: bool  # output layer shares the word embedding
+    max_positions: int
+    norm_eps: float
+
+
+# ----- export: saved flags -> geometry -----
+
+def _get(args, name, default=None):
+    return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
+
+
+def _differences(args, wanted: dict) -> list[str]:
+    return [f"{flag} is {_get(args, attr)!r} (needs {need!r})" for flag, (attr, need) in wanted.items()
+            if _get(args, attr) != need]
+
+
+def _llama_differences(args) -> list[str]:
+    return _differences(args, {"--position-embedding-type": ("position_embedding_type", "rope"),
+                               "--rotary-percent": ("rotary_percent", 1.0),
+                               "--normalization": ("normalization", "RMSNorm"),
+                               "--swiglu": ("swiglu", True)})
+
+
+def _gpt2_differences(args) -> list[str]:
+    diffs = _differences(args, {"--position-embedding-type": ("position_embedding_type", "learned_absolute"),
+                                "--normalization": ("normalization", "LayerNorm"),
+                                "--swiglu": ("swiglu", False),
+                                "--disable-bias-linear": ("disable_bias_linear", False)})
+    if _get(args, "group_query_attention") and _get(args, "num_query_groups") != _get(args, "num_attention_heads"):
+        diffs.append("--group-query-attention with fewer query groups than heads (GPT-2 has one key/value head "
+                     "per query head)")
+    kv, h, n = _get(args, "kv_channels"), _get(args, "hidden_size"), _get(args, "num_attention_heads")
+    if kv is not None and kv * n != h:
+        diffs.append(f"--kv-channels {kv} (GPT-2's head size is hidden size / heads = {h // n})")
+    return diffs
+
+
+def _refuse_unsupported(args, where: str) -> None:
+    """Flags of features no exported architecture has (future flags of this trainer included)."""
+    for flag, attr in (("--num-experts", "num_experts"), ("--qk-layernorm", "qk_layernorm"),
+                       ("--rotary-base", "rotary_base")):
+        value = _get(args, attr)
+        if value not in (None, False) and not (attr == "rotary_base" and value == ROPE_BASE):
+            raise HFError(f"{where}: {flag} {value!r} has no exact transformers equivalent in this converter "
+                          f"(see docs/huggingface.md)")
+
+
+def geometry_from_args(args, shapes: dict[str, tuple], where: str) -> Geometry:
+    """The architecture of a checkpoint from its saved flags, checked against its tensors' shapes."""
+    if args is None:
+        raise HFError(f"{where} has no saved `args` (a model-only checkpoint?): its architecture cannot be read "
+                      f"from it; convert a checkpoint written by pretrain_gpt.py or by --from hf")
+    _refuse_unsupported(args, where)
+    llama, gpt2 = _llama_differences(args), _gpt2_differences(args)
+    if llama and gpt2:
+        raise HFError(f"{where}: no transformers architecture computes this model exactly.\n"
+                      f"  Llama (LlamaForCausalLM) differs: {'; '.join(llama)}\n"
+                      f"  GPT-2 (GPT2LMHeadModel) differs: {'; '.join(gpt2)}")
+    heads = _get(args, "num_attention_heads")
+    groups = _get(args, "num_query_groups") if _get(args, "group_query_attention") else heads
+    hidden = _get(args, "hidden_size")
+    fc2 = shapes.get("decoder.layers.mlp.linear_fc2.weight")
+    if fc2 is None or "embedding.word_embeddings.weight" not in shapes:
+        raise HFError(f"{where} lacks the model weights decoder.layers.mlp.linear_fc2.weight / "
+                      f"embedding.word_embeddings.weight (stacked over layers, as megatron-core saves them)")
+    geo = Geometry(arch="llama" if not llama else "gpt2", layers=_get(args, "num_layers"), hidden=hidden,
+                   ffn=fc2[-1], heads=heads, groups=groups, head_dim=_get(args, "kv_channels") or hidden // heads,
+                   vocab=_get(args, "vocab_size"), bias=not _get(args, "disable_bias_linear"),
+                   tied=not _get(args, "untie_embeddings_and_output_weights"),
+                   max_positions=_get(args, "max_position_embeddings") or _get(args, "seq_length"),
+                   norm_eps=_get(args, "norm_epsilon"))
+    _check_shapes(geo, shapes, where)
+    return geo
+
+
+def _check_shapes(geo: Geometry, shapes: dict, where: str) -> None:
+    qkv = shapes.get("decoder.layers.self_attention.linear_qkv.weight")
+    want = (geo.layers, (geo.heads + 2 * geo.groups) * geo.head_dim, geo.hidden)
+    if qkv != want:
+        raise HFError(f"{where}: decoder.layers.self_attention.linear_qkv.weight has shape {qkv}, but the saved "
+                      f"flags (layers, heads, query groups, kv channels, hidden size) make it {want}")
+    if shapes["embedding.word_embeddings.weight"][0] < geo.vocab:
+        raise HFError(f"{where}: the word embedding has fewer rows than --vocab-size {geo.vocab}")
+
+
+# ----- export: geometry -> config.json -----
+
+def hf_config(geo: Geometry, dtype: str) -> dict:
+    """config.json of the transformers model that computes what megatron-core computed."""
+    common = {"vocab_size": geo.vocab, "tie_word_embeddings": geo.tied, "dtype": dtype, "torch_dtype": dtype}
+    if geo.arch == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+                "hidden_size": geo.hidden, "intermediate_size": geo.ffn, "num_hidden_layers": geo.layers,
+                "num_attention_heads": geo.heads, "num_key_value_heads": geo.groups, "head_dim": geo.head_dim,
+                "hidden_act": "silu", "max_position_embeddings": geo.max_positions, "rms_norm_eps": geo.norm_eps,
+                "rope_theta": ROPE_BASE, "rope_scaling": None, "attention_bias": geo.bias, "mlp_bias": geo.bias,
+                "attention_dropout": 0.0}
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+            "n_embd": geo.hidden, "n_inner": geo.ffn, "n_layer": geo.layers, "n_head": geo.heads,
+            "n_positions": geo.max_positions, "layer_norm_epsilon": geo.norm_eps, "activation_function": "gelu",
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+
+
+# ----- import: config.json -> geometry -----
+
+def _require(config: dict, where: str, checks: dict) -> None:
+    bad = [f"{key} is {config.get(key, default)!r} (needs {need!r})" for key, (default, need) in checks.items()
+           if config.get(key, default) != need]
+    if bad:
+        raise HFError(f"{where}: this {config.get('model_type')} model has no exact equivalent in pretrain_gpt.py: "
+                      + "; ".join(bad))
+
+
+def _rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return float(params.get("rope_theta") or config.get("rope_theta") or ROPE_BASE) if kind == "default" else kind
+
+
+def geometry_from_config(config: dict, where: str) -> Geometry:
+    kind = config.get("model_type")
+    if kind == "llama":
+        _require(config, where, {"hidden_act": ("silu", "silu"), "pretraining_tp": (1, 1),
+                                 "partial_rotary_factor": (1.0, 1.0)})
+        if _rope_theta(config) != ROPE_BASE:
+            raise HFError(f"{where}: RoPE {_rope_theta(config)!r} (theta or scaling): pretrain_gpt.py only has "
+                          f"megatron-core's default RoPE, theta {ROPE_BASE:g} without scaling (no --rotary-base)")
+        if config.get("attention_bias", False) != config.get("mlp_bias", False):
+            raise HFError(f"{where}: attention_bias {config.get('attention_bias')} and mlp_bias "
+                          f"{config.get('mlp_bias')} differ; --disable-bias-linear sets both at once")
+        h, n = config["hidden_size"], config["num_attention_heads"]
+        return Geometry("llama", config["num_hidden_layers"], h, config["intermediate_size"], n,
+                        config.get("num_key_value_heads") or n, config.get("head_dim") or h // n,
+                        config["vocab_size"], bool(config.get("attention_bias", False)),
+                        bool(config.get("tie_word_embeddings", False)), config["max_position_embeddings"],
+                        float(config.get("rms_norm_eps", 1e-6)))
+    if kind == "gpt2":
+        _require(config, where, {"activation_function": ("gelu_new", "gelu"),
+                                 "scale_attn_by_inverse_layer_idx": (False, False),
+                                 "scale_attn_weights": (True, True)})
+        h = config["n_embd"]
+        return Geometry("gpt2", config["n_layer"], h, config.get("n_inner") or 4 * h, config["n_head"],
+                        config["n_head"], h // config["n_head"], config["vocab_size"], True,
+                        bool(config.get("tie_word_embeddings", True)), config["n_positions"],
+                        float(config.get("layer_norm_epsilon", 1e-5)))
+    raise HFError(f"{where}: model_type {kind!r} is not supported (llama and gpt2 are; see docs/huggingface.md)")
+
+
+def megatron_flags(geo: Geometry, divisible_by: int) -> list[str]:
+    """The pretrain_gpt.py model flags of this architecture."""
+    flags = ["--num-layers", geo.layers, "--hidden-size", geo.hidden, "--ffn-hidden-size", geo.ffn,
+             "--num-attention-heads", geo.heads, "--max-position-embeddings", geo.max_positions,
+             "--norm-epsilon", geo.norm_eps, "--vocab-size", geo.vocab, "--make-vocab-size-divisible-by",
+             divisible_by]
+    if geo.groups != geo.heads:
+        flags += ["--group-query-attention", "--num-query-groups", geo.groups]
+    if geo.head_dim * geo.heads != geo.hidden:
+        flags += ["--kv-channels", geo.head_dim]
+    if geo.arch == "llama":
+        flags += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]
+    if not geo.bias:
+        flags.append("--disable-bias-linear")
+    if not geo.tied:
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(f) for f in flags]

@@ -1,0 +1,30 @@
+"""The --to hf / --from hf options of tools/convert_checkpoint.py and the calls it dispatches to."""
+from __future__ import annotations
+
+from . import HFError  # noqa: F401 (the dispatcher catches it)
+from .export import DEFAULT_SHARD_BYTES
+
+
+def add_arguments(ap) -> None:
+    g = ap.add_argument_group("Hugging Face (--to hf / --from hf, docs/huggingface.md)")
+    g.add_argument("--tokenizer", metavar="DIR", help="--to hf: copy the tokenizer files of this transformers "
+                                                      "tokenizer directory into the output")
+    g.add_argument("--max-shard-size", type=int, default=DEFAULT_SHARD_BYTES, metavar="BYTES",
+                   help=f"--to hf: safetensors shards of at most BYTES [{DEFAULT_SHARD_BYTES}]")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+                   help="--from hf: pad the vocabulary as pretrain_gpt.py will, to a multiple of N x TP [128]")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
+                   help="--from hf: the TP of the fine-tuning run, for the vocabulary padding [1]")
+
+
+def export(args, init_distributed) -> str:
+    from .export import export as run
+    return run(args.src, args.input, args.output, tokenizer=args.tokenizer, max_shard_bytes=args.max_shard_size,
+               init_distributed=init_distributed)
+
+
+def read(args):
+    from .load_hf import read_hf
+    if args.make_vocab_size_divisible_by < 1 or args.tensor_model_parallel_size < 1:
+        raise HFError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be at least 1")
+    return read_hf(args.input, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)

@@ -1,0 +1,116 @@
+"""A datastates or torch_dist checkpoint -> a directory transformers' from_pretrained loads as it is.
+
+Streamed: one megatron-core tensor (one layer of a layer-stacked one) is read, split into its transformers
+tensors and written before the next is read, so host memory holds about twice the largest such tensor plus the
+engine's staging budget (STAGING_BYTES), never the model. The directory is written under a temporary name and
+renamed when complete; a failure removes it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import HFError
+from .arch import geometry_from_args, hf_config
+from .mapping import Rule, rules_for
+from .source import open_source
+from .writer import OutputDirectory, Planned, ShardedWriter, plan_shards
+
+STAGING_BYTES = 32 << 20
+DEFAULT_SHARD_BYTES = 2 << 30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "vocab.txt", "chat_template.jinja")
+NOT_MODEL = ("optimizer.",)  # where megatron-core and this trainer put optimizer state
+
+log = logging.getLogger("tools.hf.export")
+
+
+def model_tensors(tensors: dict) -> set[str]:
+    return {n for n in tensors if not n.startswith(NOT_MODEL) and not n.endswith("|flat")}
+
+
+def _check_names(rules: list[Rule], present: set[str], where: str, arch: str) -> None:
+    """Every model tensor is mapped and every mapping has its tensor: nothing dropped, nothing made up."""
+    wanted = {r.megatron for r in rules}
+    unknown, missing = sorted(present - wanted), sorted(wanted - present)
+    if unknown:
+        raise HFError(f"{where}: model tensors with no {arch} equivalent (refused rather than dropped): "
+                      f"{', '.join(unknown)}")
+    if missing:
+        raise HFError(f"{where}: the {arch} mapping needs tensors this checkpoint lacks: {', '.join(missing)}")
+
+
+def _units(rules: list[Rule], layers: int):
+    """(rule, layer or None) in the order tensors are read and written."""
+    for rule in rules:
+        for layer in (range(layers) if rule.layered else [None]):
+            yield rule, layer
+
+
+def _plan(rules: list[Rule], tensors: dict, geo) -> list[Planned]:
+    """Each output tensor's name, shape and dtype, from the splits applied to shape-only (meta) tensors."""
+    out = []
+    for rule, layer in _units(rules, geo.layers):
+        shape, dtype = tensors[rule.megatron]
+        meta = torch.empty(shape[1:] if layer is not None else shape, dtype=dtype, device="meta")
+        if rule.vocab:
+            meta = meta[:geo.vocab]
+        out += [Planned(n, tuple(p.shape), dtype) for n, p in zip(rule.names(layer), rule.split(meta))]
+    return out
+
+
+def _copy_tokenizer(out: OutputDirectory, directory: str) -> None:
+    found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
+    if not found:
+        raise HFError(f"--tokenizer {directory!r} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}")
+    for name in found:
+        out.copy_in(os.path.join(directory, name))
+
+
+def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None) -> str:
+    """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format)."""
+    if tokenizer is not None and not os.path.isdir(tokenizer):
+        raise HFError(f"--tokenizer {tokenizer!r} is not a directory")
+    source = open_source(kind, path, STAGING_BYTES, init_distributed)
+    try:
+        tensors = source.tensors
+        geo = geometry_from_args(source.args(), {n: s for n, (s, _) in tensors.items()}, source.path)
+        rules = rules_for(geo)
+        _check_names(rules, model_tensors(tensors), source.path, geo.arch)
+        dtype = tensors["embedding.word_embeddings.weight"][1]
+        planned = _plan(rules, tensors, geo)
+        padding = tensors["embedding.word_embeddings.weight"][0][0] - geo.vocab
+        if padding:
+            log.info("dropping the %d rows Megatron padded the vocabulary with (--vocab-size %d)", padding, geo.vocab)
+        with OutputDirectory(output) as out:
+            out.write_json("config.json", hf_config(geo, str(dtype).replace("torch.", "")))
+            if tokenizer is not None:
+                _copy_tokenizer(out, tokenizer)
+            _write_tensors(source, rules, geo, planned, out.path, max_shard_bytes)
+    finally:
+        source.close()
+    log.info("exported %s (%s, %s) to %s", source.path, kind, geo.arch, output)
+    return os.path.normpath(output)
+
+
+def _write_tensors(source, rules, geo, planned, directory: str, max_shard_bytes: int) -> None:
+    from tqdm import tqdm
+    shards = plan_shards(planned, max_shard_bytes)
+    with tqdm(total=sum(p.nbytes for p in planned), unit="B", unit_scale=True, desc="export",
+              disable=None) as bar:
+        writer = ShardedWriter(directory, shards, bar)
+        try:
+            for rule, layer in _units(rules, geo.layers):
+                t = source.read(rule.megatron, layer)
+                if rule.vocab:
+                    t = t[:geo.vocab]
+                for name, piece in zip(rule.names(layer), rule.split(t)):
+                    writer.write(name, piece)
+                del t
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()

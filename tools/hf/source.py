@@ -1,0 +1,153 @@
+"""A checkpoint's model tensors, read one tensor (or one layer of a layer-stacked tensor) at a time.
+
+datastates checkpoints are checked as the other tools check them (inspect_checkpoint's Scan: published, every
+rank's files, every tensor covered) and read through the engine's public reader, which verifies every chunk's
+crc32c and assembles a box of a global tensor from whichever ranks' shards hold it, within the engine's staging
+budget. torch_dist checkpoints are read through megatron-core's own dist_checkpointing.load, box by box.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from datastates import CheckpointEngine, commit
+from datastates import format as fmt
+from datastates.errors import CheckpointError
+from datastates.plan import dtype_from_name
+from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
+from datastates.restore import resolve_checkpoint
+
+from . import HFError
+
+try:
+    from tools.inspect_checkpoint import Problems, Scan, UsageError
+except ImportError:  # run as a script: tools/ is on sys.path
+    from inspect_checkpoint import Problems, Scan, UsageError
+
+ARGS_OBJECT = "common:args"
+
+
+class _Box:
+    """A box of a global tensor (`dst` at `offset`), or with dst None, the global object `name`."""
+
+    def __init__(self, name, dst=None, global_shape=None, offset=None):
+        self.name, self.dst, self.global_shape, self.offset = name, dst, global_shape, offset
+
+
+class _BoxProvider(StateProvider):
+    def accepts(self, value):
+        return isinstance(value, _Box)
+
+    def flatten(self, value, path, ctx):
+        if value.dst is None:
+            return ctx.add_object(path, None, scope="global", name=value.name)
+        return ctx.add_tensor(path, value.dst, scope="global", name=value.name, global_shape=value.global_shape,
+                              global_offset=value.offset)
+
+
+class DatastatesSource:
+    """name -> (global shape, dtype) of every global tensor, the saved flags, and reads of boxes."""
+
+    def __init__(self, path: str, staging_bytes: int):
+        try:
+            self.path = resolve_checkpoint(path)
+        except CheckpointError as e:
+            raise HFError(f"input {path!r}: {e}") from None
+        problems = Problems()
+        try:
+            scan = Scan(self.path, problems)
+        except UsageError as e:
+            raise HFError(str(e)) from None
+        tensors = scan.global_tensors()
+        scan.check_coverage(tensors)
+        if problems:
+            raise HFError(f"input checkpoint {self.path!r} is unusable:\n" +
+                          "\n".join(f"  {p['file']}: {p['problem']}" for p in problems.items))
+        self.tensors = {n: (t["global_shape"], dtype_from_name(t["dtype"])) for n, t in tensors.items()}
+        registry = ProviderRegistry([_BoxProvider(), ContainerProvider(), TensorProvider(), ObjectProvider()])
+        self.engine = CheckpointEngine(host_buffer_bytes=staging_bytes, writer_threads=1, rank=0, world_size=1,
+                                       registry=registry, read_threads=2)
+        self.reader = self.engine.reader(self.path)
+        self._objects = set(scan.objects()["global"])
+
+    def args(self):
+        if ARGS_OBJECT not in self._objects:
+            return None
+        return self._load({"a": _Box(ARGS_OBJECT)})["a"]
+
+    def read(self, name: str, layer: int | None = None) -> torch.Tensor:
+        """The whole tensor, or layer `layer` of a tensor stacked over layers (first axis)."""
+        shape, dtype = self.tensors[name]
+        if layer is None:
+            return self._load({"t": _Box(name, torch.empty(shape, dtype=dtype), shape, (0,) * len(shape))})["t"]
+        dst = torch.empty((1, *shape[1:]), dtype=dtype)
+        return self._load({"t": _Box(name, dst, shape, (layer,) + (0,) * (len(shape) - 1))})["t"][0]
+
+    def _load(self, template):
+        try:
+            return self.reader.load(0, template)
+        except CheckpointError as e:
+            raise HFError(f"reading {self.path!r} failed: {e}") from None
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def torch_dist_directory(path: str) -> str:
+    """An iteration directory of a torch_dist checkpoint, or a save root's latest one."""
+    path = os.path.normpath(path)
+    if os.path.isfile(os.path.join(path, fmt.METADATA)):
+        return path
+    tracker = os.path.join(path, commit.TRACKER)
+    text = open(tracker).read().strip() if os.path.isfile(tracker) else ""
+    if text.isdigit() and os.path.isfile(os.path.join(commit.checkpoint_dir(path, int(text)), fmt.METADATA)):
+        return commit.checkpoint_dir(path, int(text))
+    raise HFError(f"input {path!r} is neither a torch_dist checkpoint directory (no {fmt.METADATA}) nor a save "
+                  f"root whose {commit.TRACKER} names one")
+
+
+class TorchDistSource:
+    """The same interface over a torch_dist checkpoint (megatron-core's reader; needs a process group)."""
+
+    def __init__(self, path: str, init_distributed):
+        self.path = torch_dist_directory(path)
+        init_distributed()
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import serialization
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        try:
+            meta = serialization.load_sharded_metadata(self.path)
+            self._common = dist_checkpointing.load_common_state_dict(self.path)
+        except Exception as e:  # megatron-core raises many types (CheckpointingException, RuntimeError, OSError)
+            raise HFError(f"reading torch_dist checkpoint {self.path!r} failed: {type(e).__name__}: {e}") from None
+        self.tensors = {sh.key: (tuple(sh.global_shape), sh.dtype) for sh in meta.values()
+                        if isinstance(sh, ShardedTensor)}
+
+    def args(self):
+        return self._common.get("args") if isinstance(self._common, dict) else None
+
+    def read(self, name: str, layer: int | None = None) -> torch.Tensor:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        shape, dtype = self.tensors[name]
+        if layer is None:
+            sh = ShardedTensor.from_rank_offsets(name, torch.empty(shape, dtype=dtype), replica_id=0)
+        else:
+            sh = ShardedTensor.from_rank_offsets(name, torch.empty(shape[1:], dtype=dtype), (0, layer, shape[0]),
+                                                 replica_id=0, prepend_axis_num=1)
+        try:
+            return dist_checkpointing.load({"t": sh}, self.path, validate_access_integrity=False)["t"]
+        except Exception as e:  # noqa: BLE001 (as above)
+            raise HFError(f"reading {name!r} from {self.path!r} failed: {type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        pass
+
+
+def open_source(kind: str, path: str, staging_bytes: int, init_distributed):
+    if not os.path.isdir(path):
+        raise HFError(f"input {path!r} is not a directory")
+    if kind == "datastates":
+        return DatastatesSource(path, staging_bytes)
+    return TorchDistSource(path, init_distributed)

@@ -120,7 +120,9 @@ def hf_config(geo: Geometry, dtype: str) -> dict:
                 "hidden_size": geo.hidden, "intermediate_size": geo.ffn, "num_hidden_layers": geo.layers,
                 "num_attention_heads": geo.heads, "num_key_value_heads": geo.groups, "head_dim": geo.head_dim,
                 "hidden_act": "silu", "max_position_embeddings": geo.max_positions, "rms_norm_eps": geo.norm_eps,
-                "rope_theta": ROPE_BASE, "rope_scaling": None, "attention_bias": geo.bias, "mlp_bias": geo.bias,
+                "rope_theta": ROPE_BASE, "rope_scaling": None,  # transformers 4; 5 reads rope_parameters
+                "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_BASE},
+                "attention_bias": geo.bias, "mlp_bias": geo.bias,
                 "attention_dropout": 0.0}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
             "n_embd": geo.hidden, "n_inner": geo.ffn, "n_layer": geo.layers, "n_head": geo.heads,

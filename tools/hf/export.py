@@ -2,8 +2,8 @@
 
 Streamed: one megatron-core tensor (one layer of a layer-stacked one) is read, split into its transformers
 tensors and written before the next is read, so host memory holds about twice the largest such tensor plus the
-engine's staging budget (STAGING_BYTES), never the model. The directory is written under a temporary name and
-renamed when complete; a failure removes it.
+reader's staging budget (STAGING_BYTES, or 4 x the largest saved chunk when that is more), never the model.
+The directory is written under a temporary name and renamed when complete; a failure removes it.
 """
 from __future__ import annotations
 

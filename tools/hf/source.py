@@ -14,7 +14,7 @@ import torch
 from datastates import CheckpointEngine, commit
 from datastates import format as fmt
 from datastates.errors import CheckpointError
-from datastates.plan import dtype_from_name
+from datastates.plan import ALIGN, dtype_from_name
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
 from datastates.restore import resolve_checkpoint
 
@@ -46,10 +46,18 @@ class _BoxProvider(StateProvider):
                               global_offset=value.offset)
 
 
+def _staging_for(scan: Scan, at_least: int) -> int:
+    """A staging budget whose slots (a quarter of it, with one writer thread) hold the largest saved chunk: the
+    reader stages a box read chunk by chunk, and a chunk larger than a slot would take a buffer of its own,
+    whose release the reader does not order after the copies out of it (see docs/huggingface.md)."""
+    chunk = max((it.chunk_bytes for info in scan.ranks.values() for it in info["items"]), default=0)
+    return max(at_least, 4 * (-(-chunk // ALIGN) * ALIGN))
+
+
 class DatastatesSource:
     """name -> (global shape, dtype) of every global tensor, the saved flags, and reads of boxes."""
 
-    def __init__(self, path: str, staging_bytes: int):
+    def __init__(self, path: str, min_staging_bytes: int):
         try:
             self.path = resolve_checkpoint(path)
         except CheckpointError as e:
@@ -66,10 +74,12 @@ class DatastatesSource:
                           "\n".join(f"  {p['file']}: {p['problem']}" for p in problems.items))
         self.tensors = {n: (t["global_shape"], dtype_from_name(t["dtype"])) for n, t in tensors.items()}
         registry = ProviderRegistry([_BoxProvider(), ContainerProvider(), TensorProvider(), ObjectProvider()])
-        self.engine = CheckpointEngine(host_buffer_bytes=staging_bytes, writer_threads=1, rank=0, world_size=1,
-                                       registry=registry, read_threads=2)
+        self.staging_bytes = _staging_for(scan, min_staging_bytes)
+        self.engine = CheckpointEngine(host_buffer_bytes=self.staging_bytes, writer_threads=1, rank=0,
+                                       world_size=1, registry=registry, read_threads=2)
         self.reader = self.engine.reader(self.path)
         self._objects = set(scan.objects()["global"])
+        self._layer_buffer = None
 
     def args(self):
         if ARGS_OBJECT not in self._objects:
@@ -77,11 +87,15 @@ class DatastatesSource:
         return self._load({"a": _Box(ARGS_OBJECT)})["a"]
 
     def read(self, name: str, layer: int | None = None) -> torch.Tensor:
-        """The whole tensor, or layer `layer` of a tensor stacked over layers (first axis)."""
+        """The whole tensor, or layer `layer` of a tensor stacked over layers (first axis). The layers of one
+        tensor are read into the same buffer: a layer is valid until the next read."""
         shape, dtype = self.tensors[name]
         if layer is None:
             return self._load({"t": _Box(name, torch.empty(shape, dtype=dtype), shape, (0,) * len(shape))})["t"]
-        dst = torch.empty((1, *shape[1:]), dtype=dtype)
+        if self._layer_buffer is None or self._layer_buffer[0] != name:
+            self._layer_buffer = None  # freed before the next is allocated
+            self._layer_buffer = (name, torch.empty((1, *shape[1:]), dtype=dtype))
+        dst = self._layer_buffer[1]
         return self._load({"t": _Box(name, dst, shape, (layer,) + (0,) * (len(shape) - 1))})["t"][0]
 
     def _load(self, template):

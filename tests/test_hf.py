@@ -1,0 +1,202 @@
+"""Hugging Face in and out (tools/hf, `convert_checkpoint.py --to hf / --from hf`), checked by transformers itself.
+
+Tiny models trained with TP2 x PP2 (Llama-style untied with GQA, Llama-style tied with biases, the default GPT as
+GPT-2) are exported and loaded with AutoModelForCausalLM; their logits and loss on the trainer's first
+micro-batch equal megatron-core's (tests/hf_reference.py) in fp32. Models built with transformers go through
+this project and back bit for bit, and one is fine-tuned from: the trainer's first loss is transformers' loss.
+An export of a state larger than its memory budget stays within it (peak RSS), and bad input is refused with
+nothing written.
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_helpers import ROOT, free_port, losses, torchrun
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
+TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data", "--seed", "1234",
+         "--train-iters", "2"]
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "96"]
+ARCHS = {"llama-untied-gqa": LLAMA + ["--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                                      "--group-query-attention", "--num-query-groups", "2"],
+         "llama-tied-bias": LLAMA,
+         "gpt2": []}
+
+
+def _run(script: str, *args: str, check: bool = True) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT,
+               MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert not check or p.returncode == 0, out[-4000:]
+    return p.returncode, out
+
+
+def convert(*args: str, check: bool = True) -> tuple[int, str]:
+    return _run("tools/convert_checkpoint.py", *args, check=check)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """arch -> (save root, model flags) of a TP2 x PP2 run of 2 iterations."""
+    out = {}
+    for arch, flags in ARCHS.items():
+        save = str(tmp_path_factory.mktemp(arch) / "ckpt")
+        torchrun(4, MODEL + flags + TRAIN + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                             "2", "--save", save, "--save-interval", "2"])
+        out[arch] = (save, MODEL + flags)
+    return out
+
+
+def hf_model(directory: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def hf_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        logits = model(tokens).logits
+    return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def hf_tensors(directory: str) -> dict[str, torch.Tensor]:
+    index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(load_file(os.path.join(directory, file)))
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+def no_leftovers(parent: str) -> bool:
+    return not [n for n in os.listdir(parent) if ".partial" in n]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_export_computes_what_megatron_core_computes(trained, tmp_path, arch):
+    save, flags = trained[arch]
+    out = str(tmp_path / "hf")
+    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", out)
+    assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(out)) and no_leftovers(str(tmp_path))
+    ref_path = str(tmp_path / "reference.pt")
+    _run("tests/hf_reference.py", save, ref_path, *flags, *TRAIN)
+    ref = torch.load(ref_path)
+    model = hf_model(out)
+    expected = "GPT2LMHeadModel" if arch == "gpt2" else "LlamaForCausalLM"
+    assert type(model).__name__ == expected
+    logits, loss = hf_loss(model, ref["tokens"], ref["labels"])
+    megatron_logits = ref["logits"][..., :logits.shape[-1]]
+    assert logits.shape == megatron_logits.shape == (2, 32, 128)
+    assert (logits - megatron_logits).abs().max() <= 1e-4 * megatron_logits.abs().max()
+    assert math.isclose(loss.item(), ref["losses"].mean().item(), rel_tol=1e-4)
+
+
+def test_export_from_torch_dist_equals_export_from_datastates(trained, tmp_path):
+    save, _ = trained["llama-untied-gqa"]
+    convert("--from", "datastates", "--to", "torch_dist", "--input", save, "--output", str(tmp_path / "td"))
+    convert("--from", "torch_dist", "--to", "hf", "--input", str(tmp_path / "td"), "--output", str(tmp_path / "a"))
+    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", str(tmp_path / "b"),
+            "--max-shard-size", "40000")
+    assert len(set(json.load(open(tmp_path / "b" / "model.safetensors.index.json"))["weight_map"].values())) > 3
+    assert_bit_equal(hf_tensors(str(tmp_path / "a")), hf_tensors(str(tmp_path / "b")))
+
+
+def tiny_llama(directory: str, vocab: int, seed: int = 0, **overrides) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32, rope_theta=10000.0, tie_word_embeddings=False)
+    LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides})).save_pretrained(directory)
+
+
+def tiny_gpt2(directory: str, **overrides) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(1)
+    cfg = dict(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=32, activation_function="gelu")
+    GPT2LMHeadModel(GPT2Config(**{**cfg, **overrides})).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_round_trip_through_this_project_is_bit_exact(tmp_path, build):
+    source = str(tmp_path / "source")
+    build(source, **({"vocab": 100} if build is tiny_llama else {}))  # 100 rows: padded to 128 on the way
+    convert("--from", "hf", "--to", "datastates", "--input", source, "--output", str(tmp_path / "ckpt"))
+    convert("--from", "datastates", "--to", "hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "back"))
+    original = load_file(os.path.join(source, "model.safetensors"))
+    assert_bit_equal(original, hf_tensors(str(tmp_path / "back")))
+    tokens = torch.arange(64).reshape(2, 32) % 100
+    a, _ = hf_loss(hf_model(source), tokens, tokens)
+    b, _ = hf_loss(hf_model(str(tmp_path / "back")), tokens, tokens)
+    assert torch.equal(a, b)
+
+
+def test_finetune_from_a_transformers_model(tmp_path):
+    source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
+    tiny_llama(source, vocab=128, seed=3, num_hidden_layers=4)
+    _, out = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt,
+                     "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", "2")
+    flags = out.split("fine-tune with: ", 1)[1].split("\n", 1)[0].split()
+    assert flags[:3] == ["pretrain_gpt.py", "--finetune", "--load"]
+    flags = flags[1:] + ["--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *TRAIN,
+                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    _, log = torchrun(4, flags)
+    assert "for fine-tuning from iteration 0" in log, log[-3000:]
+
+    from megatron.training.data import MicroBatches, SyntheticTokens
+    batches = MicroBatches(SyntheticTokens(32, 128, 1234), 2, 0, 1)
+    first = [batches.get(0, m) for m in range(2)]  # global batch 4 = 2 micro-batches of 2
+    tokens = torch.cat([b["tokens"] for b in first])
+    labels = torch.cat([b["labels"] for b in first])
+    _, expected = hf_loss(hf_model(source), tokens, labels)
+    assert math.isclose(float(losses(log)[1]), expected.item(), rel_tol=1e-5), (losses(log), expected.item())
+
+
+MEASURE = """
+import os, sys, resource
+sys.path.insert(0, {root!r})
+import safetensors, tqdm, torch
+from tools import convert_checkpoint
+from tools.hf import export, source, writer
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+base = status("VmRSS:")
+rc = convert_checkpoint.main(sys.argv[1:])
+print("RSS", base, status("VmHWM:"), rc)
+"""
+
+
+def test_export_of_a_state_larger_than_the_budget_stays_within_it(tmp_path):
+    source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
+    tiny_llama(source, vocab=512, hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
+               num_key_value_heads=8, num_hidden_layers=6)
+    state = sum(t.numel() * t.element_size() for t in load_file(os.path.join(source, "model.safetensors")).values())
+    budget = 128 << 20
+    assert state > 2 * budget
+    convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt)
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE.format(root=ROOT))
+    _, out = _run(str(script), "--from", "datastates", "--to", "hf", "--input", ckpt, "--output",
+                  str(tmp_path / "hf"))
+    base, peak, rc = (int(x) for x in out.split("RSS ", 1)[1].split()[:3])
+    assert rc == 0, out[-3000:]
+    assert peak - base < budget, (peak - base, budget, state)
+    assert_bit_equal(load_file(os.path.join(source, "model.safetensors")), hf_tensors(str(tmp_path / "hf")))

@@ -200,3 +200,88 @@ def test_export_of_a_state_larger_than_the_budget_stays_within_it(tmp_path):
     assert rc == 0, out[-3000:]
     assert peak - base < budget, (peak - base, budget, state)
     assert_bit_equal(load_file(os.path.join(source, "model.safetensors")), hf_tensors(str(tmp_path / "hf")))
+
+
+def tiny_tokenizer(directory: str) -> None:
+    """A word-level tokenizer of 128 words, built here (tests never fetch from a hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(127)} | {"[UNK]": 127}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
+
+
+def test_export_carries_the_tokenizer(trained, tmp_path):
+    from transformers import AutoTokenizer
+    tiny_tokenizer(str(tmp_path / "tok"))
+    out = str(tmp_path / "hf")
+    convert("--from", "datastates", "--to", "hf", "--input", trained["gpt2"][0], "--output", out,
+            "--tokenizer", str(tmp_path / "tok"))
+    assert AutoTokenizer.from_pretrained(out)("w5 w7 w126")["input_ids"] == [5, 7, 126]
+    assert hf_model(out).config.vocab_size == 128
+
+
+def _flip_byte_of(ckpt: str, tensor: str) -> None:
+    """Corrupt one byte of the first written shard of `tensor` in its rank's data file."""
+    meta_path = [os.path.join(ckpt, d, "metadata.json") for d in os.listdir(ckpt) if d.startswith("iter_")][0]
+    meta = json.load(open(meta_path))
+    rank, item = next((int(r), it) for r, doc in meta["ranks"].items() for it in doc["items"]
+                      if it.get("name") == tensor and it.get("write", True))
+    data = os.path.join(os.path.dirname(meta_path), f"rank_{rank:05d}.data")
+    with open(data, "r+b") as f:
+        f.seek(item["offset"] + 8)
+        byte = f.read(1)
+        f.seek(item["offset"] + 8)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_failed_export_leaves_nothing_behind(trained, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(trained["llama-untied-gqa"][0], ckpt)
+    _flip_byte_of(ckpt, "output_layer.weight")  # the last tensor read: every shard before it is written
+    out = tmp_path / "out" / "hf"
+    rc, log = convert("--from", "datastates", "--to", "hf", "--input", ckpt, "--output", str(out), check=False)
+    assert rc == 1 and "checksum mismatch" in log and "output_layer.weight" in log, log[-3000:]
+    assert not out.exists() and no_leftovers(str(out.parent))
+
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, log = convert("--from", "datastates", "--to", "hf", "--input", trained["gpt2"][0], "--output", str(out),
+                      check=False)
+    assert rc == 1 and "already exists and is not empty" in log and os.listdir(out) == ["keep.txt"]
+    rc, log = convert("--from", "datastates", "--to", "hf", "--input", trained["gpt2"][0], "--output",
+                      str(tmp_path / "o2"), "--tokenizer", str(tmp_path), check=False)
+    assert rc == 1 and "none of the tokenizer files" in log and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("build, overrides, message", [
+    (tiny_llama, {"vocab": 100, "rope_theta": 500000.0}, "theta 10000 without scaling"),
+    (tiny_llama, {"vocab": 100, "hidden_act": "gelu"}, "hidden_act is 'gelu' (needs 'silu')"),
+    (tiny_gpt2, {"activation_function": "gelu_new"}, "activation_function is 'gelu_new' (needs 'gelu')"),
+], ids=["llama-rope-theta", "llama-gelu", "gpt2-gelu-new"])
+def test_an_import_with_no_exact_equivalent_is_refused(tmp_path, build, overrides, message):
+    build(str(tmp_path / "source"), **overrides)
+    rc, log = convert("--from", "hf", "--to", "datastates", "--input", str(tmp_path / "source"), "--output",
+                      str(tmp_path / "ckpt"), check=False)
+    assert rc == 1 and message in log, log[-3000:]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_export_with_no_exact_equivalent_is_refused():
+    from argparse import Namespace
+    sys.path.insert(0, ROOT)
+    from tools.hf import HFError
+    from tools.hf.arch import geometry_from_args
+    args = Namespace(position_embedding_type="rope", rotary_percent=1.0, normalization="LayerNorm", swiglu=False,
+                     disable_bias_linear=False, group_query_attention=False, num_attention_heads=4, hidden_size=64,
+                     kv_channels=None)
+    with pytest.raises(HFError) as e:
+        geometry_from_args(args, {}, "ckpt")
+    assert "Llama (LlamaForCausalLM) differs: --normalization is 'LayerNorm' (needs 'RMSNorm'); --swiglu is " \
+           "False (needs True)" in str(e.value)
+    assert "GPT-2 (GPT2LMHeadModel) differs: --position-embedding-type is 'rope' (needs 'learned_absolute')" \
+           in str(e.value)
+    with pytest.raises(HFError, match="has no saved `args`"):
+        geometry_from_args(None, {}, "ckpt")
+    with pytest.raises(HFError, match="--num-experts 8 has no exact transformers equivalent"):
+        geometry_from_args(Namespace(**vars(args), num_experts=8), {}, "ckpt")

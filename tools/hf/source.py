@@ -137,23 +137,27 @@ class TorchDistSource:
             raise HFError(f"reading torch_dist checkpoint {self.path!r} failed: {type(e).__name__}: {e}") from None
         self.tensors = {sh.key: (tuple(sh.global_shape), sh.dtype) for sh in meta.values()
                         if isinstance(sh, ShardedTensor)}
+        self._whole = None
 
     def args(self):
         return self._common.get("args") if isinstance(self._common, dict) else None
 
     def read(self, name: str, layer: int | None = None) -> torch.Tensor:
+        """As DatastatesSource.read, but a layer-stacked tensor is read whole (once, kept for its next layers):
+        megatron-core's torch_dist load of one layer's box of it, in a world of one process, fails building
+        PyTorch's sharded-tensor metadata (it counts every layer's fragment as this rank's)."""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        shape, dtype = self.tensors[name]
-        if layer is None:
+        if self._whole is None or self._whole[0] != name:
+            self._whole = None  # freed before the next is read
+            shape, dtype = self.tensors[name]
             sh = ShardedTensor.from_rank_offsets(name, torch.empty(shape, dtype=dtype), replica_id=0)
-        else:
-            sh = ShardedTensor.from_rank_offsets(name, torch.empty(shape[1:], dtype=dtype), (0, layer, shape[0]),
-                                                 replica_id=0, prepend_axis_num=1)
-        try:
-            return dist_checkpointing.load({"t": sh}, self.path, validate_access_integrity=False)["t"]
-        except Exception as e:  # noqa: BLE001 (as above)
-            raise HFError(f"reading {name!r} from {self.path!r} failed: {type(e).__name__}: {e}") from None
+            try:
+                self._whole = (name, dist_checkpointing.load({"t": sh}, self.path,
+                                                             validate_access_integrity=False)["t"])
+            except Exception as e:  # noqa: BLE001 (as above)
+                raise HFError(f"reading {name!r} from {self.path!r} failed: {type(e).__name__}: {e}") from None
+        return self._whole[1] if layer is None else self._whole[1][layer]
 
     def close(self) -> None:
         pass

@@ -490,6 +490,8 @@ def write_safetensors(bundle: Bundle, output: str, exclude_prefixes: list[str], 
 def _convert_hf(args) -> int:
     """--to hf streams the checkpoint out (tools/hf); --from hf reads the model, then a writer above saves it."""
     try:
+        if args.src == args.dst:
+            raise ConvertError("--from hf --to hf: nothing to convert")
         if args.dst == "hf":
             hf_cli.export(args, init_megatron)
             return 0

@@ -14,7 +14,8 @@ import torch
 from datastates import CheckpointEngine, commit
 from datastates import format as fmt
 from datastates.errors import CheckpointError
-from datastates.plan import ALIGN, dtype_from_name
+from datastates.plan import ALIGN
+from datastates.schema import dtype_from_name
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
 from datastates.restore import resolve_checkpoint
 
@@ -113,10 +114,9 @@ def torch_dist_directory(path: str) -> str:
     path = os.path.normpath(path)
     if os.path.isfile(os.path.join(path, fmt.METADATA)):
         return path
-    tracker = os.path.join(path, commit.TRACKER)
-    text = open(tracker).read().strip() if os.path.isfile(tracker) else ""
-    if text.isdigit() and os.path.isfile(os.path.join(commit.checkpoint_dir(path, int(text)), fmt.METADATA)):
-        return commit.checkpoint_dir(path, int(text))
+    latest = commit.find_latest(path)
+    if latest.path is not None and os.path.isfile(os.path.join(latest.path, fmt.METADATA)):
+        return latest.path
     raise HFError(f"input {path!r} is neither a torch_dist checkpoint directory (no {fmt.METADATA}) nor a save "
                   f"root whose {commit.TRACKER} names one")
 

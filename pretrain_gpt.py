@@ -52,10 +52,7 @@ def model_provider(pre_process=True, post_process=True):
         from megatron.training import cpu_shim
         if args.sequence_parallel and cpu_shim.installed():
             spec = cpu_shim.sequence_parallel_local_spec(spec, config)
-    vocab = args.vocab_size
-    mult = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    padded_vocab = (vocab + mult - 1) // mult * mult
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -77,6 +74,7 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(args):
+    """The training set: megatron-core's GPTDataset blend of --data-path (or --mock-data)."""
     from megatron.training.data import build_dataset
     return build_dataset(args)
 

@@ -19,6 +19,7 @@ def main(out_dir: str, init_seed: int, argv: list[str]) -> None:
     from megatron.core import dist_checkpointing
 
     import pretrain_gpt
+    from megatron.training import get_tokenizer
     from megatron.training.data import MicroBatches, build_dataset
     from megatron.training.initialize import initialize_megatron
 
@@ -26,11 +27,11 @@ def main(out_dir: str, init_seed: int, argv: list[str]) -> None:
     torch.manual_seed(init_seed)
     model = pretrain_gpt.model_provider()
     model.train()  # as the trainer's first iteration (run with dropout 0 to compare)
-    batches = MicroBatches(build_dataset(args), args.micro_batch_size, 0, 1)
+    batches = MicroBatches(build_dataset(args), 0, args.micro_batch_size, 0, 1, vocab_size=get_tokenizer().vocab_size)
     losses = []
     with torch.no_grad():
         for m in range(args.num_microbatches):
-            output, loss_func = pretrain_gpt.forward_step(iter([batches.get(0, m)]), model)
+            output, loss_func = pretrain_gpt.forward_step(batches, model)
             losses.append(loss_func(output)[1]["lm loss"])
     os.makedirs(out_dir)
     dist_checkpointing.save(model.sharded_state_dict(), out_dir)

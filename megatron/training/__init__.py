@@ -2,7 +2,7 @@
 
 `pretrain` is imported lazily so that `megatron.training.arguments` stays cheap to import (no megatron-core).
 """
-from .global_vars import get_args  # noqa: F401
+from .global_vars import get_args, get_tokenizer  # noqa: F401
 
 
 def pretrain(*args, **kwargs):

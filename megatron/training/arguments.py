@@ -16,6 +16,7 @@ class ArgumentError(ValueError):
 
 
 CKPT_FORMATS = ("datastates", "torch_dist", "torch")
+DEFAULT_SPLIT = "969, 30, 1"  # upstream's --split when --data-path is given
 
 
 def _add_model_args(p):
@@ -30,7 +31,7 @@ def _add_model_args(p):
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size of the synthetic data / a pre-tokenized data set")
+                   help="NullTokenizer's vocabulary (pre-tokenized data); default 128 with --mock-data")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--rotary-percent", type=float, default=1.0)
@@ -65,15 +66,24 @@ def _add_training_args(p):
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None, help="iteration-based run (or --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="sample-based run: train on this many samples (LR schedule in samples)")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None, metavar="START INCREMENT SAMPLES",
+                   help="with --train-samples: start at START, grow by INCREMENT up to --global-batch-size "
+                        "over SAMPLES samples (megatron-core's num-microbatches calculator)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit (after saving when --save is set) once the iteration is a multiple of this")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
                    default="linear")
-    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="default --train-samples")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay length (instead of --lr-warmup-iters/-samples)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -89,15 +99,28 @@ def _add_training_args(p):
 
 
 def _add_data_args(p):
+    from .tokenizer import TOKENIZER_TYPES
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
-                   help="deterministic synthetic token stream (the default when no --data-path is given)")
+                   help="deterministic synthetic token stream (the default when no data path is given)")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="prefix of a megatron indexed data set (<prefix>.bin/.idx), pre-tokenized")
-    g.add_argument("--split", type=str, default=None, help="accepted for compatibility; all data is training data")
-    g.add_argument("--tokenizer-type", type=str, default="NullTokenizer",
-                   help="only NullTokenizer (pre-tokenized data) is used by this trainer")
-    g.add_argument("--num-workers", type=int, default=0)
+                   help="a megatron indexed data set prefix (<prefix>.bin/.idx), or a blend: WEIGHT PREFIX ...")
+    g.add_argument("--split", type=str, default=None,
+                   help="train,valid,test proportions of the documents of --data-path [969, 30, 1]")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own prefix or blend (instead of --data-path and --split)")
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="where the data sets' index caches go [a cache/ directory beside each data set]")
+    g.add_argument("--num-dataset-builder-threads", type=int, default=1)
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read the .bin files with reads instead of mmap")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="NullTokenizer")
+    g.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer's vocab.json")
+    g.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer's merges.txt")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="a SentencePiece model file, or a local HuggingFace tokenizer directory")
+    g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes per rank")
 
 
 def _add_checkpoint_args(p):
@@ -196,11 +219,10 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         import torch
         cuda = torch.cuda.is_available()
     args.world_size = world_size
-    _require(args, "num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size",
-             "train-iters", "lr")
+    _require(args, "num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size", "lr")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(args, name) <= 0:
+                 "train_iters", "train_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
@@ -233,29 +255,16 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
                             f"{mbs} x data-parallel size {dp} = {mbs * dp}")
     args.num_microbatches = args.global_batch_size // (mbs * dp)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
-                            f"{args.lr_decay_iters}")
+    from .schedules import validate_schedule
+    try:
+        validate_schedule(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     if args.eval_iters:
         raise ArgumentError("--eval-iters > 0: this trainer has no evaluation loop; pass --eval-iters 0")
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
-    if args.vocab_size is None and not args.data_path:
-        args.vocab_size = 128
-    if args.data_path and args.mock_data:
-        raise ArgumentError("--mock-data and --data-path are mutually exclusive")
-    if args.tokenizer_type not in ("NullTokenizer",):
-        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: only NullTokenizer (pre-tokenized data with "
-                            "--vocab-size) is supported by this trainer")
-    if args.data_path:
-        if args.vocab_size is None:
-            raise ArgumentError("--data-path needs --vocab-size (pre-tokenized data, NullTokenizer)")
-        for prefix in args.data_path:
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise ArgumentError(f"--data-path {prefix!r}: {prefix + ext} does not exist")
+    _validate_data(args)
     # Checkpointing.
     if args.save_interval is not None and args.save_interval <= 0:
         raise ArgumentError(f"--save-interval must be positive, got {args.save_interval}")
@@ -334,6 +343,35 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     return args
+
+
+def _validate_data(args) -> None:
+    """Mock data or data paths (not both), --split only with --data-path, and the tokenizer's flags."""
+    from .tokenizer import TokenizerArgumentError, check_tokenizer_args
+    per_split = [p for p in (args.train_data_path, args.valid_data_path, args.test_data_path) if p]
+    if args.data_path and per_split:
+        raise ArgumentError("--data-path and --train/valid/test-data-path are exclusive: give one")
+    if per_split and not args.train_data_path:
+        raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (the data to train on)")
+    if per_split and args.split is not None:
+        raise ArgumentError("--split divides --data-path; with --train/valid/test-data-path each split has its "
+                            "own data: drop --split")
+    if args.mock_data and (args.data_path or per_split):
+        raise ArgumentError("--mock-data and a data path are mutually exclusive")
+    if not (args.data_path or per_split):
+        args.mock_data = True
+        if args.split is not None or args.data_cache_path is not None:
+            raise ArgumentError("--split and --data-cache-path apply to --data-path; --mock-data has neither")
+        if args.vocab_size is None and args.tokenizer_type == "NullTokenizer":
+            args.vocab_size = 128
+    elif args.data_path and args.split is None:
+        args.split = DEFAULT_SPLIT
+    if args.num_workers < 0 or args.num_dataset_builder_threads < 1:
+        raise ArgumentError("--num-workers must be >= 0 and --num-dataset-builder-threads >= 1")
+    try:
+        check_tokenizer_args(args)
+    except TokenizerArgumentError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def _te_importable() -> bool:

@@ -1,112 +1,147 @@
-"""Training data: a deterministic synthetic token stream, or megatron-core's indexed data sets.
+"""Training data: megatron-core's `GPTDataset`s (blended by `BlendedMegatronDatasetBuilder`), or `--mock-data`.
 
-Both are random-access by global sample index, so the data order is a pure function of (seed, sample index)
-and resuming at `consumed_samples` continues from the exact next sample. The batch layout is Megatron's
-(MegatronPretrainingSampler): iteration with `consumed` samples so far reads samples
-consumed + m * (mbs * dp) + dp_rank * mbs + [0, mbs) for micro-batch m.
+Both are random-access by global sample index and deterministic in their configuration, so the sample order is
+a pure function of (flags, sample index) and resuming at the checkpoint's `consumed_samples` continues from the
+exact next sample, blends included. The batch order is Megatron's MegatronPretrainingSampler: the micro-batch
+read after `consumed` samples on DP rank r holds samples consumed + r * mbs + [0, mbs); the next one starts
+mbs * dp samples later. A ramped batch size only changes how many micro-batches an iteration takes.
 """
 from __future__ import annotations
 
-import numpy as np
+import os
+
 import torch
 
-
 class SyntheticTokens:
-    """Sample i: an arithmetic progression modulo the vocabulary, start and stride drawn from (seed, i).
-
-    Learnable (the loss goes down visibly within tens of iterations) and deterministic without any state.
-    """
+    """--mock-data: sample i is an arithmetic progression modulo the vocabulary, start and stride drawn from
+    (seed, i). Learnable (the loss goes down visibly within tens of iterations) and deterministic without state."""
 
     def __init__(self, seq_length: int, vocab_size: int, seed: int):
         self.seq_length = seq_length
         self.vocab_size = vocab_size
         self.seed = seed
 
-    def __getitem__(self, idx: int) -> torch.Tensor:
+    def __getitem__(self, idx: int) -> dict:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + int(idx)) % (2 ** 63))
         start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
         stride = int(torch.randint(1, 8, (1,), generator=g))
-        return (start + stride * torch.arange(self.seq_length + 1, dtype=torch.int64)) % self.vocab_size
+        seq = (start + stride * torch.arange(self.seq_length + 1, dtype=torch.int64)) % self.vocab_size
+        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": torch.ones(self.seq_length),
+                "position_ids": torch.arange(self.seq_length, dtype=torch.int64)}
 
 
-class IndexedTokens:
-    """Fixed-length windows of seq_length+1 tokens over the concatenated documents of megatron indexed data sets.
+# ----- megatron-core's data sets -----
 
-    Windows are visited in a seeded permutation per epoch. Reads go through megatron-core's `IndexedDataset`.
-    """
-
-    def __init__(self, prefixes: list[str], seq_length: int, vocab_size: int, seed: int):
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-        self.datasets = [IndexedDataset(p) for p in prefixes]
-        self.seq_length = seq_length
-        self.vocab_size = vocab_size
-        self.seed = seed
-        lengths = np.concatenate([np.asarray(d.sequence_lengths, dtype=np.int64) for d in self.datasets])
-        self.owner = np.concatenate([np.full(len(d.sequence_lengths), i) for i, d in enumerate(self.datasets)])
-        self.local = np.concatenate([np.arange(len(d.sequence_lengths)) for d in self.datasets])
-        self.starts = np.concatenate([[0], np.cumsum(lengths)])
-        self.total = int(self.starts[-1])
-        self.num_windows = (self.total - 1) // seq_length
-        if self.num_windows < 1:
-            raise ValueError(f"data set {prefixes} holds {self.total} tokens: fewer than one sequence of "
-                             f"{seq_length + 1}")
-        self._perm_epoch = -1
-        self._perm = None
-
-    def _tokens(self, begin: int, end: int) -> np.ndarray:
-        out = []
-        seq = int(np.searchsorted(self.starts, begin, side="right") - 1)
-        while begin < end:
-            seq_end = int(self.starts[seq + 1])
-            take = min(end, seq_end) - begin
-            if take > 0:
-                ds = self.datasets[int(self.owner[seq])]
-                out.append(np.asarray(ds.get(int(self.local[seq]), offset=begin - int(self.starts[seq]),
-                                             length=take), dtype=np.int64))
-            begin += max(take, 0)
-            seq += 1
-        return np.concatenate(out)
-
-    def __getitem__(self, idx: int) -> torch.Tensor:
-        epoch, i = divmod(int(idx), self.num_windows)
-        if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(self.num_windows, generator=g)
-            self._perm_epoch = epoch
-        w = int(self._perm[i])
-        toks = torch.from_numpy(self._tokens(w * self.seq_length, w * self.seq_length + self.seq_length + 1))
-        if int(toks.max()) >= self.vocab_size:
-            raise ValueError(f"token id {int(toks.max())} >= --vocab-size {self.vocab_size}")
-        return toks
+def _blend(paths):
+    from megatron.core.datasets.utils import get_blend_from_list
+    return get_blend_from_list(paths) if paths else None
 
 
-def build_dataset(args):
+def blends(args):
+    """(blend, blend_per_split) of megatron-core's config from --data-path or --{train,valid,test}-data-path."""
     if args.data_path:
-        return IndexedTokens(args.data_path, args.seq_length, args.vocab_size, args.seed)
-    return SyntheticTokens(args.seq_length, args.vocab_size, args.seed)
+        return _blend(args.data_path), None
+    per_split = [_blend(p) for p in (args.train_data_path, args.valid_data_path, args.test_data_path)]
+    return None, per_split if any(per_split) else None
+
+
+def check_data_paths(args) -> None:
+    """Every prefix of every blend has its .bin and .idx, and every weight is positive (named when not)."""
+    blend, per_split = blends(args)
+    named = [("--data-path", blend)] + [(f"--{s}-data-path", b) for s, b in
+                                        zip(("train", "valid", "test"), per_split or []) if b]
+    for flag, (prefixes, weights) in [(f, b) for f, b in named if b]:
+        for prefix in prefixes:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    hint = (" (a blend is WEIGHT PREFIX pairs: every weight a number)"
+                            if len(prefixes) > 1 and weights is None else "")
+                    raise ValueError(f"{flag}: {prefix + ext} does not exist{hint}")
+        if weights is not None and any(w <= 0 for w in weights):
+            raise ValueError(f"{flag}: weights must be positive, got {weights}")
+
+
+def gpt_dataset_config(args, tokenizer):
+    """megatron-core's GPTDatasetConfig from the flags, as upstream's pretrain_gpt.py builds it."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    blend, per_split = blends(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=per_split,
+        split=args.split if per_split is None else None, path_to_cache=args.data_cache_path,
+        num_dataset_builder_threads=args.num_dataset_builder_threads, mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False)
+
+
+def split_sizes(args) -> list[int]:
+    """Samples wanted from the train, validation and test splits (no evaluation loop here: 0 for the others)."""
+    return [args.train_samples or args.train_iters * args.global_batch_size, 0, 0]
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid, test): megatron-core's GPTDatasets (or blends of them) with --data-path and its kin, else
+    the synthetic --mock-data stream as the training set. Every rank builds them (rank 0 first, writing the
+    index cache); each reads its own micro-batches."""
+    if args.mock_data:
+        return SyntheticTokens(args.seq_length, tokenizer.vocab_size, args.seed), None, None
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    return tuple(BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(args), lambda: True,
+                                               gpt_dataset_config(args, tokenizer)).build())
+
+
+def build_dataset(args, tokenizer=None):
+    """The training set alone (the tokenizer of the flags unless given)."""
+    if tokenizer is None:
+        from .global_vars import get_tokenizer
+        tokenizer = get_tokenizer()
+    return build_datasets(args, tokenizer)[0]
+
+
+# ----- batches -----
+
+class RankSampler(torch.utils.data.Sampler):
+    """This DP rank's micro-batches of sample indices from `consumed` on (MegatronPretrainingSampler's order)."""
+
+    def __init__(self, total: int | None, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.total, self.consumed = total, consumed
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self):
+        first = self.consumed
+        while self.total is None or first + self.mbs * self.dp_size <= self.total:
+            yield list(range(first + self.dp_rank * self.mbs, first + (self.dp_rank + 1) * self.mbs))
+            first += self.mbs * self.dp_size
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack the samples; one causal attention mask (True = masked) shared by every sample."""
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in
+             ("tokens", "labels", "loss_mask", "position_ids")}
+    s = batch["tokens"].shape[1]
+    batch["attention_mask"] = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    return batch
 
 
 class MicroBatches:
-    """The micro-batches of this DP rank for one iteration, given the samples consumed before it."""
+    """Iterator of this DP rank's micro-batches from `consumed` samples on, on `device`; a token outside the
+    tokenizer's vocabulary (data preprocessed with another tokenizer) stops the run naming it."""
 
-    def __init__(self, dataset, micro_batch_size: int, dp_rank: int, dp_size: int, device="cpu"):
-        self.dataset = dataset
-        self.mbs = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.device = device
-        self._mask_cache = {}
+    def __init__(self, dataset, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int, *,
+                 vocab_size: int, num_workers: int = 0, device="cpu"):
+        total = len(dataset) if hasattr(dataset, "__len__") else None
+        sampler = RankSampler(total, consumed, micro_batch_size, dp_rank, dp_size)
+        self.loader = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                                       collate_fn=collate, persistent_workers=num_workers > 0))
+        self.vocab_size, self.device = vocab_size, device
 
-    def get(self, consumed: int, micro: int) -> dict:
-        first = consumed + micro * self.mbs * self.dp_size + self.dp_rank * self.mbs
-        seqs = torch.stack([self.dataset[first + j] for j in range(self.mbs)])
-        tokens = seqs[:, :-1].contiguous()
-        labels = seqs[:, 1:].contiguous()
-        s = tokens.shape[1]
-        if s not in self._mask_cache:
-            self._mask_cache[s] = (torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1),
-                                   torch.arange(s, dtype=torch.int64).unsqueeze(0))
-        mask, pos = self._mask_cache[s]
-        batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(tokens.shape, dtype=torch.float32),
-                 "attention_mask": mask, "position_ids": pos.expand(self.mbs, -1)}
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.loader)
+        top = int(batch["tokens"].max())
+        if top >= self.vocab_size:
+            raise ValueError(f"token id {top} in the data is outside the tokenizer's vocabulary of "
+                             f"{self.vocab_size}: was the data preprocessed with another tokenizer?")
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

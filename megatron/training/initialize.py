@@ -13,7 +13,7 @@ from datastates.logs import setup_logging
 
 from . import cpu_shim
 from .arguments import ArgumentError, parse_args, validate_args
-from .global_vars import set_args
+from .global_vars import set_args, set_tokenizer
 
 
 def _world_size_from_env() -> int:
@@ -34,6 +34,7 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     args = parse_args(extra_args_provider, argv)
     apply_args_defaults(args, args_defaults)
     validate_args(args, _world_size_from_env())
+    set_tokenizer(setup_data_and_schedule(args, int(os.environ.get("RANK", "0"))))
     cuda = torch.cuda.is_available()
     cpu_shim.install()  # no-op with CUDA
     rank = int(os.environ.get("RANK", "0"))
@@ -57,13 +58,35 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     return args
 
 
+def setup_data_and_schedule(args, rank: int):
+    """What the flags imply before any work: the tokenizer and the padded vocabulary (upstream's rule), the data
+    paths checked, the num-microbatches calculator and, for --train-samples, the number of iterations. Returns
+    the tokenizer; a bad data path stops here with ArgumentError."""
+    from .data import check_data_paths
+    from .schedules import init_microbatches, train_iters_for_samples
+    from .tokenizer import build_tokenizer, padded_vocab_size
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    try:
+        check_data_paths(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    init_microbatches(args, rank)
+    if args.train_samples is not None:
+        args.train_iters = train_iters_for_samples(args)
+    return tokenizer
+
+
 def shutdown_distributed(args) -> None:
     """Destroy megatron-core's groups and, when `initialize_megatron` created it, the process group: gloo's
     worker threads can still hold finished async work (pipeline isend/irecv, coalesced collectives) whose
     destruction during interpreter finalization aborts the process ("terminate called without an active
     exception")."""
     from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
     ps.destroy_model_parallel()
+    destroy_num_microbatches_calculator()
     if getattr(args, "owns_process_group", False) and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -26,6 +26,8 @@ from megatron.core.enums import ModelType
 from . import cpu_shim
 from .checkpointing import Checkpointer, print_rank_0, print_rank_last
 from .data import MicroBatches, build_dataset
+from .global_vars import get_tokenizer
+from .schedules import batch_at, scheduler_steps
 from .initialize import initialize_megatron, shutdown_distributed
 
 log = logging.getLogger(__name__)
@@ -34,13 +36,14 @@ log = logging.getLogger(__name__)
 # ----- model and optimizer -----
 
 def build_scheduler(args, optimizer):
+    """megatron-core's OptimizerParamScheduler, stepped by the samples of each iteration (see schedules)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    gbs = args.global_batch_size
+    warmup, decay, total = scheduler_steps(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=warmup, lr_decay_steps=decay,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
+        wd_incr_steps=total, wd_incr_style="constant")
 
 
 def setup_model_and_optimizer(args, model_provider):
@@ -97,14 +100,15 @@ def _reduce_losses(args, reported):
     return out
 
 
-def train_step(args, model, optimizer, scheduler, forward_step_func, batches, consumed, checkpointer):
+def train_step(args, model, optimizer, scheduler, forward_step_func, batches, num_microbatches, checkpointer):
+    """One iteration of `num_microbatches` micro-batches from `batches`; returns (losses, grad norm, stepped)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     model.zero_grad_buffer()  # gradients are not part of the checkpoint
     optimizer.zero_grad()
-    data = iter([batches.get(consumed, m) for m in range(args.num_microbatches)])
+    data = iter([next(batches) for _ in range(num_microbatches)])
     reported = get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data, model=[model],
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
     # The optimizer step below mutates params and optimizer state: the snapshots of pending saves must be
     # taken. (With --overlap-param-gather the forward pass gathers params too, but a save finishes
@@ -112,25 +116,27 @@ def train_step(args, model, optimizer, scheduler, forward_step_func, batches, co
     # them before this point.)
     checkpointer.fence()
     ok, grad_norm, _ = optimizer.step()
-    if ok:
-        scheduler.step(increment=args.global_batch_size)
-    return _reduce_losses(args, reported if ps.is_pipeline_last_stage() else []), grad_norm or 0.0
+    return _reduce_losses(args, reported if ps.is_pipeline_last_stage() else []), grad_norm or 0.0, ok
 
 
 # ----- loop -----
 
 def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpointer, iteration, consumed):
-    batches = MicroBatches(dataset, args.micro_batch_size, ps.get_data_parallel_rank(),
-                           ps.get_data_parallel_world_size(), device=args.device)
+    batches = MicroBatches(dataset, consumed, args.micro_batch_size, ps.get_data_parallel_rank(),
+                           ps.get_data_parallel_world_size(), vocab_size=get_tokenizer().vocab_size,
+                           num_workers=args.num_workers, device=args.device)
     model.train()
     saved_last = None
     start = iteration
     t_last = time.perf_counter()
     while iteration < args.train_iters:
-        losses, grad_norm = train_step(args, model, optimizer, scheduler, forward_step_func, batches, consumed,
-                                 checkpointer)
+        gbs, num_microbatches = batch_at(consumed)  # the ramp's batch size after `consumed` samples
+        losses, grad_norm, stepped = train_step(args, model, optimizer, scheduler, forward_step_func, batches,
+                                                num_microbatches, checkpointer)
+        if stepped:
+            scheduler.step(increment=gbs)
         iteration += 1
-        consumed += args.global_batch_size
+        consumed += gbs
         if iteration % args.log_interval == 0:
             now = time.perf_counter()
             elapsed = (now - t_last) * 1e3 / args.log_interval
@@ -138,7 +144,7 @@ def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpo
             lr = optimizer.param_groups[0]["lr"]
             line = (f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
                     f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {elapsed:.1f} |"
-                    f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |")
+                    f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |")
             for k, v in losses.items():
                 line += f" {k}: {v!r} |"
             line += f" grad norm: {grad_norm:.6f} |"
@@ -179,7 +185,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None,
 def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func):
     print_rank_0(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size}, "
                  f"pipeline-parallel {args.pipeline_model_parallel_size}, data-parallel {args.data_parallel_size}, "
-                 f"{args.num_microbatches} micro-batch(es) per iteration, device {args.device}")
+                 f"{args.num_microbatches} micro-batch(es) per iteration"
+                 f"{' at the end of the batch-size ramp' if args.rampup_batch_size else ''}, device {args.device}")
     gpt, model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider)
     checkpointer = Checkpointer(args, gpt, optimizer, scheduler, ddp=model)
     try:

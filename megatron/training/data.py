@@ -131,8 +131,11 @@ class MicroBatches:
                  vocab_size: int, num_workers: int = 0, device="cpu"):
         total = len(dataset) if hasattr(dataset, "__len__") else None
         sampler = RankSampler(total, consumed, micro_batch_size, dp_rank, dp_size)
+        # its own generator: a loader seeds its workers from the global torch RNG otherwise, and a draw from it
+        # here (after a resume restored it, but before training in a straight run) would shift the dropout masks
         self.loader = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                                       collate_fn=collate, persistent_workers=num_workers > 0))
+                                                       collate_fn=collate, persistent_workers=num_workers > 0,
+                                                       generator=torch.Generator().manual_seed(0)))
         self.vocab_size, self.device = vocab_size, device
 
     def __iter__(self):

@@ -157,6 +157,10 @@ def test_weighted_data_path_is_a_blend(tmp_path, tokenizers):
     args = args_of(["--train-iters", "4", "--data-path", "0.3", prefixes[0], "0.7", prefixes[1],
                     "--tokenizer-type", "GPT2BPETokenizer", *tokenizers["GPT2BPETokenizer"]])
     assert blends(args) == ((prefixes, [0.3, 0.7]), None) and args.split == "969, 30, 1"
+    # upstream's split gives 10 documents no validation document: megatron-core would loop forever building it
+    with pytest.raises(ValueError, match=f"leaves the validation split of {prefixes[0]} empty"):
+        check_data_paths(args)
+    args.split = "8,2,0"
     check_data_paths(args)
     args.data_path[3] = str(tmp_path / "c")
     with pytest.raises(ValueError, match=f"--data-path: {tmp_path / 'c'}.bin does not exist"):

@@ -82,7 +82,7 @@ def test_batch_size_ramp_resumes_exactly(tmp_path, workers):
     a, _ = corpus(tmp_path, tok)
     # 100 samples, batch 4 -> 16 in steps of 4 over 48 samples, LR warmup and decay in samples
     flags = MODEL + tok + ["--global-batch-size", "16", "--train-samples", "100", "--rampup-batch-size", "4", "4",
-                           "48", "--lr-warmup-fraction", "0.1", "--lr-decay-samples", "90", "--data-path", a,
+                           "48", "--lr-warmup-fraction", "0.1", "--lr-decay-samples", "90", "--data-path", a, "--split", "95,5,0",
                            "--num-workers", workers]
     straight, first, resumed = straight_and_resumed(tmp_path, flags, 5)
     batch = [int(straight[i][2]) for i in sorted(straight)]

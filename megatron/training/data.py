@@ -59,6 +59,26 @@ def check_data_paths(args) -> None:
                     raise ValueError(f"{flag}: {prefix + ext} does not exist{hint}")
         if weights is not None and any(w <= 0 for w in weights):
             raise ValueError(f"{flag}: weights must be positive, got {weights}")
+        _check_splits(flag, prefixes, args.split if flag == "--data-path" else "1,0,0")
+
+
+def _check_splits(flag: str, prefixes: list[str], split: str) -> None:
+    """Every split --split asks for holds a document of every data set: megatron-core loops forever on an
+    empty one (its epochs never reach the samples asked for)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    try:
+        bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    except (AssertionError, ValueError) as e:
+        raise ValueError(f"--split {split!r} is not three proportions like '969, 30, 1' ({e})") from None
+    for prefix in prefixes:
+        n = len(IndexedDataset(prefix))
+        for name, bound in zip(("train", "validation", "test"), bounds):
+            if bound is not None and round(bound[1] * n) <= round(bound[0] * n):
+                raise ValueError(f"{flag}: --split {split!r} leaves the {name} split of {prefix} empty (the share "
+                                 f"{bound[0]:g}-{bound[1]:g} of its {n} documents); give that split 0 or a larger "
+                                 "share")
 
 
 def gpt_dataset_config(args, tokenizer):

@@ -1,25 +1,24 @@
-"""Process-wide training globals (Megatron's get_args, get_tokenizer)."""
-_ARGS = None
-_TOKENIZER = None
+"""Process-wide training globals (Megatron's get_args, get_tokenizer), set by `initialize_megatron`."""
+_GLOBALS: dict = {}
+
+
+def _get(name: str):
+    if _GLOBALS.get(name) is None:
+        raise RuntimeError(f"{name}: not set up: call megatron.training.pretrain() first")
+    return _GLOBALS[name]
 
 
 def set_args(args):
-    global _ARGS
-    _ARGS = args
+    _GLOBALS["args"] = args
 
 
 def get_args():
-    if _ARGS is None:
-        raise RuntimeError("arguments are not initialized: call megatron.training.pretrain() first")
-    return _ARGS
+    return _get("args")
 
 
 def set_tokenizer(tokenizer):
-    global _TOKENIZER
-    _TOKENIZER = tokenizer
+    _GLOBALS["tokenizer"] = tokenizer
 
 
 def get_tokenizer():
-    if _TOKENIZER is None:
-        raise RuntimeError("the tokenizer is not built: call megatron.training.pretrain() first")
-    return _TOKENIZER
+    return _get("tokenizer")

@@ -147,7 +147,7 @@ def test_vocab_size_refused_with_a_real_tokenizer(tokenizers):
 def test_weighted_data_path_is_a_blend(tmp_path, tokenizers):
     """`--data-path 0.3 a 0.7 b` is a blend of a and b (once refused as "0.3.bin does not exist"); a missing
     prefix is named, and --split defaults to upstream's."""
-    from megatron.training.data import blends, check_data_paths
+    from megatron.training.data import blends, build_datasets, check_data_paths
     prefixes = []
     for name in ("a", "b"):
         r = preprocess(write_jsonl(str(tmp_path / f"{name}.jsonl"), documents(10, seed=4)), str(tmp_path / name),
@@ -162,9 +162,19 @@ def test_weighted_data_path_is_a_blend(tmp_path, tokenizers):
         check_data_paths(args)
     args.split = "8,2,0"
     check_data_paths(args)
+    train, valid, test = build_datasets(args, build("GPT2BPETokenizer", tokenizers["GPT2BPETokenizer"]))
+    assert (type(train).__name__, valid is not None, test) == ("BlendedDataset", True, None)
+    assert len(train) >= 4 * 4  # --train-iters x the global batch (mbs 2 x DP 2)
+    assert [d.dataset.path_prefix for d in train.datasets] == prefixes
     args.data_path[3] = str(tmp_path / "c")
     with pytest.raises(ValueError, match=f"--data-path: {tmp_path / 'c'}.bin does not exist"):
         check_data_paths(args)
+    # each split its own data set: a trains, b validates, no test split
+    args = args_of(["--train-iters", "4", "--train-data-path", prefixes[0], "--valid-data-path", prefixes[1],
+                    "--tokenizer-type", "GPT2BPETokenizer", *tokenizers["GPT2BPETokenizer"]])
+    check_data_paths(args)
+    train, valid, test = build_datasets(args, build("GPT2BPETokenizer", tokenizers["GPT2BPETokenizer"]))
+    assert (train.dataset.path_prefix, valid.dataset.path_prefix, test) == (prefixes[0], prefixes[1], None)
 
 
 def test_rampup_as_step_schedule_equals_megatron_core_016_ramp():

@@ -162,7 +162,11 @@ class MicroBatches:
         return self
 
     def __next__(self) -> dict:
-        batch = next(self.loader)
+        try:
+            batch = next(self.loader)
+        except StopIteration:
+            raise RuntimeError("the training data ran out: the data set was built for fewer samples than the run "
+                               "consumes (check --train-samples against --rampup-batch-size)") from None
         top = int(batch["tokens"].max())
         if top >= self.vocab_size:
             raise ValueError(f"token id {top} in the data is outside the tokenizer's vocabulary of "

@@ -34,10 +34,10 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     args = parse_args(extra_args_provider, argv)
     apply_args_defaults(args, args_defaults)
     validate_args(args, _world_size_from_env())
-    set_tokenizer(setup_data_and_schedule(args, int(os.environ.get("RANK", "0"))))
+    rank = int(os.environ.get("RANK", "0"))
+    set_tokenizer(setup_data_and_schedule(args, rank))
     cuda = torch.cuda.is_available()
     cpu_shim.install()  # no-op with CUDA
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -27,8 +27,8 @@ from . import cpu_shim
 from .checkpointing import Checkpointer, print_rank_0, print_rank_last
 from .data import MicroBatches, build_dataset
 from .global_vars import get_tokenizer
-from .schedules import batch_at, scheduler_steps
 from .initialize import initialize_megatron, shutdown_distributed
+from .schedules import batch_at, scheduler_steps
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _reduce_losses(args, reported):
     return out
 
 
-def train_step(args, model, optimizer, scheduler, forward_step_func, batches, num_microbatches, checkpointer):
+def train_step(args, model, optimizer, forward_step_func, batches, num_microbatches, checkpointer):
     """One iteration of `num_microbatches` micro-batches from `batches`; returns (losses, grad norm, stepped)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     model.zero_grad_buffer()  # gradients are not part of the checkpoint
@@ -131,8 +131,8 @@ def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpo
     t_last = time.perf_counter()
     while iteration < args.train_iters:
         gbs, num_microbatches = batch_at(consumed)  # the ramp's batch size after `consumed` samples
-        losses, grad_norm, stepped = train_step(args, model, optimizer, scheduler, forward_step_func, batches,
-                                                num_microbatches, checkpointer)
+        losses, grad_norm, stepped = train_step(args, model, optimizer, forward_step_func, batches, num_microbatches,
+                                                checkpointer)
         if stepped:
             scheduler.step(increment=gbs)
         iteration += 1

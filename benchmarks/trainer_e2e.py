@@ -23,7 +23,7 @@ RE_CKPT_SUM = re.compile(r"checkpoint summary iteration\s+\d+ .*max blocking ms 
                          r"max time to durable ms: ([\d.]+) \| bytes all ranks: (\d+)")
 
 MODEL = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
-         "--max-position-embeddings", "128", "--vocab-size", "8191", "--micro-batch-size", "2",
+         "--max-position-embeddings", "128", "--vocab-size", "8192", "--micro-batch-size", "2",
          "--global-batch-size", "2", "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
          "--log-interval", "1"]
 RUNS = [("no checkpoint", None), ("datastates (lazy async)", ["--ckpt-format", "datastates", "--async-ckpt"]),

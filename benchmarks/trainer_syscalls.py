@@ -22,7 +22,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--vocab-size", "127", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+        "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
         "--mock-data", "--seed", "1234", "--tensor-model-parallel-size", "2"]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from syscalls import metadata_call, opens_json  # noqa: E402

@@ -19,7 +19,7 @@ export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 MODEL=(--tensor-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4
-       --seq-length 64 --vocab-size 511 --micro-batch-size 4 --global-batch-size 16
+       --seq-length 64 --vocab-size 512 --micro-batch-size 4 --global-batch-size 16
        --train-iters "$ITERS" --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine --mock-data --seed 1234)
 
 # step TITLE LOG ARGS...: one torchrun job; its whole output goes to LOG, the iteration and checkpoint lines to

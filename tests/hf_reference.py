@@ -19,6 +19,7 @@ def main(ckpt: str, out: str, argv: list[str]) -> None:
     from datastates import CheckpointEngine
     from datastates.megatron import load_sharded, make_registry
     from megatron.training.checkpointing import sharded_metadata
+    from megatron.training import get_tokenizer
     from megatron.training.data import MicroBatches, build_dataset
     from megatron.training.initialize import initialize_megatron
 
@@ -28,7 +29,8 @@ def main(ckpt: str, out: str, argv: list[str]) -> None:
         sd = model.sharded_state_dict(metadata=sharded_metadata(args))
         model.load_state_dict(load_sharded(engine, {"model": sd}, ckpt)["model"], strict=True)
     model.eval()
-    batch = MicroBatches(build_dataset(args), args.micro_batch_size, 0, 1).get(0, 0)
+    batch = next(MicroBatches(build_dataset(args), 0, args.micro_batch_size, 0, 1,
+                              vocab_size=get_tokenizer().vocab_size))
     with torch.no_grad():
         logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])

@@ -8,10 +8,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# --vocab-size 127: NullTokenizer's 127 ids (plus its EOD under megatron-core 0.16) pad to 128 embedding rows at
-# TP1 and TP2 alike with --make-vocab-size-divisible-by 64, whatever the megatron-core version.
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--vocab-size", "127", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--seed", "1234"]
+        "--vocab-size", "128", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--seed", "1234"]
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([^ ]+) \|")
 
 

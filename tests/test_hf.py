@@ -162,8 +162,8 @@ def test_finetune_from_a_transformers_model(tmp_path):
     assert "for fine-tuning from iteration 0" in log, log[-3000:]
 
     from megatron.training.data import MicroBatches, SyntheticTokens
-    batches = MicroBatches(SyntheticTokens(32, 128, 1234), 2, 0, 1)
-    first = [batches.get(0, m) for m in range(2)]  # global batch 4 = 2 micro-batches of 2
+    batches = MicroBatches(SyntheticTokens(32, 128, 1234), 0, 2, 0, 1, vocab_size=128)
+    first = [next(batches) for _ in range(2)]  # global batch 4 = 2 micro-batches of 2
     tokens = torch.cat([b["tokens"] for b in first])
     labels = torch.cat([b["labels"] for b in first])
     _, expected = hf_loss(hf_model(source), tokens, labels)

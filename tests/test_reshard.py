@@ -28,11 +28,10 @@ import torch
 from megatron_helpers import losses, torchrun
 
 N = 3
-# 4 layers so that PP2 splits 2/2; vocab 127 (+ NullTokenizer's EOD under megatron-core 0.16) padded to a multiple
-# of 64 * TP = 128 under TP1 and TP2 alike (the padded vocabulary is part of the model's function: the softmax
-# runs over it).
+# 4 layers so that PP2 splits 2/2; vocab 128 padded to a multiple of 64 * TP = 128 under TP1 and TP2 alike (the
+# padded vocabulary is part of the model's function: the softmax runs over it).
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--vocab-size", "127", "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2",
+         "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--seed", "1234",
          "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--train-iters", str(2 * N), "--no-ckpt-fsync"]

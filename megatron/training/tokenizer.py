@@ -85,11 +85,15 @@ class GPT2BPETokenizer:
         return OrderedDict(cls=type(self).__name__, vocab_file=self.paths[0], merge_file=self.paths[1])
 
 
-def _null_library() -> str:
-    """megatron-core 0.16 names its NullTokenizer library 'null' (vocabulary = --vocab-size + 1, the EOD last),
-    0.17+ 'null-text' (vocabulary = --vocab-size)."""
+def _null_tokenizer(vocab_size: int):
+    """megatron-core's NullTokenizer with --vocab-size ids, the last one the EOD: 0.17+'s rule (and current
+    upstream's) under every supported megatron-core. 0.16's class adds the EOD after the ids it is given, so it is
+    given one id fewer; the same checkpoint then has the same embedding under both."""
+    from megatron.core.tokenizers import MegatronTokenizer
     from megatron.core.tokenizers.text import text_tokenizer
-    return "null-text" if "null-text" in text_tokenizer.TOKENIZER_MAPPING_LIBRARIES else "null"
+    if "null-text" in text_tokenizer.TOKENIZER_MAPPING_LIBRARIES:
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=vocab_size)
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)
 
 
 def build_tokenizer(args):
@@ -100,8 +104,7 @@ def build_tokenizer(args):
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(args.vocab_file, args.merge_file)
     if kind == "NullTokenizer":
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": _null_library()},
-                                                 vocab_size=args.vocab_size)
+        return _null_tokenizer(args.vocab_size)
     if kind == "HuggingFaceTokenizer":
         return MegatronTokenizer.from_pretrained(tokenizer_path=args.tokenizer_model,
                                                  metadata_path={"library": "huggingface"})

@@ -74,9 +74,9 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(args):
-    """The training set: megatron-core's GPTDataset blend of --data-path (or --mock-data)."""
-    from megatron.training.data import build_dataset
-    return build_dataset(args)
+    """(train, valid, test): megatron-core's GPTDataset blends of --data-path and --split (or --mock-data)."""
+    from megatron.training.data import build_train_valid_test_datasets
+    return build_train_valid_test_datasets(args)
 
 
 def _this_repository_trainer():

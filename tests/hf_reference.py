@@ -20,7 +20,7 @@ def main(ckpt: str, out: str, argv: list[str]) -> None:
     from datastates.megatron import load_sharded, make_registry
     from megatron.training.checkpointing import sharded_metadata
     from megatron.training import get_tokenizer
-    from megatron.training.data import MicroBatches, build_dataset
+    from megatron.training.data import MicroBatches, build_train_valid_test_datasets
     from megatron.training.initialize import initialize_megatron
 
     args = initialize_megatron(argv=argv)
@@ -29,7 +29,7 @@ def main(ckpt: str, out: str, argv: list[str]) -> None:
         sd = model.sharded_state_dict(metadata=sharded_metadata(args))
         model.load_state_dict(load_sharded(engine, {"model": sd}, ckpt)["model"], strict=True)
     model.eval()
-    batch = next(MicroBatches(build_dataset(args), 0, args.micro_batch_size, 0, 1,
+    batch = next(MicroBatches(build_train_valid_test_datasets(args)[0], 0, args.micro_batch_size, 0, 1,
                               vocab_size=get_tokenizer().vocab_size))
     with torch.no_grad():
         logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])

@@ -19,15 +19,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 240, check: bool = True,
-             faults: bool = False, python: str = sys.executable):
-    """Run pretrain_gpt.py (through tests/fault_launcher.py with `faults`, which reads FAULT_* from `env`) with
-    `python` (another environment's interpreter for cross-version tests)."""
+def torchrun_command(nproc: int, args: list[str], env: dict | None = None, faults: bool = False,
+                     python: str = sys.executable) -> tuple[list[str], dict]:
+    """(command, environment) of a torchrun of pretrain_gpt.py (through tests/fault_launcher.py with `faults`,
+    which reads FAULT_* from `env`) with `python` (another environment's interpreter for cross-version tests)."""
     script = os.path.join(ROOT, "tests", "fault_launcher.py") if faults else os.path.join(ROOT, "pretrain_gpt.py")
     cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), script, *args]
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
     e.update(env or {})
+    return cmd, e
+
+
+def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 240, check: bool = True,
+             faults: bool = False, python: str = sys.executable):
+    """Run pretrain_gpt.py under torchrun (see torchrun_command); (exit code, output)."""
+    cmd, e = torchrun_command(nproc, args, env, faults, python)
     p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if check and p.returncode != 0:

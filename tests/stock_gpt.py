@@ -20,14 +20,14 @@ def main(out_dir: str, init_seed: int, argv: list[str]) -> None:
 
     import pretrain_gpt
     from megatron.training import get_tokenizer
-    from megatron.training.data import MicroBatches, build_dataset
+    from megatron.training.data import MicroBatches, build_train_valid_test_datasets
     from megatron.training.initialize import initialize_megatron
 
     args = initialize_megatron(argv=argv)
     torch.manual_seed(init_seed)
     model = pretrain_gpt.model_provider()
     model.train()  # as the trainer's first iteration (run with dropout 0 to compare)
-    batches = MicroBatches(build_dataset(args), 0, args.micro_batch_size, 0, 1, vocab_size=get_tokenizer().vocab_size)
+    batches = MicroBatches(build_train_valid_test_datasets(args)[0], 0, args.micro_batch_size, 0, 1, vocab_size=get_tokenizer().vocab_size)
     losses = []
     with torch.no_grad():
         for m in range(args.num_microbatches):

@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "2", "--lr", "1e-3", "--seed", "1234", "--async-ckpt", "--no-ckpt-fsync"]
 LINE_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*learning rate: (\S+) \| "
                      r"global batch size:\s+(\d+) \| lm loss: (\S+) \|")
+VALID_RE = re.compile(r"validation loss at iteration (\d+) on (\w+) set \| lm loss value: (\S+) \|")
 DOCS = {"a": 40, "b": 60}
 
 
@@ -34,14 +36,82 @@ def corpus(tmp_path, tokenizer_flags) -> list[str]:
     return prefixes
 
 
-def straight_and_resumed(tmp_path, flags, stop: int) -> tuple[dict, dict, dict]:
-    """(a straight run, the run stopped at `stop`, its resume), each as iterations()."""
-    _, straight = torchrun(2, flags)
+def straight_and_resumed(tmp_path, flags, stop: int, straight_flags=(), stopped_flags=()):
+    """(a straight run, the run stopped at `stop`, its resume), each as iterations(), and their three logs."""
+    _, straight = torchrun(2, flags + list(straight_flags))
     ck = str(tmp_path / "ck")
-    _, first = torchrun(2, flags + ["--save", ck, "--save-interval", str(stop), "--exit-interval", str(stop)])
-    _, resumed = torchrun(2, flags + ["--save", ck, "--load", ck, "--save-interval", "100"])
+    flags = flags + list(stopped_flags) + ["--save", ck]
+    _, first = torchrun(2, flags + ["--save-interval", str(stop), "--exit-interval", str(stop)])
+    _, resumed = torchrun(2, flags + ["--load", ck, "--save-interval", "100"])
     assert f"successfully loaded checkpoint from {ck} (datastates) at iteration {stop}" in resumed
-    return iterations(straight), iterations(first), iterations(resumed)
+    return iterations(straight), iterations(first), iterations(resumed), (straight, first, resumed)
+
+
+def validation(log: str) -> dict[tuple[int, str], str]:
+    """(iteration, split) -> the printed validation loss."""
+    return {(int(m.group(1)), m.group(2)): m.group(3) for m in VALID_RE.finditer(log)}
+
+
+def scalars(tb_dir: str) -> dict[str, dict[int, float]]:
+    """Every scalar of the TensorBoard event files under `tb_dir`, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    mux = EventMultiplexer().AddRunsFromDirectory(tb_dir)
+    mux.Reload()
+    out = {}
+    for run, tags in mux.Runs().items():
+        for tag in tags["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in mux.Scalars(run, tag)})
+    return out
+
+
+def check_evaluation_and_metrics(straight, logs, tb_straight, tb_resumed, wandb_dir):
+    """Validation every 2 iterations and at the end (validation and test); the stopped and resumed runs evaluate
+    what the straight one does; TensorBoard and W&B hold the printed values."""
+    straight_log, first_log, resumed_log = logs
+    valid = validation(straight_log)
+    assert sorted(valid) == [(2, "validation"), (4, "validation"), (6, "validation"), (8, "test"),
+                             (8, "validation")], straight_log[-3000:]
+    assert len({v for (_, split), v in valid.items() if split == "validation"}) == 4  # new samples each time
+    assert {**validation(first_log), **validation(resumed_log)} == valid
+    both = scalars(tb_straight), scalars(tb_resumed)
+    for tb in both:
+        assert tb["lm loss"] == {i: pytest.approx(float(straight[i][3]), rel=1e-6) for i in straight}
+        assert tb["lm loss validation"] == {i: pytest.approx(float(valid[(i, "validation")]), rel=1e-6)
+                                            for i in (2, 4, 6)} | {8: pytest.approx(float(valid[(8, "validation")]),
+                                                                                    rel=1e-6)}
+        assert tb["learning-rate"] == {i: pytest.approx(float(straight[i][1]), rel=1e-6) for i in straight}
+        assert set(tb["grad-norm"]) == set(tb["iteration-time"]) == set(range(1, 9))
+    # the stopped run's checkpoint at 4 and the resumed run's at 8: their stall and time to durable
+    assert set(both[1]["checkpoint/stall-ms"]) == set(both[1]["checkpoint/durable-ms"]) == {4, 8}
+    assert all(v > 0 for v in both[1]["checkpoint/durable-ms"].values())
+    (run,) = glob.glob(f"{wandb_dir}/wandb/offline-run-*/run-*.wandb")
+    history = wandb_history(run)
+    assert {i: h["lm loss"] for i, h in history.items() if "lm loss" in h} == \
+        {i: pytest.approx(float(straight[i][3]), rel=1e-6) for i in straight}
+
+
+def wandb_history(path: str) -> dict[int, dict]:
+    """step -> the scalars of an offline W&B run file, decoded with wandb's own protobuf schema (the file is a
+    LevelDB-style log of 32 KiB blocks after a 7-byte header; records may span blocks)."""
+    from wandb.proto import wandb_internal_pb2
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", path
+    pos, pending, history = 7, b"", {}
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # a block's tail too short for a record header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record.FromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                history[items["_step"]] = items
+    return history
 
 
 def embedding_rows(ckpt_dir: str) -> set[int]:
@@ -59,8 +129,14 @@ def test_blended_corpus_resumes_at_the_next_sample(tmp_path):
     cache = str(tmp_path / "cache")
     flags = MODEL + tok + ["--global-batch-size", "8", "--train-iters", "8", "--data-path", "0.3", a, "0.7", b,
                            "--split", "50,25,25", "--data-cache-path", cache]
-    straight, first, resumed = straight_and_resumed(tmp_path, flags, 4)
+    tb_straight, tb_resumed, wandb_dir = (str(tmp_path / d) for d in ("tb_straight", "tb_resumed", "wandb"))
+    evaluation = ["--eval-interval", "2", "--eval-iters", "1"]
+    straight, first, resumed, logs = straight_and_resumed(
+        tmp_path, flags + evaluation, 4,
+        straight_flags=["--tensorboard-dir", tb_straight, "--wandb-project", "p", "--wandb-save-dir", wandb_dir],
+        stopped_flags=["--tensorboard-dir", tb_resumed])
     assert sorted(straight) == list(range(1, 9)) and sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [5, 6, 7, 8]
+    check_evaluation_and_metrics(straight, logs, tb_straight, tb_resumed, wandb_dir)
     assert {i: straight[i] for i in first} == first
     assert {i: straight[i] for i in resumed} == resumed  # bit-for-bit: losses printed as repr of the float
     # the embedding has upstream's padded vocabulary: the BPE's entries rounded up to a multiple of 128 (TP1)
@@ -84,7 +160,7 @@ def test_batch_size_ramp_resumes_exactly(tmp_path, workers):
     flags = MODEL + tok + ["--global-batch-size", "16", "--train-samples", "100", "--rampup-batch-size", "4", "4",
                            "48", "--lr-warmup-fraction", "0.1", "--lr-decay-samples", "90", "--data-path", a, "--split", "95,5,0",
                            "--num-workers", workers]
-    straight, first, resumed = straight_and_resumed(tmp_path, flags, 5)
+    straight, first, resumed, _ = straight_and_resumed(tmp_path, flags, 5)
     batch = [int(straight[i][2]) for i in sorted(straight)]
     assert sorted(set(batch)) == [4, 8, 12, 16] and batch[3] != batch[4]  # the resume starts where the batch grows
     assert sorted(resumed) == list(range(6, len(straight) + 1))

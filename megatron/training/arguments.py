@@ -94,8 +94,26 @@ def _add_training_args(p):
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-all-ranks", action="store_true",
                    help="every rank logs its INFO lines (default: rank 0 only; warnings and errors always)")
-    g.add_argument("--eval-iters", type=int, default=0, help="only 0 is supported (no evaluation loop)")
-    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (after saving when --save is set) once the run is older than this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save, wait until the checkpoint is published, exit 0")
+    g.add_argument("--eval-iters", type=int, default=0,
+                   help="iterations of validation data per evaluation [0: no evaluation; upstream's default is 100]")
+    g.add_argument("--eval-interval", type=int, default=1000, help="evaluate every this many iterations")
+
+
+def _add_logging_args(p):
+    g = p.add_argument_group("logging")
+    g.add_argument("--tensorboard-dir", type=str, default=None, help="write TensorBoard event files here")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="scalars TensorBoard's writer queues before it writes them out")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="log to Weights & Biases (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
+    g.add_argument("--wandb-exp-name", type=str, default=None)
+    g.add_argument("--wandb-save-dir", type=str, default=None, help="the W&B run directory [--save/wandb]")
 
 
 def _add_data_args(p):
@@ -121,6 +139,10 @@ def _add_data_args(p):
     g.add_argument("--tokenizer-model", type=str, default=None,
                    help="a SentencePiece model file, or a local HuggingFace tokenizer directory")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes per rank")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each end of document")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="tokens attend within their own document only (a mask per sample)")
 
 
 def _add_checkpoint_args(p):
@@ -184,6 +206,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_parallel_args(p)
     _add_training_args(p)
     _add_data_args(p)
+    _add_logging_args(p)
     _add_checkpoint_args(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p)
@@ -260,8 +283,17 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         validate_schedule(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    if args.eval_iters:
-        raise ArgumentError("--eval-iters > 0: this trainer has no evaluation loop; pass --eval-iters 0")
+    for flag in ("eval_iters", "tensorboard_log_interval", "tensorboard_queue_size"):
+        if getattr(args, flag) < 0 or (flag != "eval_iters" and getattr(args, flag) == 0):
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.eval_interval <= 0:
+        raise ArgumentError(f"--eval-interval must be positive, got {args.eval_interval}")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ArgumentError(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
+    _require_package(args.tensorboard_dir, "--tensorboard-dir", "tensorboard", "tensorboard")
+    _require_package(args.wandb_project, "--wandb-project", "wandb", "wandb")
+    if args.wandb_project and not (args.wandb_save_dir or args.save):
+        raise ArgumentError("--wandb-project needs --wandb-save-dir (or --save, whose wandb/ directory it uses)")
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
     _validate_data(args)
@@ -372,6 +404,12 @@ def _validate_data(args) -> None:
         check_tokenizer_args(args)
     except TokenizerArgumentError as e:
         raise ArgumentError(str(e)) from None
+
+
+def _require_package(value, flag: str, module: str, package: str) -> None:
+    import importlib.util
+    if value and importlib.util.find_spec(module) is None:
+        raise ArgumentError(f"{flag} needs the {package!r} package, which is not installed: pip install {package}")
 
 
 def _te_importable() -> bool:

@@ -89,33 +89,38 @@ def gpt_dataset_config(args, tokenizer):
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=per_split,
         split=args.split if per_split is None else None, path_to_cache=args.data_cache_path,
         num_dataset_builder_threads=args.num_dataset_builder_threads, mmap_bin_files=args.mmap_bin_files,
-        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False)
+        tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.reset_attention_mask)
 
 
 def split_sizes(args) -> list[int]:
-    """Samples wanted from the train, validation and test splits (no evaluation loop here: 0 for the others)."""
-    return [args.train_samples or args.train_iters * args.global_batch_size, 0, 0]
+    """Samples wanted from the train, validation and test splits, counted as upstream: every periodic evaluation
+    and the one at the end read --eval-iters global batches of validation data, the test set one evaluation."""
+    evaluation = args.eval_iters * args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
+    return [args.train_samples or args.train_iters * args.global_batch_size, evaluations * evaluation, evaluation]
 
 
 def build_datasets(args, tokenizer):
     """(train, valid, test): megatron-core's GPTDatasets (or blends of them) with --data-path and its kin, else
-    the synthetic --mock-data stream as the training set. Every rank builds them (rank 0 first, writing the
+    three synthetic --mock-data streams of other seeds. Every rank builds them (rank 0 first, writing the
     index cache); each reads its own micro-batches."""
     if args.mock_data:
-        return SyntheticTokens(args.seq_length, tokenizer.vocab_size, args.seed), None, None
+        return tuple(SyntheticTokens(args.seq_length, tokenizer.vocab_size, args.seed + split) for split in range(3))
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
     return tuple(BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(args), lambda: True,
                                                gpt_dataset_config(args, tokenizer)).build())
 
 
-def build_dataset(args, tokenizer=None):
-    """The training set alone (the tokenizer of the flags unless given)."""
+def build_train_valid_test_datasets(args, tokenizer=None):
+    """(train, valid, test) of the flags, with the tokenizer of the flags unless given: the default provider of
+    `pretrain`."""
     if tokenizer is None:
         from .global_vars import get_tokenizer
         tokenizer = get_tokenizer()
-    return build_datasets(args, tokenizer)[0]
+    return build_datasets(args, tokenizer)
 
 
 # ----- batches -----
@@ -135,11 +140,14 @@ class RankSampler(torch.utils.data.Sampler):
 
 
 def collate(samples: list[dict]) -> dict:
-    """Stack the samples; one causal attention mask (True = masked) shared by every sample."""
-    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in
-             ("tokens", "labels", "loss_mask", "position_ids")}
-    s = batch["tokens"].shape[1]
-    batch["attention_mask"] = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    """Stack the samples; their own attention masks (--reset-attention-mask), else one causal mask shared by
+    every sample (True = masked)."""
+    keys = ("tokens", "labels", "loss_mask", "position_ids") + (("attention_mask",) if "attention_mask" in samples[0]
+                                                                 else ())
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    if "attention_mask" not in batch:
+        s = batch["tokens"].shape[1]
+        batch["attention_mask"] = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
     return batch
 
 
@@ -148,7 +156,7 @@ class MicroBatches:
     tokenizer's vocabulary (data preprocessed with another tokenizer) stops the run naming it."""
 
     def __init__(self, dataset, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int, *,
-                 vocab_size: int, num_workers: int = 0, device="cpu"):
+                 vocab_size: int, num_workers: int = 0, device="cpu", what: str = "training data"):
         total = len(dataset) if hasattr(dataset, "__len__") else None
         sampler = RankSampler(total, consumed, micro_batch_size, dp_rank, dp_size)
         # its own generator: a loader seeds its workers from the global torch RNG otherwise, and a draw from it
@@ -156,7 +164,7 @@ class MicroBatches:
         self.loader = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                                        collate_fn=collate, persistent_workers=num_workers > 0,
                                                        generator=torch.Generator().manual_seed(0)))
-        self.vocab_size, self.device = vocab_size, device
+        self.vocab_size, self.device, self.what = vocab_size, device, what
 
     def __iter__(self):
         return self
@@ -165,7 +173,7 @@ class MicroBatches:
         try:
             batch = next(self.loader)
         except StopIteration:
-            raise RuntimeError("the training data ran out: the data set was built for fewer samples than the run "
+            raise RuntimeError(f"the {self.what} ran out: the data set was built for fewer samples than the run "
                                "consumes (check --train-samples against --rampup-batch-size)") from None
         top = int(batch["tokens"].max())
         if top >= self.vocab_size:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import time
 
 import torch
@@ -25,9 +26,12 @@ from megatron.core.enums import ModelType
 
 from . import cpu_shim
 from .checkpointing import Checkpointer, print_rank_0, print_rank_last
-from .data import MicroBatches, build_dataset
+from .data import MicroBatches, build_train_valid_test_datasets
+from .evaluation import describe, evaluate, evaluations_before
+from .exits import ExitConditions
 from .global_vars import get_tokenizer
 from .initialize import initialize_megatron, shutdown_distributed
+from .metrics import Metrics
 from .schedules import batch_at, scheduler_steps
 
 log = logging.getLogger(__name__)
@@ -121,51 +125,93 @@ def train_step(args, model, optimizer, forward_step_func, batches, num_microbatc
 
 # ----- loop -----
 
-def train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpointer, iteration, consumed):
-    batches = MicroBatches(dataset, consumed, args.micro_batch_size, ps.get_data_parallel_rank(),
-                           ps.get_data_parallel_world_size(), vocab_size=get_tokenizer().vocab_size,
+class Run:
+    """What the loop reports through and stops by: the metrics sinks, the evaluation data, the exit conditions."""
+
+    def __init__(self, args, model, forward_step_func, datasets, start_time: float):
+        self.args, self.model, self.forward_step_func = args, model, forward_step_func
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.vocab_size = get_tokenizer().vocab_size
+        self.metrics = Metrics(args)
+        self.exits = ExitConditions(args, start_time)
+        self.records_seen = 0
+
+    def log_iteration(self, iteration, consumed, gbs, losses, grad_norm, lr, elapsed_ms) -> None:
+        args = self.args
+        line = (f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
+                f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+                f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |")
+        for k, v in losses.items():
+            line += f" {k}: {v!r} |"
+        line += f" grad norm: {grad_norm:.6f} |"
+        print_rank_last(line)
+        self.metrics.log(iteration, {**losses, "learning-rate": lr, "batch-size": gbs, "grad-norm": float(grad_norm),
+                                     "iteration-time": elapsed_ms / 1e3,
+                                     "samples-per-second": gbs / (elapsed_ms / 1e3) if elapsed_ms else 0.0})
+
+    def log_checkpoints(self, checkpointer) -> None:
+        """The checkpoints that finished since the last call, to the metrics sinks."""
+        for record in checkpointer.records[self.records_seen:]:
+            self.metrics.log_checkpoint(record)
+        self.records_seen = len(checkpointer.records)
+
+    def evaluate(self, iteration: int, dataset, split: str, evaluations_done: int) -> None:
+        args = self.args
+        if dataset is None or not args.eval_iters:
+            return
+        first = evaluations_done * args.eval_iters * args.global_batch_size
+        reported = evaluate(args, self.model, self.forward_step_func, dataset, first, vocab_size=self.vocab_size,
+                            what=f"{split} data")
+        losses = _reduce_losses(args, reported)
+        if losses:
+            print_rank_last(describe(losses, f"iteration {iteration} on {split} set"))
+        self.metrics.log(iteration, {f"{k} {split}": v for k, v in losses.items()} |
+                         ({f"{k} {split} ppl": math.exp(min(20.0, v)) for k, v in losses.items()}
+                          if args.log_validation_ppl_to_tensorboard else {}), every_iteration=True)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.exits.close()
+
+
+def train(args, model, optimizer, scheduler, run: Run, checkpointer, iteration, consumed):
+    """Train until --train-iters, --exit-interval or an exit condition; returns (iteration, why it stopped)."""
+    batches = MicroBatches(run.train_ds, consumed, args.micro_batch_size, ps.get_data_parallel_rank(),
+                           ps.get_data_parallel_world_size(), vocab_size=run.vocab_size,
                            num_workers=args.num_workers, device=args.device)
     model.train()
-    saved_last = None
-    start = iteration
+    saved_last, start, stop = None, iteration, None
     t_last = time.perf_counter()
-    while iteration < args.train_iters:
+    while iteration < args.train_iters and stop is None:
         gbs, num_microbatches = batch_at(consumed)  # the ramp's batch size after `consumed` samples
-        losses, grad_norm, stepped = train_step(args, model, optimizer, forward_step_func, batches, num_microbatches,
-                                                checkpointer)
+        losses, grad_norm, stepped = train_step(args, model, optimizer, run.forward_step_func, batches,
+                                                num_microbatches, checkpointer)
         if stepped:
             scheduler.step(increment=gbs)
         iteration += 1
         consumed += gbs
         if iteration % args.log_interval == 0:
             now = time.perf_counter()
-            elapsed = (now - t_last) * 1e3 / args.log_interval
+            run.log_iteration(iteration, consumed, gbs, losses, grad_norm, optimizer.param_groups[0]["lr"],
+                              (now - t_last) * 1e3 / args.log_interval)
             t_last = now
-            lr = optimizer.param_groups[0]["lr"]
-            line = (f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
-                    f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {elapsed:.1f} |"
-                    f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |")
-            for k, v in losses.items():
-                line += f" {k}: {v!r} |"
-            line += f" grad norm: {grad_norm:.6f} |"
-            print_rank_last(line)
+        if args.eval_interval and iteration % args.eval_interval == 0:
+            run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointer.save(iteration, consumed)
             saved_last = iteration
         elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
             checkpointer.save_local(iteration, consumed)  # storage has this iteration already otherwise
         checkpointer.poll()
+        run.log_checkpoints(checkpointer)
         if args.exit_interval and iteration % args.exit_interval == 0:
-            if args.save and saved_last != iteration:
-                checkpointer.save(iteration, consumed)
-                saved_last = iteration
-            print_rank_0(f"exiting program at iteration {iteration}")
-            break
-    else:
-        # Megatron saves once more at the end of training when the last iteration was not a save point.
-        if args.save and iteration > start and saved_last != iteration:
-            checkpointer.save(iteration, consumed)
-    return iteration
+            stop = f"--exit-interval {args.exit_interval}"
+        else:
+            stop = run.exits.reason()
+    # Megatron saves once more where training stops, when that iteration was not a save point.
+    if args.save and iteration > start and saved_last != iteration:
+        checkpointer.save(iteration, consumed)
+    return iteration, stop
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None, forward_step_func=None,
@@ -173,22 +219,26 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None,
     """Megatron's entry point: initialize, build, load, train, finish every checkpoint.
 
     As in Megatron-LM, `args_defaults` are the script's defaults for flags its command line leaves unset;
-    `model_type` may only be the decoder-only ModelType.encoder_or_decoder, the one kind built here."""
+    `model_type` may only be the decoder-only ModelType.encoder_or_decoder, the one kind built here.
+    `train_valid_test_dataset_provider(args)` returns the (train, valid, test) data sets (valid and test may be
+    None)."""
+    start_time = time.time()  # --exit-duration-in-mins counts from here, as upstream's does
     if model_type not in (None, ModelType.encoder_or_decoder):
         raise ValueError(f"pretrain: model_type {model_type} is not supported: this trainer builds decoder-only "
                          "models (ModelType.encoder_or_decoder)")
     args = initialize_megatron(extra_args_provider, argv, args_defaults)
     with cpu_shim.cuda_free():  # megatron-core's CUDA assumptions, adapted on CPU ranks (a no-op with CUDA)
-        return _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func)
+        return _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func, start_time)
 
 
-def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func):
+def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_step_func, start_time):
     print_rank_0(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size}, "
                  f"pipeline-parallel {args.pipeline_model_parallel_size}, data-parallel {args.data_parallel_size}, "
                  f"{args.num_microbatches} micro-batch(es) per iteration"
                  f"{' at the end of the batch-size ramp' if args.rampup_batch_size else ''}, device {args.device}")
     gpt, model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider)
     checkpointer = Checkpointer(args, gpt, optimizer, scheduler, ddp=model)
+    run = None
     try:
         iteration, consumed = checkpointer.load()
         if args.save_after_load:
@@ -196,13 +246,20 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
                 checkpointer.save(iteration, consumed)
             else:
                 log.warning("--save-after-load: nothing was loaded at iteration > 0, nothing saved")
-        dataset = (train_valid_test_dataset_provider(args) if train_valid_test_dataset_provider
-                   else build_dataset(args))
-        iteration = train(args, model, optimizer, scheduler, forward_step_func, dataset, checkpointer,
-                          iteration, consumed)
-        checkpointer.finalize()
+        datasets = (train_valid_test_dataset_provider or build_train_valid_test_datasets)(args)
+        run = Run(args, model, forward_step_func, datasets, start_time)
+        iteration, stop = train(args, model, optimizer, scheduler, run, checkpointer, iteration, consumed)
+        checkpointer.finalize()  # every checkpoint durable and published
+        run.log_checkpoints(checkpointer)
+        if stop is not None:
+            print_rank_0(f"exiting program at iteration {iteration}: {stop}")
+        elif iteration >= args.train_iters:  # the end of training: the validation and test sets, as upstream
+            run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration + 1))
+            run.evaluate(iteration, run.test_ds, "test", 0)
     finally:
         checkpointer.close()
+        if run is not None:
+            run.close()
     dist.barrier()
     if iteration >= args.train_iters:
         checkpointer.remove_memory_tier()  # the job is finished: its restart point in memory is not needed

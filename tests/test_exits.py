@@ -7,6 +7,8 @@ import signal
 import subprocess
 import threading
 
+import pytest
+
 from megatron_helpers import ROOT, TINY, losses, torchrun, torchrun_command
 
 ITERS = 30
@@ -56,6 +58,18 @@ def test_exit_duration_then_sigterm_then_resume(tmp_path):
     # each worker ends its run normally (torchrun itself exits 1 on the signal it was sent, as it always does)
     assert sorted(re.findall(rf"\[rank (\d)\] INFO \S+: > training done at iteration {k}$", log2, re.M)) == ["0", "1"]
     assert sorted(losses(log2)) == list(range(2, k + 1))
-    _, log3 = torchrun(2, flags)
+    # the resume takes the model's shape from the checkpoint (--use-checkpoint-args), as upstream's flag does
+    shape = {"--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size"}
+    unshaped = [f for i, f in enumerate(flags) if f not in shape and (i == 0 or flags[i - 1] not in shape)]
+    _, log3 = torchrun(2, unshaped + ["--use-checkpoint-args"])
     assert f"at iteration {k}" in log3
     assert {**losses(log1), **losses(log2), **losses(log3)} == reference
+    # a shape flag that contradicts the checkpoint is refused before any work, naming both values
+    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.checkpoint_args import apply_checkpoint_args
+    args = parse_args(argv=["--load", ck, "--use-checkpoint-args", "--hidden-size", "32"])
+    with pytest.raises(ArgumentError, match=r"--hidden-size is 32 on the command line but 64 in .*iter_0000030"):
+        apply_checkpoint_args(args)
+    args = parse_args(argv=["--load", ck, "--use-checkpoint-args", "--hidden-size", "64"])
+    apply_checkpoint_args(args)
+    assert (args.num_layers, args.ffn_hidden_size, args.vocab_size) == (2, 256, 128)

@@ -180,6 +180,9 @@ def _add_checkpoint_args(p):
                         "directory), in this run's TP/PP/DP layout; with --train-iters equal to that iteration "
                         "this converts a checkpoint to a new layout and exits")
     g.add_argument("--use-dist-ckpt", action="store_true", help="accepted for compatibility")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's architecture flags the command line leaves unset from the checkpoint "
+                        "under --load")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="save the distributed optimizer's state in megatron-core's fully_reshardable layout "
                         "(model-shaped, loads into any TP/PP/DP layout) instead of dp_reshardable (its flat "

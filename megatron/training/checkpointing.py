@@ -476,7 +476,7 @@ class Checkpointer:
             print_rank_0(f"successfully loaded the model weights of {ckpt_dir} ({fmt}) for fine-tuning from "
                          f"iteration 0 in {(time.perf_counter() - t0) * 1e3:.1f} ms")
             return 0, 0
-        saved = _saved_common(ckpt_dir, fmt, engine)
+        saved = saved_common(ckpt_dir, fmt, engine)
         _require_training_state(ckpt_dir, set(saved), load_optim)
         metadata = saved.get("content_metadata") or sharded_metadata(args)
         if load_optim:
@@ -542,7 +542,7 @@ class Checkpointer:
         return it, consumed
 
 
-def _saved_common(ckpt_dir: str, fmt: str, engine) -> dict:
+def saved_common(ckpt_dir: str, fmt: str, engine) -> dict:
     """A sharded checkpoint's common state, top-level names -> values (args and content_metadata read, the rest
     None): what a load must know before it builds its template."""
     wanted = ("args", "content_metadata")

@@ -33,6 +33,9 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     """Parse and validate flags (before any work), then init distributed, model parallel groups and seeds."""
     args = parse_args(extra_args_provider, argv)
     apply_args_defaults(args, args_defaults)
+    if args.use_checkpoint_args:
+        from .checkpoint_args import apply_checkpoint_args
+        apply_checkpoint_args(args)
     validate_args(args, _world_size_from_env())
     rank = int(os.environ.get("RANK", "0"))
     set_tokenizer(setup_data_and_schedule(args, rank))

@@ -25,6 +25,7 @@ def model_provider(pre_process=True, post_process=True):
     """Build the GPT model of this rank's pipeline stage."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training import get_args
 
@@ -42,7 +43,11 @@ def model_provider(pre_process=True, post_process=True):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=not cuda, perform_initialization=True, params_dtype=dtype,
-        bf16=args.bf16, fp16=args.fp16, pipeline_dtype=dtype,
+        bf16=args.bf16, fp16=args.fp16, pipeline_dtype=dtype, attention_backend=AttnBackend[args.attention_backend],
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        **({"recompute_modules": args.recompute_modules} if args.recompute_modules else {}),
+        calculate_per_token_loss=args.calculate_per_token_loss,
         batch_p2p_comm=cuda)  # gloo has no coalesced send/recv: pairs of isend/irecv instead
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -60,16 +65,22 @@ def model_provider(pre_process=True, post_process=True):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """The micro-batch's mean loss over its unmasked tokens; with --calculate-per-token-loss its sum and token
+    count instead (megatron-core's schedules then divide by the global batch's tokens)."""
+    from megatron.training import get_args
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
+    total, tokens = torch.sum(losses * mask), mask.sum()
+    if get_args().calculate_per_token_loss:
+        return total, tokens.to(torch.int), {"lm loss": torch.stack([total.detach(), tokens.detach()])}
+    loss = total / tokens
     return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
 
 
 def forward_step(data_iterator, model):
     """One micro-batch: (output tensor, loss function), as megatron-core's schedules expect."""
     batch = next(data_iterator)
-    output_tensor = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    output_tensor = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
 

@@ -161,9 +161,14 @@ def test_finetune_from_a_transformers_model(tmp_path):
     _, log = torchrun(4, flags)
     assert "for fine-tuning from iteration 0" in log, log[-3000:]
 
-    from megatron.training.data import MicroBatches, SyntheticTokens
-    batches = MicroBatches(SyntheticTokens(32, 128, 1234), 0, 2, 0, 1, vocab_size=128)
-    first = [next(batches) for _ in range(2)]  # global batch 4 = 2 micro-batches of 2
+    # the run's first global batch (DP 1: 2 micro-batches of 2), from the trainer's own data set on one rank
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.data import MicroBatches, build_train_valid_test_datasets
+    from megatron.training.initialize import setup_data_and_schedule
+    args = validate_args(parse_args(argv=flags[:-4]), 1)  # without the TP2 x PP2 layout
+    tokenizer = setup_data_and_schedule(args, 0)
+    batches = MicroBatches(build_train_valid_test_datasets(args, tokenizer)[0], 0, 2, 0, 1, vocab_size=128)
+    first = [next(batches) for _ in range(2)]
     tokens = torch.cat([b["tokens"] for b in first])
     labels = torch.cat([b["labels"] for b in first])
     _, expected = hf_loss(hf_model(source), tokens, labels)

@@ -16,6 +16,7 @@ class ArgumentError(ValueError):
 
 
 CKPT_FORMATS = ("datastates", "torch_dist", "torch")
+UPSTREAM_ONLY_FORMATS = ("torch_dcp", "fsdp_dtensor")  # refused with the reason
 DEFAULT_SPLIT = "969, 30, 1"  # upstream's --split when --data-path is given
 
 
@@ -33,7 +34,11 @@ def _add_model_args(p):
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer's vocabulary (pre-tokenized data); default 128 with --mock-data")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="upstream's older spelling: no learned position table (--position-embedding-type none "
+                        "unless rope)")
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
@@ -49,6 +54,31 @@ def _add_model_args(p):
                    help="default: transformer_engine when importable and CUDA is present, else local")
 
 
+def _add_implementation_args(p):
+    g = p.add_argument_group("implementation (the same math; see docs/from-megatron-lm.md for CPU ranks)")
+    g.add_argument("--attention-backend", choices=["auto", "local", "unfused", "flash", "fused"], default="auto",
+                   help="flash/fused need Transformer Engine on CUDA; CPU ranks run the local unfused attention")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    for fusion in ("masked-softmax", "bias-gelu", "bias-swiglu", "bias-dropout", "rope", "gradient-accumulation"):
+        g.add_argument(f"--no-{fusion}-fusion", action="store_true",
+                       help="accepted: no fused kernel is turned on here, on any device")
+    g.add_argument("--recompute-activations", action="store_true", help="selective recompute of core attention")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None)
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted: the models are always megatron-core's (upstream ignores it too)")
+    g.add_argument("--enable-experimental", action="store_true", help="megatron-core's experimental features")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off, run every --manual-gc-interval iterations")
+    g.add_argument("--manual-gc-interval", type=int, default=0)
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="empty the CUDA caching allocator after each step (1) and each forward-backward (2)")
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="no reduced-precision reductions in bf16 matmuls (a torch.backends.cuda setting)")
+
+
 def _add_parallel_args(p):
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -60,6 +90,11 @@ def _add_parallel_args(p):
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="only 1: context parallelism needs Transformer Engine's attention")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true", help="reduce gradients in bf16 instead of fp32")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce gradients in fp32 (the default here, as upstream's with --bf16)")
 
 
 def _add_training_args(p):
@@ -92,6 +127,10 @@ def _add_training_args(p):
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss over the global batch's unmasked tokens rather than a mean of micro-batch means")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
     g.add_argument("--log-all-ranks", action="store_true",
                    help="every rank logs its INFO lines (default: rank 0 only; warnings and errors always)")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
@@ -110,6 +149,21 @@ def _add_logging_args(p):
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,
                    help="scalars TensorBoard's writer queues before it writes them out")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-throughput", action="store_true", help="model TFLOP/s per rank in each log line")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="forward-backward, checkpoint wait and optimizer times of each iteration")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="CUDA allocator statistics; host resident memory on CPU ranks")
+    g.add_argument("--logging-level", type=int, default=None, help="Python logging level [INFO = 20]")
+    g.add_argument("--profile", action="store_true", help="profile --profile-step-start..end (needs "
+                   "--use-pytorch-profiler on CPU ranks: nsys's CUDA profiler API is CUDA's)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="torch.profiler traces into --tensorboard-dir")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
     g.add_argument("--wandb-project", type=str, default=None,
                    help="log to Weights & Biases (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
     g.add_argument("--wandb-exp-name", type=str, default=None)
@@ -120,7 +174,7 @@ def _add_data_args(p):
     from .tokenizer import TOKENIZER_TYPES
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
-                   help="deterministic synthetic token stream (the default when no data path is given)")
+                   help="megatron-core's MockGPTDataset, as upstream (the default when no data path is given)")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="a megatron indexed data set prefix (<prefix>.bin/.idx), or a blend: WEIGHT PREFIX ...")
     g.add_argument("--split", type=str, default=None,
@@ -139,6 +193,14 @@ def _add_data_args(p):
     g.add_argument("--tokenizer-model", type=str, default=None,
                    help="a SentencePiece model file, or a local HuggingFace tokenizer directory")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes per rank")
+    g.add_argument("--data-args-path", type=str, default=None,
+                   help="a file holding --data-path's value (a prefix, or WEIGHT PREFIX pairs)")
+    g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+                   action="store_false", help="the model builds the causal mask itself")
+    g.add_argument("--tiktoken-pattern", type=str, default=None,
+                   help="accepted as upstream: it applies to TikTokenizer only, which is not built here")
+    g.add_argument("--legacy-tokenizer", action="store_true",
+                   help="accepted: the tokenizers built here are upstream's legacy ones")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each end of document")
     g.add_argument("--reset-attention-mask", action="store_true",
@@ -150,7 +212,7 @@ def _add_checkpoint_args(p):
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="datastates")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS + UPSTREAM_ONLY_FORMATS, default="datastates")
     g.add_argument("--async-ckpt", "--async-save", dest="async_ckpt", action="store_true",
                    help="lazy asynchronous save (datastates); without it the save is synchronous")
     g.add_argument("--ckpt-host-buffer-gb", type=float, default=4.0)
@@ -180,6 +242,20 @@ def _add_checkpoint_args(p):
                         "directory), in this run's TP/PP/DP layout; with --train-iters equal to that iteration "
                         "this converts a checkpoint to a new layout and exits")
     g.add_argument("--use-dist-ckpt", action="store_true", help="accepted for compatibility")
+    g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
+                   default=True, help="spread replicated state over the DP ranks (always, with datastates)")
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
+                   help="torch_dist only: DP rank 0 writes the replicated state")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="torch_dist: megatron-core's fully parallel load (datastates ranks always read in parallel)")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="torch_dist: reuse the save plan (datastates always reuses it while the structure holds)")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="accepted: a load always detects the checkpoint's format")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                            "return_unexpected", "return_all", "ignore_all"],
+                   help="what a load does with checkpoint entries the model lacks; a missing entry always fails")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model's architecture flags the command line leaves unset from the checkpoint "
                         "under --load")
@@ -206,6 +282,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Megatron-style GPT pretraining with lazy asynchronous checkpoints",
                                 allow_abbrev=False)
     _add_model_args(p)
+    _add_implementation_args(p)
     _add_parallel_args(p)
     _add_training_args(p)
     _add_data_args(p)
@@ -217,8 +294,20 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
 
 def parse_args(extra_args_provider=None, argv=None) -> argparse.Namespace:
-    """Parse the flags (sys.argv[1:] when argv is None). Use validate_args once the world size is known."""
-    return build_parser(extra_args_provider).parse_args(argv)
+    """Parse the flags (sys.argv[1:] when argv is None). Use validate_args once the world size is known.
+
+    An upstream flag this trainer refuses raises ArgumentError with the reason (all of them at once); a flag
+    upstream does not know either is argparse's error."""
+    from .flag_policy import refusals
+    parser = build_parser(extra_args_provider)
+    args, unknown = parser.parse_known_args(argv)
+    messages, unrecognized = refusals(unknown)
+    if messages:
+        extra = f"\n  unrecognized: {' '.join(unrecognized)}" if unrecognized else ""
+        raise ArgumentError("Megatron-LM flags this trainer does not support:\n  " + "\n  ".join(messages) + extra)
+    if unrecognized:
+        parser.error("unrecognized arguments: " + " ".join(unrecognized))
+    return args
 
 
 def _require(args, *names):
@@ -299,8 +388,13 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         raise ArgumentError("--wandb-project needs --wandb-save-dir (or --save, whose wandb/ directory it uses)")
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
+    _validate_implementation(args)
     _validate_data(args)
     # Checkpointing.
+    if args.ckpt_format in UPSTREAM_ONLY_FORMATS:
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: upstream's {args.ckpt_format} format is not built "
+                            f"here; formats: {', '.join(CKPT_FORMATS)} (tools/convert_checkpoint.py converts "
+                            "torch_dist checkpoints)")
     if args.save_interval is not None and args.save_interval <= 0:
         raise ArgumentError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:
@@ -371,6 +465,19 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
             raise ArgumentError("--transformer-impl transformer_engine needs CUDA")
         if args.distributed_backend == "nccl":
             raise ArgumentError("--distributed-backend nccl needs CUDA")
+        if args.empty_unused_memory_level:
+            raise ArgumentError("--empty-unused-memory-level empties the CUDA caching allocator; CPU ranks have "
+                                "none: drop it (or pass 0)")
+        if args.recompute_granularity is not None:
+            raise ArgumentError(f"--recompute-granularity {args.recompute_granularity} (or --recompute-activations): "
+                                "megatron-core's recompute saves and restores CUDA RNG states, which CPU ranks do "
+                                "not have; drop it (it trades memory for time, the math is the same)")
+        if args.profile and not args.use_pytorch_profiler:
+            raise ArgumentError("--profile without --use-pytorch-profiler drives nsys through CUDA's profiler API; "
+                                "on CPU ranks add --use-pytorch-profiler (torch.profiler traces)")
+    if args.attention_backend in ("flash", "fused") and args.transformer_impl != "transformer_engine":
+        raise ArgumentError(f"--attention-backend {args.attention_backend} is Transformer Engine's CUDA attention; "
+                            "with --transformer-impl local (CPU ranks) use local, unfused or auto")
     if args.use_distributed_optimizer and args.ckpt_format == "torch":
         raise ArgumentError("--use-distributed-optimizer with --ckpt-format torch: the legacy format writes one file "
                             "per (TP, PP) rank from DP rank 0, but the distributed optimizer's state is sharded "
@@ -380,8 +487,50 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     return args
 
 
+def _validate_implementation(args) -> None:
+    """Implementation choices that are the same math: the positions table, recompute, gradients, profiling."""
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # upstream's reading of --no-position-embedding
+    if args.context_parallel_size != 1:
+        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: context parallelism needs "
+                            "Transformer Engine's attention, not built here; use 1 (data or tensor parallelism)")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        raise ArgumentError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict: give one")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
+        raise ArgumentError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                            "--recompute-num-layers")
+    if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
+        raise ArgumentError("--recompute-method and --recompute-num-layers apply to --recompute-granularity full")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.profile and args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ArgumentError("--profile --use-pytorch-profiler writes its traces to --tensorboard-dir: give one")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be >= 0 and before "
+                            f"--profile-step-end {args.profile_step_end}")
+
+
+def _read_data_args(args) -> None:
+    """--data-args-path: the file holds --data-path's words; quotes a launch script left in --split go."""
+    if args.data_args_path is not None:
+        if args.data_path:
+            raise ArgumentError("--data-args-path and --data-path both give the data: give one")
+        try:
+            with open(args.data_args_path) as f:
+                args.data_path = f.read().split()
+        except OSError as e:
+            raise ArgumentError(f"--data-args-path {args.data_args_path!r}: {e.strerror}") from None
+        if not args.data_path:
+            raise ArgumentError(f"--data-args-path {args.data_args_path!r} is empty")
+    if args.split is not None:
+        args.split = args.split.strip("'\"")
+
+
 def _validate_data(args) -> None:
     """Mock data or data paths (not both), --split only with --data-path, and the tokenizer's flags."""
+    _read_data_args(args)
     from .tokenizer import TokenizerArgumentError, check_tokenizer_args
     per_split = [p for p in (args.train_data_path, args.valid_data_path, args.test_data_path) if p]
     if args.data_path and per_split:
@@ -394,9 +543,7 @@ def _validate_data(args) -> None:
     if args.mock_data and (args.data_path or per_split):
         raise ArgumentError("--mock-data and a data path are mutually exclusive")
     if not (args.data_path or per_split):
-        args.mock_data = True
-        if args.split is not None or args.data_cache_path is not None:
-            raise ArgumentError("--split and --data-cache-path apply to --data-path; --mock-data has neither")
+        args.mock_data = True  # megatron-core's MockGPTDataset: it caches under --data-cache-path, splits 1,1,1
         if args.vocab_size is None and args.tokenizer_type == "NullTokenizer":
             args.vocab_size = 128
     elif args.data_path and args.split is None:

@@ -1,4 +1,4 @@
-"""Training data: megatron-core's `GPTDataset`s (blended by `BlendedMegatronDatasetBuilder`), or `--mock-data`.
+"""Training data: megatron-core's `GPTDataset`s (blended by `BlendedMegatronDatasetBuilder`), or its `MockGPTDataset`.
 
 Both are random-access by global sample index and deterministic in their configuration, so the sample order is
 a pure function of (flags, sample index) and resuming at the checkpoint's `consumed_samples` continues from the
@@ -8,27 +8,10 @@ mbs * dp samples later. A ramped batch size only changes how many micro-batches 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
-
-class SyntheticTokens:
-    """--mock-data: sample i is an arithmetic progression modulo the vocabulary, start and stride drawn from
-    (seed, i). Learnable (the loss goes down visibly within tens of iterations) and deterministic without state."""
-
-    def __init__(self, seq_length: int, vocab_size: int, seed: int):
-        self.seq_length = seq_length
-        self.vocab_size = vocab_size
-        self.seed = seed
-
-    def __getitem__(self, idx: int) -> dict:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + int(idx)) % (2 ** 63))
-        start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
-        stride = int(torch.randint(1, 8, (1,), generator=g))
-        seq = (start + stride * torch.arange(self.seq_length + 1, dtype=torch.int64)) % self.vocab_size
-        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": torch.ones(self.seq_length),
-                "position_ids": torch.arange(self.seq_length, dtype=torch.int64)}
-
 
 # ----- megatron-core's data sets -----
 
@@ -104,14 +87,12 @@ def split_sizes(args) -> list[int]:
 
 def build_datasets(args, tokenizer):
     """(train, valid, test): megatron-core's GPTDatasets (or blends of them) with --data-path and its kin, else
-    three synthetic --mock-data streams of other seeds. Every rank builds them (rank 0 first, writing the
-    index cache); each reads its own micro-batches."""
-    if args.mock_data:
-        return tuple(SyntheticTokens(args.seq_length, tokenizer.vocab_size, args.seed + split) for split in range(3))
+    its MockGPTDataset (--mock-data: documents of counting tokens, as upstream's). Every rank builds them (rank 0
+    first, writing the index cache); each reads its own micro-batches."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset
-    return tuple(BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(args), lambda: True,
-                                               gpt_dataset_config(args, tokenizer)).build())
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    return tuple(BlendedMegatronDatasetBuilder(MockGPTDataset if args.mock_data else GPTDataset, split_sizes(args),
+                                               lambda: True, gpt_dataset_config(args, tokenizer)).build())
 
 
 def build_train_valid_test_datasets(args, tokenizer=None):
@@ -139,13 +120,14 @@ class RankSampler(torch.utils.data.Sampler):
             first += self.mbs * self.dp_size
 
 
-def collate(samples: list[dict]) -> dict:
+def collate(samples: list[dict], causal_mask: bool = True) -> dict:
     """Stack the samples; their own attention masks (--reset-attention-mask), else one causal mask shared by
-    every sample (True = masked)."""
+    every sample (True = masked), or none (--no-create-attention-mask-in-dataloader: the model's attention
+    masks causally by itself)."""
     keys = ("tokens", "labels", "loss_mask", "position_ids") + (("attention_mask",) if "attention_mask" in samples[0]
                                                                  else ())
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
-    if "attention_mask" not in batch:
+    if "attention_mask" not in batch and causal_mask:
         s = batch["tokens"].shape[1]
         batch["attention_mask"] = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
     return batch
@@ -156,13 +138,15 @@ class MicroBatches:
     tokenizer's vocabulary (data preprocessed with another tokenizer) stops the run naming it."""
 
     def __init__(self, dataset, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int, *,
-                 vocab_size: int, num_workers: int = 0, device="cpu", what: str = "training data"):
+                 vocab_size: int, num_workers: int = 0, device="cpu", what: str = "training data",
+                 causal_mask: bool = True):
         total = len(dataset) if hasattr(dataset, "__len__") else None
         sampler = RankSampler(total, consumed, micro_batch_size, dp_rank, dp_size)
         # its own generator: a loader seeds its workers from the global torch RNG otherwise, and a draw from it
         # here (after a resume restored it, but before training in a straight run) would shift the dropout masks
         self.loader = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                                       collate_fn=collate, persistent_workers=num_workers > 0,
+                                                       collate_fn=functools.partial(collate, causal_mask=causal_mask),
+                                                       persistent_workers=num_workers > 0,
                                                        generator=torch.Generator().manual_seed(0)))
         self.vocab_size, self.device, self.what = vocab_size, device, what
 

@@ -29,7 +29,8 @@ def evaluate(args, model, forward_step_func, dataset, first_sample: int, *, voca
     dp = ps.get_data_parallel_world_size()
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     batches = MicroBatches(dataset, first_sample, args.micro_batch_size, ps.get_data_parallel_rank(), dp,
-                           vocab_size=vocab_size, device=args.device, what=what)
+                           vocab_size=vocab_size, device=args.device, what=what,
+                           causal_mask=args.create_attention_mask_in_dataloader)
     reported = []
     model.eval()
     try:

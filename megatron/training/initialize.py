@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import sys
@@ -52,7 +53,13 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
             backend=args.distributed_backend, rank=rank, world_size=args.world_size,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     args.rank = torch.distributed.get_rank()
-    setup_logging(args.rank, all_ranks=args.log_all_ranks or None, stream=sys.stdout)
+    setup_logging(args.rank, all_ranks=args.log_all_ranks or None, stream=sys.stdout,
+                  level=args.logging_level or logging.INFO)
+    if args.enable_experimental:
+        from megatron.core.config import set_experimental_flag
+        set_experimental_flag(True)
+    if args.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

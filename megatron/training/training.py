@@ -14,8 +14,10 @@ they run under `cpu_shim.cuda_free()`, the one module that adapts megatron-core'
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import math
+from dataclasses import dataclass
 import time
 
 import torch
@@ -31,7 +33,9 @@ from .evaluation import describe, evaluate, evaluations_before
 from .exits import ExitConditions
 from .global_vars import get_tokenizer
 from .initialize import initialize_megatron, shutdown_distributed
+from .measures import flops_per_iteration, memory, params_norm
 from .metrics import Metrics
+from .profiling import Profiler
 from .schedules import batch_at, scheduler_steps
 
 log = logging.getLogger(__name__)
@@ -68,14 +72,15 @@ def setup_model_and_optimizer(args, model_provider):
         from megatron.core.transformer.module import Float16Module
         model = Float16Module(model.config, model)  # 16-bit inputs in, fp32 logits out, as in Megatron-LM
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer)
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
     model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=model)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=model.config.params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        use_distributed_optimizer=args.use_distributed_optimizer, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
     optimizer = get_megatron_optimizer(opt_config, [model])
     # What Megatron-LM's train() wires into the schedules: loss scaling, the end-of-backward gradient
     # reductions (DP, sequence-parallel layer norms, the embedding tied across pipeline stages), no_sync.
@@ -96,7 +101,14 @@ def _reduce_losses(args, reported):
         return {}
     out = {}
     for key in reported[0]:
-        v = torch.stack([r[key].detach().float().reshape(()) for r in reported]).mean()
+        values = torch.stack([r[key].detach().float().reshape(-1) for r in reported])
+        if values.shape[1] == 2:  # (loss sum, tokens) of --calculate-per-token-loss: over all tokens
+            v = values.sum(0)
+            if args.data_parallel_size > 1:
+                dist.all_reduce(v, group=ps.get_data_parallel_group())
+            out[key] = (v[0] / v[1]).item()
+            continue
+        v = values.mean()
         if args.data_parallel_size > 1:
             dist.all_reduce(v, group=ps.get_data_parallel_group())
             v = v / args.data_parallel_size
@@ -104,9 +116,20 @@ def _reduce_losses(args, reported):
     return out
 
 
-def train_step(args, model, optimizer, forward_step_func, batches, num_microbatches, checkpointer):
-    """One iteration of `num_microbatches` micro-batches from `batches`; returns (losses, grad norm, stepped)."""
+@dataclass
+class Step:
+    """What one iteration reports: its losses (last pipeline stage), the optimizer's answers, its phases' times."""
+    losses: dict
+    stepped: bool
+    grad_norm: float
+    num_zeros: int | None
+    times: dict
+
+
+def train_step(args, model, optimizer, forward_step_func, batches, num_microbatches, checkpointer) -> Step:
+    """One iteration of `num_microbatches` micro-batches from `batches`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    t0 = time.perf_counter()
     model.zero_grad_buffer()  # gradients are not part of the checkpoint
     optimizer.zero_grad()
     data = iter([next(batches) for _ in range(num_microbatches)])
@@ -114,13 +137,22 @@ def train_step(args, model, optimizer, forward_step_func, batches, num_microbatc
         forward_step_func=forward_step_func, data_iterator=data, model=[model],
         num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
+    if args.empty_unused_memory_level >= 2:
+        torch.cuda.empty_cache()
+    t1 = time.perf_counter()
     # The optimizer step below mutates params and optimizer state: the snapshots of pending saves must be
     # taken. (With --overlap-param-gather the forward pass gathers params too, but a save finishes
     # that gather before building its state, so the saved params are the saved step's and nothing mutates
     # them before this point.)
     checkpointer.fence()
-    ok, grad_norm, _ = optimizer.step()
-    return _reduce_losses(args, reported if ps.is_pipeline_last_stage() else []), grad_norm or 0.0, ok
+    t2 = time.perf_counter()
+    ok, grad_norm, num_zeros = optimizer.step()
+    if args.empty_unused_memory_level >= 1:
+        torch.cuda.empty_cache()
+    times = {"forward-backward-time": t1 - t0, "checkpoint-wait-time": t2 - t1,
+             "optimizer-time": time.perf_counter() - t2}
+    return Step(_reduce_losses(args, reported if ps.is_pipeline_last_stage() else []), ok, grad_norm or 0.0,
+                num_zeros, times)
 
 
 # ----- loop -----
@@ -134,20 +166,37 @@ class Run:
         self.vocab_size = get_tokenizer().vocab_size
         self.metrics = Metrics(args)
         self.exits = ExitConditions(args, start_time)
+        self.profiler = Profiler(args, dist.get_rank())
         self.records_seen = 0
+        if args.manual_gc:  # collected every --manual-gc-interval iterations instead (upstream's flag)
+            gc.disable()
 
-    def log_iteration(self, iteration, consumed, gbs, losses, grad_norm, lr, elapsed_ms) -> None:
+    def log_iteration(self, iteration: int, consumed: int, gbs: int, step: Step, lr: float, seconds: float) -> None:
+        """Upstream's iteration line (last rank) and the metrics sinks; the optional figures of the flags."""
         args = self.args
+        scalars = {**step.losses, "learning-rate": lr, "batch-size": gbs, "grad-norm": float(step.grad_norm),
+                   "iteration-time": seconds, "samples-per-second": gbs / seconds if seconds else 0.0}
         line = (f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
-                f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-                f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |")
-        for k, v in losses.items():
+                f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {seconds * 1e3:.1f} |")
+        if args.log_throughput:
+            scalars["throughput"] = flops_per_iteration(args, gbs) / seconds / 1e12 / args.world_size
+            line += f" throughput per rank (TFLOP/s): {scalars['throughput']:.3f} |"
+        line += f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |"
+        for k, v in step.losses.items():
             line += f" {k}: {v!r} |"
-        line += f" grad norm: {grad_norm:.6f} |"
+        line += f" grad norm: {step.grad_norm:.6f} |"
+        if args.log_num_zeros_in_grad:
+            scalars["num-zeros"] = step.num_zeros
+            line += f" num zeros: {step.num_zeros} |"
+        if args.log_params_norm:  # a collective: every rank computes it
+            scalars["params-norm"] = params_norm(self.model)
+            line += f" params norm: {scalars['params-norm']:.6f} |"
         print_rank_last(line)
-        self.metrics.log(iteration, {**losses, "learning-rate": lr, "batch-size": gbs, "grad-norm": float(grad_norm),
-                                     "iteration-time": elapsed_ms / 1e3,
-                                     "samples-per-second": gbs / (elapsed_ms / 1e3) if elapsed_ms else 0.0})
+        if args.log_timers_to_tensorboard:
+            scalars.update(step.times)
+        if args.log_memory_to_tensorboard:
+            scalars.update(memory(args.device))
+        self.metrics.log(iteration, scalars)
 
     def log_checkpoints(self, checkpointer) -> None:
         """The checkpoints that finished since the last call, to the metrics sinks."""
@@ -169,7 +218,15 @@ class Run:
                          ({f"{k} {split} ppl": math.exp(min(20.0, v)) for k, v in losses.items()}
                           if args.log_validation_ppl_to_tensorboard else {}), every_iteration=True)
 
+    def after_iteration(self, iteration: int) -> None:
+        self.profiler.step()
+        if self.args.manual_gc and self.args.manual_gc_interval and iteration % self.args.manual_gc_interval == 0:
+            gc.collect()
+
     def close(self) -> None:
+        if self.args.manual_gc:
+            gc.enable()
+        self.profiler.close()
         self.metrics.close()
         self.exits.close()
 
@@ -178,22 +235,23 @@ def train(args, model, optimizer, scheduler, run: Run, checkpointer, iteration, 
     """Train until --train-iters, --exit-interval or an exit condition; returns (iteration, why it stopped)."""
     batches = MicroBatches(run.train_ds, consumed, args.micro_batch_size, ps.get_data_parallel_rank(),
                            ps.get_data_parallel_world_size(), vocab_size=run.vocab_size,
-                           num_workers=args.num_workers, device=args.device)
+                           num_workers=args.num_workers, device=args.device,
+                           causal_mask=args.create_attention_mask_in_dataloader)
     model.train()
     saved_last, start, stop = None, iteration, None
     t_last = time.perf_counter()
     while iteration < args.train_iters and stop is None:
         gbs, num_microbatches = batch_at(consumed)  # the ramp's batch size after `consumed` samples
-        losses, grad_norm, stepped = train_step(args, model, optimizer, run.forward_step_func, batches,
-                                                num_microbatches, checkpointer)
-        if stepped:
+        step = train_step(args, model, optimizer, run.forward_step_func, batches, num_microbatches, checkpointer)
+        if step.stepped:
             scheduler.step(increment=gbs)
         iteration += 1
         consumed += gbs
+        run.after_iteration(iteration)
         if iteration % args.log_interval == 0:
             now = time.perf_counter()
-            run.log_iteration(iteration, consumed, gbs, losses, grad_norm, optimizer.param_groups[0]["lr"],
-                              (now - t_last) * 1e3 / args.log_interval)
+            run.log_iteration(iteration, consumed, gbs, step, optimizer.param_groups[0]["lr"],
+                              (now - t_last) / args.log_interval)
             t_last = now
         if args.eval_interval and iteration % args.eval_interval == 0:
             run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration))

@@ -1,0 +1,62 @@
+"""Upstream Megatron-LM flags this trainer refuses, each with the reason and what to use instead.
+
+A launch script's flag is honoured (the parser knows it and the trainer acts on it) or refused here, before any
+work starts; argparse's "unrecognized arguments" is left for flags upstream does not have either. Refusals are
+collected, so one run of a script lists every flag it must change.
+
+The rule for GPU-only implementation choices (docs/from-megatron-lm.md): a flag that asks for a GPU-only
+implementation of the same math (a fused kernel, flash or fused attention, Transformer Engine, fp8, CUDA
+streams, NCCL buffers, the CUDA allocator, CUDA profilers) is refused on CPU ranks, naming what CPU ranks run
+instead; a flag that turns such an implementation off (`--no-*-fusion`, `--attention-backend local`) is
+honoured: it asks for what runs here. This trainer turns on no fused kernel on any device.
+"""
+from __future__ import annotations
+
+_FP8 = ("fp8 training needs Transformer Engine's fp8 recipes on fp8-capable GPUs, which this trainer does not "
+        "wire; train in --bf16 (the checkpoint format does not depend on it)")
+_FSDP = ("Megatron-FSDP is not built here; use --use-distributed-optimizer (ZeRO-1), whose sharded state the "
+         "datastates checkpoint saves and reshards")
+_NCCL_UB = "NCCL user buffers belong to Megatron-FSDP on NCCL; not built here (drop the flag)"
+_GPT_OSS = ("GPT-OSS's architecture (sliding-window attention, a learnable softmax offset, clamped quick-GeGLU, "
+            "YaRN) is not built here yet; Llama- and Mixtral-style models are")
+_MODELOPT = "belongs to upstream's post-training (nvidia-modelopt) arguments, not to pretrain_gpt.py's"
+
+REFUSED = {
+    "--fp8-format": _FP8, "--fp8-recipe": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
+    "--fp8-param-gather": _FP8, "--fp8-margin": _FP8,
+    "--use-megatron-fsdp": _FSDP, "--data-parallel-sharding-strategy": _FSDP,
+    "--megatron-fsdp-grad-comm-dtype": _FSDP, "--megatron-fsdp-main-grads-dtype": _FSDP,
+    "--init-model-with-meta-device": _FSDP, "--fsdp-double-buffer": _FSDP,
+    "--use-nccl-ub": _NCCL_UB, "--fsdp-manual-registration": _NCCL_UB,
+    "--use-flash-attn": "FlashAttention is a CUDA kernel (through Transformer Engine): use --attention-backend "
+                        "flash with --transformer-impl transformer_engine on GPUs, or drop it on CPU ranks",
+    "--cross-entropy-loss-fusion": "asks for a fused cross-entropy kernel; this trainer computes the unfused "
+                                   "one on every device (drop the flag)",
+    "--record-memory-history": "records the CUDA caching allocator's history; CPU ranks have none (drop it)",
+    "--enable-gpt-oss": _GPT_OSS + "; it also " + _MODELOPT,
+    "--export-force-local-attention": _MODELOPT,
+    "--quick-geglu": _GPT_OSS, "--glu-linear-offset": _GPT_OSS, "--activation-func-clamp-value": _GPT_OSS,
+    "--softmax-type": _GPT_OSS, "--window-size": _GPT_OSS, "--window-attn-skip-freq": _GPT_OSS,
+    "--apply-layernorm-1p": "a zero-centred LayerNorm gamma needs Transformer Engine's or apex's LayerNorm; "
+                            "megatron-core's torch LayerNorm (CPU ranks) refuses it",
+    "--tokenizer-special-tokens": "megatron-core's new tokenizer library is not used here: add the special "
+                                  "tokens to the tokenizer itself (--tokenizer-model directory)",
+    "--step-batch-size-schedule": "a stepwise batch-size schedule is not built here: use --rampup-batch-size "
+                                  "START INCREMENT SAMPLES with --train-samples",
+    "--use-torch-fsdp2": _FSDP,
+}
+
+
+def refusals(unknown: list[str]) -> tuple[list[str], list[str]]:
+    """Split argparse's leftovers into (refusal messages, unrecognized tokens); values of refused flags go
+    with them."""
+    messages, unrecognized, refused_value = [], [], False
+    for token in unknown:
+        flag = token.split("=", 1)[0]
+        if flag in REFUSED:
+            messages.append(f"{flag}: {REFUSED[flag]}")
+            refused_value = True
+        elif token.startswith("-") or not refused_value:
+            unrecognized.append(token)
+            refused_value = False
+    return messages, unrecognized

@@ -38,6 +38,7 @@ def model_provider(pre_process=True, post_process=True):
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu if args.swiglu else
         torch.nn.functional.gelu, add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -42,6 +42,8 @@ def _add_model_args(p):
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="a zero-centred norm gamma (Transformer Engine's norms; not on CPU ranks)")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -187,7 +189,8 @@ def _add_data_args(p):
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                    help="read the .bin files with reads instead of mmap")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="NullTokenizer")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="default: GPT2BPETokenizer with --vocab-file and --merge-file, else NullTokenizer")
     g.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer's merges.txt")
     g.add_argument("--tokenizer-model", type=str, default=None,
@@ -475,6 +478,9 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         if args.profile and not args.use_pytorch_profiler:
             raise ArgumentError("--profile without --use-pytorch-profiler drives nsys through CUDA's profiler API; "
                                 "on CPU ranks add --use-pytorch-profiler (torch.profiler traces)")
+    if args.apply_layernorm_1p and args.transformer_impl != "transformer_engine":
+        raise ArgumentError("--apply-layernorm-1p (a zero-centred norm gamma) needs Transformer Engine's norms; "
+                            "megatron-core's torch norms (--transformer-impl local, CPU ranks) refuse it")
     if args.attention_backend in ("flash", "fused") and args.transformer_impl != "transformer_engine":
         raise ArgumentError(f"--attention-backend {args.attention_backend} is Transformer Engine's CUDA attention; "
                             "with --transformer-impl local (CPU ranks) use local, unfused or auto")
@@ -531,6 +537,8 @@ def _read_data_args(args) -> None:
 def _validate_data(args) -> None:
     """Mock data or data paths (not both), --split only with --data-path, and the tokenizer's flags."""
     _read_data_args(args)
+    if args.tokenizer_type is None:  # what upstream's GPT-3 script relies on: the BPE files name the tokenizer
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
     from .tokenizer import TokenizerArgumentError, check_tokenizer_args
     per_split = [p for p in (args.train_data_path, args.valid_data_path, args.test_data_path) if p]
     if args.data_path and per_split:

@@ -37,8 +37,6 @@ REFUSED = {
     "--export-force-local-attention": _MODELOPT,
     "--quick-geglu": _GPT_OSS, "--glu-linear-offset": _GPT_OSS, "--activation-func-clamp-value": _GPT_OSS,
     "--softmax-type": _GPT_OSS, "--window-size": _GPT_OSS, "--window-attn-skip-freq": _GPT_OSS,
-    "--apply-layernorm-1p": "a zero-centred LayerNorm gamma needs Transformer Engine's or apex's LayerNorm; "
-                            "megatron-core's torch LayerNorm (CPU ranks) refuses it",
     "--tokenizer-special-tokens": "megatron-core's new tokenizer library is not used here: add the special "
                                   "tokens to the tokenizer itself (--tokenizer-model directory)",
     "--step-batch-size-schedule": "a stepwise batch-size schedule is not built here: use --rampup-batch-size "

@@ -10,6 +10,8 @@ bit-exact resume and resharding tests, which fail without them, run in both envi
   non-distributed optimizers leave their common step out at 0 (`_one_common_step`), the
   DistributedOptimizer shares one step tensor between all parameters and its dp_reshardable loader overwrites the
   steps (`_restore_adam_steps`), and its fully_reshardable loader fails on the step (`_load_fully_reshardable`);
+- fp16's grad scaler state holds a device tensor, and its loader moves it with `.cuda()`: saved as numbers,
+  restored here (`_restore_grad_scaler`);
 - the fully_reshardable save reads parameters at their padded buffer offsets from a gather that dropped the
   padding between buckets, shifting every parameter after the first bucket (`_bucket_padded_gather`).
 """
@@ -124,7 +126,7 @@ def _padded_dp_zero_state(opt, gather, *args, **kwargs):
 
 
 def _init_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer its state, Adam's step included, so that it can describe what it will load.
+    """Give a fresh optimizer its state, Adam's step included, so that it can describe what it saves or loads.
 
     megatron-core's `init_state_fn` makes the moments but no step; with torch's Adam (no TE/apex) the
     optimizers' `state_dict()` then has no step to save, or to ask a checkpoint for."""
@@ -142,16 +144,20 @@ def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, i
                                  common: bool) -> dict:
     """megatron-core's optimizer sharded state dict; for datastates its plain values become `Common`.
 
-    Non-distributed optimizers always describe their Adam step (see `_one_common_step`)."""
-    if is_loading:
-        _init_optimizer_state(optimizer)
+    Non-distributed optimizers always describe their Adam step (see `_one_common_step`). A save before the first
+    step the optimizer took (fp16's loss scaler skips the steps that overflow) describes the zero moments and
+    step 0 Adam would create at that first step, the same math: a load always asks for them."""
+    _init_optimizer_state(optimizer)
     with _bucket_padded_gather(optimizer, metadata):
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     _one_common_step(sd, optimizer)
+    if sd.get("grad_scaler"):  # fp16's loss scale: plain numbers (a 1-element tensor on the device otherwise)
+        sd["grad_scaler"] = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in sd["grad_scaler"].items()}
     return _as_common(sd) if common else sd
 
 
 def load_optimizer_state(optimizer, loaded: dict) -> None:
+    scaler = loaded.pop("grad_scaler", None)  # restored below: megatron-core's loader moves it with .cuda()
     inner = loaded.get("optimizer", loaded)
     state = inner.get("state") if isinstance(inner, dict) else None
     if isinstance(state, dict) and isinstance(state.get("common_step"), (int, float)):
@@ -161,7 +167,20 @@ def load_optimizer_state(optimizer, loaded: dict) -> None:
     else:
         optimizer.load_state_dict(loaded)
     _restore_adam_steps(optimizer)
+    if scaler:
+        _restore_grad_scaler(optimizer, scaler)
 
+
+def _restore_grad_scaler(optimizer, saved: dict) -> None:
+    """fp16's dynamic loss scale and its trackers, on the device the scale lives on."""
+    for opt in _parts(optimizer):
+        grad_scaler = getattr(opt, "grad_scaler", None)
+        if grad_scaler is not None and hasattr(grad_scaler, "_scale"):
+            scale = saved["scale"]
+            grad_scaler._scale = torch.tensor([scale] if not isinstance(scale, torch.Tensor) else scale.tolist(),
+                                              dtype=grad_scaler._scale.dtype, device=grad_scaler._scale.device)
+            grad_scaler._growth_tracker = int(saved["growth_tracker"])
+            grad_scaler._hysteresis_tracker = int(saved["hysteresis_tracker"])
 
 def _load_fully_reshardable(optimizer, loaded: dict) -> None:
     """DistributedOptimizer.load_state_dict in its two steps, the Adam steps set aside for the second.

@@ -74,7 +74,9 @@ def setup_model_and_optimizer(args, model_provider):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
+        # fp16: the dynamic loss scaler skips the steps whose scaled gradients overflow (NaN included), so a
+        # NaN there is expected, not fatal
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
     model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=model)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,

@@ -94,34 +94,34 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     import torch
 
     from datastates import CheckpointError, commit
-    from megatron.training.checkpointing import Checkpointer
+    from megatron.training.checkpointing import CheckpointManager
 
     save = tmp_path / "ckpt"
     args = check(["--save", str(save), "--save-interval", "1", "--async-ckpt", "--ckpt-on-failure", policy,
                   "--ckpt-host-buffer-gb", "0.001"], world=1)
-    checkpointer = Checkpointer(args, model=None, optimizer=None, scheduler=None)
+    checkpoints = CheckpointManager(args, model=None, optimizer=None, scheduler=None)
     logged = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("megatron.training.checkpointing").addHandler(handler)
     try:
-        good = checkpointer.engine.save({"w": torch.ones(8)}, commit.checkpoint_dir(str(save), 1))
-        bad = checkpointer.engine.save({"w": torch.ones(8), "f": lambda: 0}, commit.checkpoint_dir(str(save), 2))
-        checkpointer.pending += [(1, good, 0.0), (2, bad, 0.0)]
+        engine = checkpoints.saver.engine  # the manager's pending saves are its engine's
+        good = engine.save({"w": torch.ones(8)}, commit.checkpoint_dir(str(save), 1))
+        bad = engine.save({"w": torch.ones(8), "f": lambda: 0}, commit.checkpoint_dir(str(save), 2))
         good.join()
         bad.join()
-        checkpointer.poll()
+        checkpoints.maybe_finalize()
         if policy == "stop":
             with pytest.raises(CheckpointError, match="iter_0000002.*not picklable"):
-                checkpointer.agree_on_failures(3)
+                checkpoints.agree_on_failures(3)
         else:
-            checkpointer.agree_on_failures(3)
+            checkpoints.agree_on_failures(3)
             assert any("checkpoint of iteration 2 failed, training goes on" in m for m in logged), logged
-            assert checkpointer.pending == [] and [r["iteration"] for r in checkpointer.records] == [1]
+            assert engine.maybe_finalize() == [] and [r["iteration"] for r in checkpoints.records] == [1]
         assert commit.read_latest(str(save)) == 1
     finally:
         logging.getLogger("megatron.training.checkpointing").removeHandler(handler)
-        checkpointer.close()
+        checkpoints.close()
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -11,5 +11,5 @@ def pretrain(*args, **kwargs):
 
 
 def print_rank_0(msg):
-    from .checkpointing import print_rank_0 as _p
+    from .utils import print_rank_0 as _p
     _p(msg)

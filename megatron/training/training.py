@@ -3,9 +3,10 @@
     for each iteration i+1:
         forward/backward of every micro-batch          (reads params; a pending lazy snapshot copies meanwhile)
         gradient reductions (DP, SP layer norms, tied embedding), clipping, all megatron-core's
-        checkpointer.fence()                            <- right before anything saved is mutated
+        checkpoints.wait_for_snapshot()                 <- right before anything saved is mutated
         optimizer.step(); scheduler.step()
-        if (i+1) % save_interval == 0: checkpointer.save(i+1)   (returns at once with --async-ckpt)
+        if (i+1) % save_interval == 0: checkpoints.save(i+1)    (returns at once with --async-ckpt)
+        checkpoints.maybe_finalize()                    logs the saves that finished
 
 The objects that train are megatron-core's on every device: DistributedDataParallel, `get_megatron_optimizer`
 (`--use-distributed-optimizer` included) and the `get_forward_backward_func` schedules. On CPU ranks (gloo)
@@ -27,7 +28,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.enums import ModelType
 
 from . import cpu_shim
-from .checkpointing import Checkpointer, print_rank_0, print_rank_last
+from .checkpointing import CheckpointManager
 from .data import MicroBatches, build_train_valid_test_datasets
 from .evaluation import describe, evaluate, evaluations_before
 from .exits import ExitConditions
@@ -37,6 +38,7 @@ from .measures import flops_per_iteration, memory, params_norm
 from .metrics import Metrics
 from .profiling import Profiler
 from .schedules import batch_at, scheduler_steps
+from .utils import print_rank_0, print_rank_last
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ class Step:
     times: dict
 
 
-def train_step(args, model, optimizer, forward_step_func, batches, num_microbatches, checkpointer) -> Step:
+def train_step(args, model, optimizer, forward_step_func, batches, num_microbatches, checkpoints) -> Step:
     """One iteration of `num_microbatches` micro-batches from `batches`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     t0 = time.perf_counter()
@@ -146,7 +148,7 @@ def train_step(args, model, optimizer, forward_step_func, batches, num_microbatc
     # taken. (With --overlap-param-gather the forward pass gathers params too, but a save finishes
     # that gather before building its state, so the saved params are the saved step's and nothing mutates
     # them before this point.)
-    checkpointer.fence()
+    checkpoints.wait_for_snapshot()
     t2 = time.perf_counter()
     ok, grad_norm, num_zeros = optimizer.step()
     if args.empty_unused_memory_level >= 1:
@@ -200,11 +202,11 @@ class Run:
             scalars.update(memory(args.device))
         self.metrics.log(iteration, scalars)
 
-    def log_checkpoints(self, checkpointer) -> None:
+    def log_checkpoints(self, checkpoints) -> None:
         """The checkpoints that finished since the last call, to the metrics sinks."""
-        for record in checkpointer.records[self.records_seen:]:
+        for record in checkpoints.records[self.records_seen:]:
             self.metrics.log_checkpoint(record)
-        self.records_seen = len(checkpointer.records)
+        self.records_seen = len(checkpoints.records)
 
     def evaluate(self, iteration: int, dataset, split: str, evaluations_done: int) -> None:
         args = self.args
@@ -233,7 +235,7 @@ class Run:
         self.exits.close()
 
 
-def train(args, model, optimizer, scheduler, run: Run, checkpointer, iteration, consumed):
+def train(args, model, optimizer, scheduler, run: Run, checkpoints, iteration, consumed):
     """Train until --train-iters, --exit-interval or an exit condition; returns (iteration, why it stopped)."""
     batches = MicroBatches(run.train_ds, consumed, args.micro_batch_size, ps.get_data_parallel_rank(),
                            ps.get_data_parallel_world_size(), vocab_size=run.vocab_size,
@@ -244,7 +246,7 @@ def train(args, model, optimizer, scheduler, run: Run, checkpointer, iteration, 
     t_last = time.perf_counter()
     while iteration < args.train_iters and stop is None:
         gbs, num_microbatches = batch_at(consumed)  # the ramp's batch size after `consumed` samples
-        step = train_step(args, model, optimizer, run.forward_step_func, batches, num_microbatches, checkpointer)
+        step = train_step(args, model, optimizer, run.forward_step_func, batches, num_microbatches, checkpoints)
         if step.stepped:
             scheduler.step(increment=gbs)
         iteration += 1
@@ -258,19 +260,19 @@ def train(args, model, optimizer, scheduler, run: Run, checkpointer, iteration, 
         if args.eval_interval and iteration % args.eval_interval == 0:
             run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointer.save(iteration, consumed)
+            checkpoints.save(iteration, consumed)
             saved_last = iteration
         elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
-            checkpointer.save_local(iteration, consumed)  # storage has this iteration already otherwise
-        checkpointer.poll()
-        run.log_checkpoints(checkpointer)
+            checkpoints.save_local(iteration, consumed)  # storage has this iteration already otherwise
+        checkpoints.maybe_finalize()
+        run.log_checkpoints(checkpoints)
         if args.exit_interval and iteration % args.exit_interval == 0:
             stop = f"--exit-interval {args.exit_interval}"
         else:
             stop = run.exits.reason()
     # Megatron saves once more where training stops, when that iteration was not a save point.
     if args.save and iteration > start and saved_last != iteration:
-        checkpointer.save(iteration, consumed)
+        checkpoints.save(iteration, consumed)
     return iteration, stop
 
 
@@ -297,32 +299,32 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
                  f"{args.num_microbatches} micro-batch(es) per iteration"
                  f"{' at the end of the batch-size ramp' if args.rampup_batch_size else ''}, device {args.device}")
     gpt, model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider)
-    checkpointer = Checkpointer(args, gpt, optimizer, scheduler, ddp=model)
+    checkpoints = CheckpointManager(args, gpt, optimizer, scheduler, ddp=model)
     run = None
     try:
-        iteration, consumed = checkpointer.load()
+        iteration, consumed = checkpoints.load()
         if args.save_after_load:
             if iteration > 0:
-                checkpointer.save(iteration, consumed)
+                checkpoints.save(iteration, consumed)
             else:
                 log.warning("--save-after-load: nothing was loaded at iteration > 0, nothing saved")
         datasets = (train_valid_test_dataset_provider or build_train_valid_test_datasets)(args)
         run = Run(args, model, forward_step_func, datasets, start_time)
-        iteration, stop = train(args, model, optimizer, scheduler, run, checkpointer, iteration, consumed)
-        checkpointer.finalize()  # every checkpoint durable and published
-        run.log_checkpoints(checkpointer)
+        iteration, stop = train(args, model, optimizer, scheduler, run, checkpoints, iteration, consumed)
+        checkpoints.wait()  # every checkpoint durable and published
+        run.log_checkpoints(checkpoints)
         if stop is not None:
             print_rank_0(f"exiting program at iteration {iteration}: {stop}")
         elif iteration >= args.train_iters:  # the end of training: the validation and test sets, as upstream
             run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration + 1))
             run.evaluate(iteration, run.test_ds, "test", 0)
     finally:
-        checkpointer.close()
+        checkpoints.close()
         if run is not None:
             run.close()
     dist.barrier()
     if iteration >= args.train_iters:
-        checkpointer.remove_memory_tier()  # the job is finished: its restart point in memory is not needed
+        checkpoints.remove_memory_tier()  # the job is finished: its restart point in memory is not needed
     print_rank_0(f"> training done at iteration {iteration}")
     shutdown_distributed(args)
     return iteration

@@ -1,0 +1,177 @@
+"""The load policy: which checkpoint a run resumes from (the memory tier or storage) and what of it it takes
+(--finetune, --no-load-optim, --no-load-rng), with the checks that refuse, before anything is read, a
+checkpoint this run cannot take. How a format's bytes are read is its Saver's."""
+from __future__ import annotations
+
+import logging
+import time
+
+from datastates import CheckpointError
+from datastates import commit
+from datastates.local_tier import LocalTier
+
+from ..optimizer_state import load_optimizer_state
+from .savers import DatastatesSaver, Saver, detect
+from .state import (build_state, current_layout, describe_layout, layout_of, rng_sharded_object,
+                    set_rng_state, sharded_metadata)
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointLoader:
+    """Loads the latest checkpoint under --load into the model (and optimizer, scheduler, RNG)."""
+
+    def __init__(self, args, model, optimizer, scheduler, saver: Saver, tier: LocalTier | None):
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.saver, self.tier = saver, tier
+
+    def load(self) -> tuple[int, int]:
+        """(iteration, consumed samples) of what was loaded; (0, 0) when there is nothing to load."""
+        args = self.args
+        if args.load is None:
+            return 0, 0
+        latest = commit.find_latest(args.load)
+        if self.tier is not None:
+            loaded = self._load_from_memory(latest.iteration if isinstance(latest.iteration, int) else None)
+            if loaded is not None:
+                return loaded
+        if latest.iteration is None:
+            if args.exit_on_missing_checkpoint:
+                raise CheckpointError(f"--load {args.load!r}: no checkpoint found")
+            log.warning("could not find a checkpoint at %s; training from scratch", args.load)
+            return 0, 0
+        cls = detect(latest.path)
+        saver = self.saver if type(self.saver) is cls else cls.for_loading(args, self.model, self.optimizer,
+                                                                          self.scheduler)
+        try:
+            return saver.load(self, latest.path, args.load)
+        finally:
+            if saver is not self.saver:
+                saver.close()
+
+    def _load_from_memory(self, storage_iteration: int | None) -> tuple[int, int] | None:
+        """The newest checkpoint every rank can load from the memory tier, if newer than storage's."""
+        local = self.tier.choose(storage_iteration)
+        if local is None:
+            return None
+        return self.load_sharded(DatastatesSaver.over(self.tier.engine), local, "the memory tier")
+
+    def load_sharded(self, saver: Saver, ckpt_dir: str, source: str) -> tuple[int, int]:
+        """Load a sharded checkpoint directory (datastates, torch_dist) read by `saver`; (iteration, consumed)."""
+        args = self.args
+        load_optim = not (args.no_load_optim or args.finetune)
+        t0 = time.perf_counter()
+        if args.finetune:  # the weights only: a model-only checkpoint (e.g. from upstream) has nothing else
+            model_sd = self.model.sharded_state_dict(metadata=sharded_metadata(args))
+            self.model.load_state_dict(saver.read({"model": model_sd}, ckpt_dir)["model"], strict=True)
+            log.info(f"successfully loaded the model weights of {ckpt_dir} ({saver.name}) for fine-tuning from "
+                     f"iteration 0 in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+            return 0, 0
+        saved = saver.saved_common(ckpt_dir)
+        _require_training_state(ckpt_dir, set(saved), load_optim)
+        metadata = saved.get("content_metadata") or sharded_metadata(args)
+        if load_optim:
+            _require_loadable_optimizer(ckpt_dir, args, saved.get("args"), metadata)
+        template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=True)
+        # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
+        # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
+        state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0,
+                            wrap_common=saver.wraps_common, is_loading=True, metadata=metadata)
+        loaded = saver.read(state, ckpt_dir)
+        self.model.load_state_dict(loaded["model"], strict=True)
+        if load_optim:
+            load_optimizer_state(self.optimizer, loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        it = int(loaded["iteration"])
+        saved_layout = layout_of(loaded.get("args"))
+        if not (args.no_load_rng or args.finetune):
+            self._restore_rng(lambda template: saver.read(template, ckpt_dir), saved_layout, it)
+        if saved_layout is not None and saved_layout != current_layout():
+            log.info(f"resharded checkpoint {ckpt_dir} from {describe_layout(saved_layout)} to "
+                     f"{describe_layout(current_layout())}")
+        consumed = int(loaded["train_state"]["consumed_train_samples"])
+        log.info(f"successfully loaded checkpoint from {source} ({saver.name}) at iteration {it} "
+                 f"in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        return it, consumed
+
+    def load_whole(self, state: dict, source: str) -> tuple[int, int]:
+        """Load a legacy whole-state checkpoint of this (tp, pp) rank (`torch`); (iteration, consumed)."""
+        args = self.args
+        self.model.load_state_dict(state["model"], strict=True)
+        if not (args.no_load_optim or args.finetune):
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if not (args.no_load_rng or args.finetune):
+            from megatron.core import parallel_state as ps
+            rngs = state["rng_state"]
+            set_rng_state(rngs[ps.get_data_parallel_rank() % len(rngs)])
+        it = 0 if args.finetune else int(state["iteration"])
+        consumed = 0 if args.finetune else int(state["train_state"]["consumed_train_samples"])
+        log.info(f"successfully loaded checkpoint from {source} (torch) at iteration {it}")
+        return it, consumed
+
+    def _restore_rng(self, read, saved_layout, iteration: int) -> None:
+        """Restore this rank's RNG states when the checkpoint has this run's (tp, pp, dp) layout.
+
+        RNG states are per rank: under another layout there is no saved state that belongs to this rank (and
+        another world size may have none at all), so, as Megatron-LM does on a TP/PP change, they are not loaded;
+        every rank re-seeds deterministically from --seed and the loaded iteration instead (the same numbers on
+        every rerun of the same layout). A checkpoint whose args name no layout is treated as this run's."""
+        from ..initialize import set_seed
+        now = current_layout()
+        if saved_layout is None or saved_layout == now:
+            rng = read({"rng_state": rng_sharded_object()})["rng_state"]
+            set_rng_state(rng[0] if isinstance(rng, list) else rng)
+            return
+        seed = self.args.seed + iteration
+        log.info(f"NOTICE: the checkpoint was saved with {describe_layout(saved_layout)}, this run is "
+                 f"{describe_layout(now)}: its per-rank RNG states are not loaded; RNGs re-seeded from "
+                 f"--seed + iteration = {seed}")
+        set_seed(seed)
+
+
+def _require_training_state(ckpt_dir: str, names: set[str], load_optim: bool) -> None:
+    """A resume needs the iteration and the data position (and the scheduler with the optimizer): a checkpoint
+    without them, e.g. the weights megatron-core's `dist_checkpointing.save` wrote from a model, gets a message
+    naming the flag that loads it, before anything is read."""
+    missing = [n for n in ("iteration", "train_state") if n not in names]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt_dir!r} has no {' and no '.join(missing)}: it holds no training "
+                              "state to resume (a model-only checkpoint?); pass --finetune to train from its "
+                              "weights starting at iteration 0")
+    if load_optim and "opt_param_scheduler" not in names:
+        raise CheckpointError(f"checkpoint {ckpt_dir!r} has no optimizer state (no opt_param_scheduler); pass "
+                              "--no-load-optim to resume with a fresh optimizer, or --finetune")
+
+
+def _require_loadable_optimizer(ckpt_dir: str, args, saved_args, metadata: dict) -> None:
+    """Refuse, before reading, an optimizer state this run cannot take: another optimizer kind, or the
+    distributed optimizer's dp_reshardable layout (flat bucket shards of one TP x PP domain) into another TP/PP."""
+    if saved_args is None:
+        return
+    saved_dist = bool(getattr(saved_args, "use_distributed_optimizer", False))
+    if saved_dist != bool(args.use_distributed_optimizer):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir!r} was saved {'with' if saved_dist else 'without'} --use-distributed-optimizer "
+            f"and this run is {'with' if args.use_distributed_optimizer else 'without'} it: the optimizer states "
+            "differ in kind; match the flag, or pass --no-load-optim to start a fresh optimizer")
+    saved_layout, now = layout_of(saved_args), current_layout()
+    if saved_dist and metadata.get("distrib_optim_sharding_type") == "dp_reshardable" and \
+            saved_layout is not None and saved_layout[:2] != now[:2]:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir!r} holds the distributed optimizer in megatron-core's dp_reshardable layout, "
+            f"saved with {describe_layout(saved_layout)}; it reshards across DP sizes only, and this run is "
+            f"{describe_layout(now)}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP, or pass "
+            "--no-load-optim")
+
+
+class _LoadArgs:
+    """args seen through the load flags (what the template must ask for)."""
+
+    def __init__(self, args, **overrides):
+        self._args, self._over = args, overrides
+
+    def __getattr__(self, name):
+        if name in self.__dict__.get("_over", {}):
+            return self._over[name]
+        return getattr(self._args, name)

@@ -1,0 +1,259 @@
+"""CheckpointManager: the trainer's one checkpointing object; its lifecycle reads from its methods.
+
+    manager = CheckpointManager(args, model, optimizer, scheduler, ddp=ddp)
+    iteration, consumed = manager.load()          the policy of `loading`; memory tier or storage
+    every iteration i:
+        manager.wait_for_snapshot()               right before optimizer.step(): pending snapshots are taken
+        manager.save(i, consumed)                 to storage, in --ckpt-format's Saver (or save_local: memory)
+        manager.maybe_finalize()                  logs the saves that finished; a failed one stops or warns
+    manager.wait()                                every save durable and published; a summary over ranks
+    manager.close(); manager.remove_memory_tier()
+
+The step names are the engine's (`datastates.CheckpointEngine`), and so are the pending saves: the manager keeps
+no list of its own. What it reports of a save (the iteration, the training thread's stall) is read from the
+handle the engine returns when it finishes.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+
+import torch
+
+from datastates import CheckpointError
+from datastates import commit
+from datastates.engine import SaveHandle
+from datastates.local_tier import LocalTier, check_fits, job_id, node_of
+from datastates.megatron import make_registry, save_sharded
+
+from .loading import CheckpointLoader
+from .savers import Written, saver_class
+from .state import build_state, current_layout
+
+log = logging.getLogger(__name__)
+
+STORAGE, MEMORY = "storage", "memory"  # the levels a checkpoint goes to (the `tier` of a record)
+
+
+class SaveMode(enum.Enum):
+    """How a save meets training. Its value is the `mode` of the records and log lines."""
+    SYNC = "sync"  # save() returns once the checkpoint is durable and published (the baseline)
+    LAZY_ASYNC = "async"  # save() returns at once; copied during the next forward/backward (--async-ckpt)
+
+    @classmethod
+    def of(cls, args) -> SaveMode:
+        return cls.LAZY_ASYNC if args.async_ckpt else cls.SYNC
+
+    def __str__(self) -> str:
+        return "lazy async" if self is SaveMode.LAZY_ASYNC else "sync"
+
+
+class CheckpointManager:
+    """Owns the Saver of --ckpt-format and the memory tier; the training loop decides when to call it."""
+
+    def __init__(self, args, model, optimizer, scheduler, ddp=None):
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.ddp = ddp  # megatron-core's DistributedDataParallel around `model`, when there is one
+        self.mode = SaveMode.of(args)
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.saver = saver_class(args.ckpt_format)(args, model, optimizer, scheduler)
+        self.tier: LocalTier | None = self._memory_tier() if args.non_persistent_save_interval else None
+        self.failures: list[tuple[int, BaseException]] = []  # failed saves, under --ckpt-on-failure stop
+        self.records: list[dict] = []
+        # per level, the newest save not finalized yet: the engine finishes saves in the order they were made,
+        # so waiting for it waits for all
+        self._newest: dict[str, SaveHandle] = {}
+
+    def _memory_tier(self) -> LocalTier:
+        """The node-local memory tier (`datastates.local_tier`), after checking that it fits in memory."""
+        args = self.args
+        world = torch.distributed.get_world_size()
+        factor = args.replication_factor if args.replication else 1
+        # newest 2 kept + 1 being written, per copy, for every rank of the node: params, two fp32 Adam moments
+        # and, with 16-bit params, fp32 main params (an upper bound: the distributed optimizer shards them)
+        params = list(self.model.parameters())
+        per_copy = sum(p.numel() * p.element_size() for p in params)
+        if not args.no_save_optim:
+            per_copy += sum(p.numel() for p in params) * 4 * (3 if (args.bf16 or args.fp16) else 2)
+        check_fits(args.non_persistent_local_ckpt_dir, 3 * per_copy * factor * node_of(self.rank, world)[1])
+        return LocalTier(args.non_persistent_local_ckpt_dir, job_id(args.save), self.rank, world,
+                         list(current_layout()), keep=2, replication_factor=factor,
+                         replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
+                         host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
+                         writer_threads=args.ckpt_writer_threads, registry=make_registry(self_contained=True))
+
+    def _engines(self):
+        """(level, engine) of each level that saves through an engine, storage first."""
+        if self.saver.engine is not None:
+            yield STORAGE, self.saver.engine
+        if self.tier is not None:
+            yield MEMORY, self.tier.engine
+
+    # ----- load -----
+
+    def load(self) -> tuple[int, int]:
+        """Load the latest checkpoint under --load (see `loading`); (iteration, consumed samples)."""
+        return CheckpointLoader(self.args, self.model, self.optimizer, self.scheduler, self.saver, self.tier).load()
+
+    # ----- save -----
+
+    def save(self, iteration: int, consumed: int) -> None:
+        """Checkpoint `iteration` to --save; in LAZY_ASYNC mode this returns before anything is copied."""
+        t0 = time.perf_counter()
+        state = self._state(iteration, consumed, wrap_common=self.saver.wraps_common)
+        self.agree_on_failures(iteration)
+        started = self.saver.save(state, iteration)
+        if isinstance(started, Written):
+            dt = time.perf_counter() - t0
+            self._record(iteration, dict(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
+            return
+        log.info(f"saving checkpoint at iteration {iteration:8d} to {self.args.save} in {self.saver.name} format "
+                 f"({self.mode})")
+        if self.mode is SaveMode.SYNC:
+            started.join()  # synchronous baseline: training stalls until durable and published
+        self._started(STORAGE, started, t0)
+        if self.mode is SaveMode.SYNC:
+            self.maybe_finalize()
+            self.agree_on_failures(iteration)
+
+    def save_local(self, iteration: int, consumed: int) -> None:
+        """A lazy checkpoint of this rank's part to the node-local memory tier (replicated in the background)."""
+        t0 = time.perf_counter()
+        state = self._state(iteration, consumed, wrap_common=True)
+        handle = save_sharded(self.tier.engine, state, self.tier.path(iteration))
+        self.tier.replicate(iteration, handle)
+        self._started(MEMORY, handle, t0)
+
+    def _state(self, iteration: int, consumed: int, wrap_common: bool) -> dict:
+        self._finish_param_gather()
+        return build_state(self.args, self.model, self.optimizer, self.scheduler, iteration, consumed,
+                           wrap_common=wrap_common)
+
+    def _started(self, level: str, handle: SaveHandle, t0: float) -> None:
+        """Note on the handle the training thread's time outside the engine (building the state, a synchronous
+        wait): with the engine's `blocking_s` (its save call and every fence wait) it is the save's stall."""
+        handle.stats["outside_engine_s"] = time.perf_counter() - t0 - handle.stats["blocking_s"]
+        self._newest[level] = handle
+
+    def _finish_param_gather(self) -> None:
+        """--overlap-param-gather: finish the all-gather of the last step's updated params before saving them.
+
+        With the overlap, megatron-core all-gathers the params a step updated in the next forward pass, so right
+        after a step other ranks' slices are stale; a lazy snapshot taken in the background would copy them as
+        that forward pass overwrites them. Forcing the gather now (as Megatron-LM does around its saves) makes
+        the saved bf16 params those of the saved step, and nothing writes them again before the next
+        optimizer step, which is where `wait_for_snapshot` is."""
+        if self.ddp is not None and self.args.overlap_param_gather:
+            self.ddp.disable_forward_pre_hook(param_sync=True)
+            self.ddp.enable_forward_pre_hook()
+
+    # ----- the engine's steps -----
+
+    def wait_for_snapshot(self) -> None:
+        """Called right before the optimizer step mutates saved state: wait until pending snapshots are taken."""
+        for _, engine in self._engines():
+            engine.wait_for_snapshot()
+
+    def maybe_finalize(self) -> None:
+        """Log the saves that finished (non-blocking); a failed one stops training or warns (--ckpt-on-failure).
+        A failed memory checkpoint only warns: storage still holds the run."""
+        for level, engine in self._engines():
+            for handle in engine.maybe_finalize():
+                self._finished(level, handle)
+
+    def _finished(self, level: str, handle: SaveHandle) -> None:
+        iteration = commit.iteration_of(handle.path)
+        if self._newest.get(level) is handle:
+            del self._newest[level]
+        if handle.error is None:
+            stall = handle.stats.get("outside_engine_s", 0.0) + handle.stats["blocking_s"]
+            self._record(iteration, handle.stats, stall, level)
+        elif level == MEMORY:
+            log.warning("rank %d: memory checkpoint of iteration %d failed: %s", self.rank, iteration, handle.error)
+        else:
+            self._failed(iteration, handle.error)
+
+    def wait(self) -> None:
+        """Wait until every pending save is durable and published; log them and a cross-rank summary."""
+        newest = self._newest.get(STORAGE)
+        last = commit.iteration_of(newest.path) if newest is not None else -1
+        for handle in list(self._newest.values()):
+            handle.join()
+        self.maybe_finalize()
+        self.agree_on_failures(last)
+        if self.tier is not None:
+            self.tier.drain()
+        self._log_summary()
+
+    # ----- failures -----
+
+    def _failed(self, iteration: int, error: BaseException) -> None:
+        if self.args.ckpt_on_failure == "stop":
+            self.failures.append((iteration, error))  # acted on where every rank agrees: agree_on_failures()
+            return
+        log.warning("rank %d: checkpoint of iteration %d failed, training goes on (--ckpt-on-failure warn); the "
+                    "last published checkpoint is still %s: %s", self.rank, iteration,
+                    commit.read_latest(self.args.save), error)
+
+    def agree_on_failures(self, iteration: int) -> None:
+        """--ckpt-on-failure stop: at a point every rank reaches (each save, the end of training) the ranks agree
+        whether any of them has seen a save fail; if one has, every rank stops here, at the same iteration.
+        (Ranks learn a failure at different moments; stopping where each learns it would split the job.)"""
+        if self.args.ckpt_on_failure != "stop" or self.saver.engine is None:
+            return
+        seen = torch.tensor([1.0 if self.failures else 0.0], device=getattr(self.args, "device", "cpu"))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+        if seen.item() == 0:
+            return
+        log.error("rank %d: stopping at iteration %d: a checkpoint failed (--ckpt-on-failure stop)", self.rank,
+                  iteration)
+        if self.failures:
+            raise self.failures[0][1]
+        raise CheckpointError(f"a checkpoint failed on another rank (see its log); rank {self.rank} stops with it "
+                              f"at iteration {iteration}")
+
+    # ----- records -----
+
+    def _record(self, iteration: int, stats: dict, stall_s: float, level: str = STORAGE) -> None:
+        rec = dict(iteration=iteration, tier=level, format=self.saver.name, mode=self.mode.value,
+                   stall_ms=stall_s * 1e3, blocking_ms=stats.get("blocking_s", stall_s) * 1e3,
+                   snapshot_ms=stats.get("snapshot_s", 0.0) * 1e3, durable_ms=stats.get("durable_s", 0.0) * 1e3,
+                   bytes=int(stats.get("bytes", 0)))
+        rec["throughput_gbps"] = rec["bytes"] / (rec["durable_ms"] / 1e3) / 1e9 if rec["durable_ms"] > 0 else 0.0
+        self.records.append(rec)
+        log.info(f"{'memory ' if level == MEMORY else ''}checkpoint iteration {iteration:8d} | format: "
+                 f"{rec['format']} ({rec['mode']}) | blocking ms: {rec['stall_ms']:.2f} | snapshot ms: "
+                 f"{rec['snapshot_ms']:.2f} | time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
+                 f"throughput GB/s: {rec['throughput_gbps']:.3f}")
+
+    def _log_summary(self) -> None:
+        """Rank 0 logs each storage checkpoint over all ranks; a collective, at a point every rank reaches."""
+        storage = [r for r in self.records if r["tier"] == STORAGE]
+        all_records = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(all_records, storage)
+        if self.rank != 0:
+            return
+        for i, rec in enumerate(storage):
+            per_rank = [r[i] for r in all_records if len(r) > i]
+            total = sum(r["bytes"] for r in per_rank)
+            stall = max(r["stall_ms"] for r in per_rank)
+            durable = max(r["durable_ms"] for r in per_rank)
+            log.info(f"checkpoint summary iteration {rec['iteration']:8d} | format: {rec['format']} "
+                     f"({rec['mode']}) | max blocking ms over ranks: {stall:.2f} | max time to durable ms: "
+                     f"{durable:.2f} | bytes all ranks: {total} | throughput GB/s: "
+                     f"{(total / (durable / 1e3) / 1e9) if durable > 0 else 0.0:.3f}")
+
+    # ----- end -----
+
+    def close(self) -> None:
+        self.saver.close()
+        if self.tier is not None:
+            self.tier.close()
+
+    def remove_memory_tier(self) -> None:
+        """After close() on every rank (the caller's barrier): the finished job's memory tier goes."""
+        if self.tier is not None:
+            self.tier.remove()
+            self.tier = None

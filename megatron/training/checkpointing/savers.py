@@ -1,0 +1,250 @@
+"""One Saver per checkpoint format, behind one small interface: the manager and the load policy never ask which
+format they hold, and adding a format means adding a Saver to `SAVERS`.
+
+- ``datastates`` (default): `datastates.CheckpointEngine`, which saves in the background and keeps the pending
+  saves; the manager's mode decides whether a save is waited for at once.
+- ``torch_dist``: megatron-core's `dist_checkpointing.save/load` (synchronous).
+- ``torch``: Megatron's legacy per-(tp, pp) `torch.save` of model_optim_rng.pt, written by DP rank 0.
+
+A checkpoint is published (`latest_checkpointed_iteration.txt` rewritten atomically) only once every rank has
+finished writing it; the engine does this off the training thread, the synchronous formats after a barrier.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from megatron.core import parallel_state as ps
+
+from datastates import CheckpointEngine, CheckpointError
+from datastates import commit
+from datastates import format as ds_format
+from datastates.engine import DEFAULT_READ_THREADS, SaveHandle
+from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
+
+from .state import get_rng_state, state_nbytes
+
+log = logging.getLogger(__name__)
+
+
+class Written(NamedTuple):
+    """A save that was durable and published when `Saver.save` returned: `nbytes` of this rank written."""
+    nbytes: int
+
+
+class Saver:
+    """Writes and reads checkpoints of one format (`name`, the `--ckpt-format` value)."""
+
+    name: ClassVar[str]
+    wraps_common: ClassVar[bool] = False  # whether the state's plain values go in as `Common` (see build_state)
+    engine: CheckpointEngine | None = None  # where the pending saves are, for a format that saves in the background
+
+    def __init__(self, args, model, optimizer, scheduler):
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+
+    @classmethod
+    def holds(cls, ckpt_dir: str) -> bool:
+        """Whether `ckpt_dir` is a checkpoint of this format (told without reading its tensors)."""
+        raise NotImplementedError
+
+    @classmethod
+    def for_loading(cls, args, model, optimizer, scheduler) -> Saver:
+        """A saver that only reads (a checkpoint of another format than this run's --ckpt-format)."""
+        return cls(args, model, optimizer, scheduler)
+
+    def save(self, state: dict, iteration: int) -> SaveHandle | Written:
+        """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
+        the background, else `Written` once it is durable and published."""
+        nbytes = self.write(state, commit.checkpoint_dir(self.args.save, iteration))
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            commit.write_latest(self.args.save, iteration, fsync=self.args.ckpt_fsync)
+        return Written(nbytes)
+
+    def write(self, state: dict, ckpt_dir: str) -> int:
+        """A synchronous format's files of this rank; the bytes written."""
+        raise NotImplementedError
+
+    def load(self, loader, ckpt_dir: str, source: str) -> tuple[int, int]:
+        """Load `ckpt_dir` through `loader` (the load policy); (iteration, consumed samples)."""
+        return loader.load_sharded(self, ckpt_dir, source)
+
+    def read(self, template: dict, ckpt_dir: str) -> dict:
+        """The sharded state of `ckpt_dir` that `template` asks for, in this run's layout."""
+        raise NotImplementedError
+
+    def saved_common(self, ckpt_dir: str) -> dict:
+        """The checkpoint's common state, top-level names -> values (at least args and content_metadata read)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Finish every pending save (raising a failure not yet seen) and release what the saver holds."""
+
+
+class DatastatesSaver(Saver):
+    name = "datastates"
+    wraps_common = True
+
+    def __init__(self, args, model, optimizer, scheduler, clean_leftovers: bool = True):
+        super().__init__(args, model, optimizer, scheduler)
+        # replicas are balanced inside the DP group: one small exchange per structure, flat in the world size
+        self.ownership = ReplicaOwnership(group=ps.get_data_parallel_group(with_context_parallel=True)
+                                          if torch.distributed.is_initialized() else None)
+        if args.save or args.load:
+            self.engine = CheckpointEngine(
+                host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
+                writer_threads=args.ckpt_writer_threads,
+                read_mode=args.ckpt_read_mode, read_threads=args.ckpt_read_threads or DEFAULT_READ_THREADS,
+                direct_io=args.ckpt_direct_io, fsync=args.ckpt_fsync,
+                keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
+                registry=make_registry(self.ownership))
+            if args.save and clean_leftovers:
+                _clean_leftovers(args.save)
+
+    @classmethod
+    def for_loading(cls, args, model, optimizer, scheduler) -> Saver:
+        return cls(args, model, optimizer, scheduler, clean_leftovers=False)
+
+    @classmethod
+    def over(cls, engine: CheckpointEngine) -> DatastatesSaver:
+        """A reader through an engine owned elsewhere (the memory tier's)."""
+        saver = cls.__new__(cls)
+        saver.args = saver.model = saver.optimizer = saver.scheduler = saver.ownership = None
+        saver.engine = engine
+        return saver
+
+    @classmethod
+    def holds(cls, ckpt_dir: str) -> bool:  # told apart without reading the index (the engine reads it once, later)
+        return os.path.isfile(os.path.join(ckpt_dir, ds_format.METADATA)) and \
+            os.path.isfile(os.path.join(ckpt_dir, ds_format.data_file(0)))
+
+    def save(self, state: dict, iteration: int) -> SaveHandle:
+        return save_sharded(self.engine, state, commit.checkpoint_dir(self.args.save, iteration),
+                            ownership=self.ownership)
+
+    def read(self, template: dict, ckpt_dir: str) -> dict:
+        return load_sharded(self.engine, template, ckpt_dir)
+
+    def saved_common(self, ckpt_dir: str) -> dict:
+        wanted = ("args", "content_metadata")
+        names = {name[len(COMMON_PREFIX):].split("/")[0] for name in self.engine.reader(ckpt_dir).global_index()
+                 if name.startswith(COMMON_PREFIX)}
+        present = [n for n in wanted if n in names]
+        values = load_sharded(self.engine, {n: Common(None) for n in present}, ckpt_dir) if present else {}
+        return {n: values.get(n) for n in names}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+
+class TorchDistSaver(Saver):
+    name = "torch_dist"
+
+    @classmethod
+    def holds(cls, ckpt_dir: str) -> bool:
+        try:
+            with open(os.path.join(ckpt_dir, ds_format.METADATA)) as f:
+                return "sharded_backend" in json.load(f)
+        except (OSError, ValueError):
+            return False
+
+    def write(self, state: dict, ckpt_dir: str) -> int:
+        from megatron.core import dist_checkpointing
+        nbytes = state_nbytes(state)
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(state, ckpt_dir)
+        return nbytes
+
+    def read(self, template: dict, ckpt_dir: str) -> dict:
+        from megatron.core import dist_checkpointing
+        return dist_checkpointing.load(template, ckpt_dir)
+
+    def saved_common(self, ckpt_dir: str) -> dict:
+        from megatron.core import dist_checkpointing
+        return dict(dist_checkpointing.load_common_state_dict(ckpt_dir))
+
+
+class TorchSaver(Saver):
+    """Megatron's legacy format: one `torch.save` per (tp, pp), every DP rank's RNG gathered to DP rank 0."""
+    name = "torch"
+
+    @classmethod
+    def holds(cls, ckpt_dir: str) -> bool:
+        return os.path.isdir(ckpt_dir) and any(n.startswith("mp_rank_") for n in os.listdir(ckpt_dir))
+
+    def write(self, state: dict, ckpt_dir: str) -> int:
+        nbytes = state_nbytes(state)
+        legacy = self._legacy_state(state)
+        if legacy is None:
+            return 0
+        path = _legacy_file(ckpt_dir)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(legacy, path)
+        if self.args.ckpt_fsync:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        return nbytes
+
+    def _legacy_state(self, sharded):
+        """Megatron's legacy checkpoint of this (tp, pp) rank, RNG of every DP rank gathered; None off DP rank 0."""
+        rngs = [None] * ps.get_data_parallel_world_size()
+        torch.distributed.all_gather_object(rngs, get_rng_state(), group=ps.get_data_parallel_group())
+        if ps.get_data_parallel_rank() != 0:
+            return None
+        state = {k: sharded[k] for k in ("args", "checkpoint_version", "iteration", "train_state")}
+        state["model"] = self.model.state_dict()
+        if "optimizer" in sharded:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+        state["rng_state"] = rngs
+        return state
+
+    def load(self, loader, ckpt_dir: str, source: str) -> tuple[int, int]:
+        path = _legacy_file(ckpt_dir)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path!r} is missing: the torch checkpoint was saved with another TP/PP layout")
+        return loader.load_whole(torch.load(path, map_location="cpu", weights_only=False), source)
+
+
+SAVERS: tuple[type[Saver], ...] = (DatastatesSaver, TorchDistSaver, TorchSaver)  # in the order `detect` asks
+
+
+def saver_class(name: str) -> type[Saver]:
+    """The Saver of --ckpt-format `name`."""
+    for cls in SAVERS:
+        if cls.name == name:
+            return cls
+    raise ValueError(f"--ckpt-format {name!r}: no such format (one of {', '.join(c.name for c in SAVERS)})")
+
+
+def detect(ckpt_dir: str) -> type[Saver]:
+    """The Saver of the checkpoint at `ckpt_dir`."""
+    for cls in SAVERS:
+        if cls.holds(ckpt_dir):
+            return cls
+    raise CheckpointError(f"{ckpt_dir!r} is not a checkpoint this trainer can load (no datastates or torch_dist "
+                          "metadata.json, no mp_rank_* directories)")
+
+
+def _legacy_file(ckpt_dir: str) -> str:
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp:02d}" if ps.get_pipeline_model_parallel_world_size() == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return os.path.join(ckpt_dir, name, "model_optim_rng.pt")
+
+
+def _clean_leftovers(save_dir: str) -> None:
+    """Remove what saves killed before publication left behind; one rank, while no one saves."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0:
+        for path in commit.clean_stale(save_dir):
+            log.info("removed the leftovers of an unfinished checkpoint: %s", path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

@@ -54,7 +54,8 @@ class CheckpointLoader:
         local = self.tier.choose(storage_iteration)
         if local is None:
             return None
-        return self.load_sharded(DatastatesSaver.over(self.tier.engine), local, "the memory tier")
+        saver = DatastatesSaver(self.args, self.model, self.optimizer, self.scheduler, engine=self.tier.engine)
+        return self.load_sharded(saver, local, "the memory tier")
 
     def load_sharded(self, saver: Saver, ckpt_dir: str, source: str) -> tuple[int, int]:
         """Load a sharded checkpoint directory (datastates, torch_dist) read by `saver`; (iteration, consumed)."""

@@ -89,33 +89,22 @@ class DatastatesSaver(Saver):
     name = "datastates"
     wraps_common = True
 
-    def __init__(self, args, model, optimizer, scheduler, clean_leftovers: bool = True):
+    def __init__(self, args, model, optimizer, scheduler, *, engine: CheckpointEngine | None = None,
+                 clean_leftovers: bool = True):
+        """`engine`: one owned elsewhere to read through (the memory tier's); else one of --ckpt-* is built."""
         super().__init__(args, model, optimizer, scheduler)
         # replicas are balanced inside the DP group: one small exchange per structure, flat in the world size
         self.ownership = ReplicaOwnership(group=ps.get_data_parallel_group(with_context_parallel=True)
                                           if torch.distributed.is_initialized() else None)
-        if args.save or args.load:
-            self.engine = CheckpointEngine(
-                host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
-                writer_threads=args.ckpt_writer_threads,
-                read_mode=args.ckpt_read_mode, read_threads=args.ckpt_read_threads or DEFAULT_READ_THREADS,
-                direct_io=args.ckpt_direct_io, fsync=args.ckpt_fsync,
-                keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
-                registry=make_registry(self.ownership))
+        self.engine = engine
+        if engine is None and (args.save or args.load):
+            self.engine = _engine(args, self.ownership)
             if args.save and clean_leftovers:
                 _clean_leftovers(args.save)
 
     @classmethod
     def for_loading(cls, args, model, optimizer, scheduler) -> Saver:
         return cls(args, model, optimizer, scheduler, clean_leftovers=False)
-
-    @classmethod
-    def over(cls, engine: CheckpointEngine) -> DatastatesSaver:
-        """A reader through an engine owned elsewhere (the memory tier's)."""
-        saver = cls.__new__(cls)
-        saver.args = saver.model = saver.optimizer = saver.scheduler = saver.ownership = None
-        saver.engine = engine
-        return saver
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:  # told apart without reading the index (the engine reads it once, later)
@@ -238,6 +227,15 @@ def _legacy_file(ckpt_dir: str) -> str:
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     name = f"mp_rank_{tp:02d}" if ps.get_pipeline_model_parallel_world_size() == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
     return os.path.join(ckpt_dir, name, "model_optim_rng.pt")
+
+
+def _engine(args, ownership: ReplicaOwnership) -> CheckpointEngine:
+    """The engine the --ckpt-* flags describe."""
+    return CheckpointEngine(
+        host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)), writer_threads=args.ckpt_writer_threads,
+        read_mode=args.ckpt_read_mode, read_threads=args.ckpt_read_threads or DEFAULT_READ_THREADS,
+        direct_io=args.ckpt_direct_io, fsync=args.ckpt_fsync, keep_last=args.ckpt_keep_last,
+        publish_timeout_s=args.ckpt_publish_timeout_s, registry=make_registry(ownership))
 
 
 def _clean_leftovers(save_dir: str) -> None:

@@ -41,6 +41,10 @@ def test_exact_resume_tp2_dp2(tmp_path, reference):
     second = losses(log2)
     assert sorted(second) == list(range(N + 1, 2 * N + 1))
     assert {**first, **second} == reference
+    # the lazy save of the last iteration, usually still in flight when training ends, is waited for, logged
+    # once and summed up over the ranks once
+    assert len(re.findall(rf"INFO \S+: checkpoint iteration\s+{2 * N} \|", log2)) == 1, log2[-3000:]
+    assert len(re.findall(rf"checkpoint summary iteration\s+{2 * N} \|", log2)) == 1, log2[-3000:]
 
 
 def test_sigkill_while_flushing_resumes_from_last_published(tmp_path, reference):

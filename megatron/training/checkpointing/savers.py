@@ -56,6 +56,11 @@ class Saver:
         """A saver that only reads (a checkpoint of another format than this run's --ckpt-format)."""
         return cls(args, model, optimizer, scheduler)
 
+    @classmethod
+    def alone(cls) -> Saver:
+        """A reader of the common state for one process, before the distributed start (--use-checkpoint-args)."""
+        return cls(None, None, None, None)
+
     def save(self, state: dict, iteration: int) -> SaveHandle | Written:
         """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
         the background, else `Written` once it is durable and published."""
@@ -105,6 +110,11 @@ class DatastatesSaver(Saver):
     @classmethod
     def for_loading(cls, args, model, optimizer, scheduler) -> Saver:
         return cls(args, model, optimizer, scheduler, clean_leftovers=False)
+
+    @classmethod
+    def alone(cls) -> Saver:
+        return cls(None, None, None, None,
+                   engine=CheckpointEngine(rank=0, world_size=1, registry=make_registry(self_contained=True)))
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:  # told apart without reading the index (the engine reads it once, later)
@@ -195,6 +205,13 @@ class TorchSaver(Saver):
             state["opt_param_scheduler"] = self.scheduler.state_dict()
         state["rng_state"] = rngs
         return state
+
+    def saved_common(self, ckpt_dir: str) -> dict:
+        """Every (tp, pp) file holds the same common state: the first one's, read whole."""
+        first = sorted(n for n in os.listdir(ckpt_dir) if n.startswith("mp_rank_"))[0]
+        state = torch.load(os.path.join(ckpt_dir, first, "model_optim_rng.pt"), map_location="cpu",
+                           weights_only=False)
+        return {k: v for k, v in state.items() if k not in ("model", "optimizer", "rng_state")}
 
     def load(self, loader, ckpt_dir: str, source: str) -> tuple[int, int]:
         path = _legacy_file(ckpt_dir)

@@ -10,7 +10,6 @@ is one file, read whole).
 from __future__ import annotations
 
 import argparse
-import os
 
 from .arguments import ArgumentError, build_parser
 
@@ -25,24 +24,15 @@ def architecture_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 def saved_args(load_dir: str) -> tuple[argparse.Namespace, str]:
     """(the args saved in the newest checkpoint under `load_dir`, its directory)."""
-    from datastates import CheckpointEngine, commit
-    from datastates.megatron import make_registry
-    from .checkpointing import detect_format, saved_common
+    from contextlib import closing
+
+    from datastates import commit
+    from .checkpointing.savers import detect
     latest = commit.find_latest(load_dir)
     if latest.path is None:
         raise ArgumentError(f"--use-checkpoint-args: {latest.why_none()}")
-    fmt = detect_format(latest.path)
-    if fmt == "torch":
-        import torch
-        names = sorted(n for n in os.listdir(latest.path) if n.startswith("mp_rank_"))
-        state = torch.load(os.path.join(latest.path, names[0], "model_optim_rng.pt"), map_location="cpu",
-                           weights_only=False)
-        saved = state.get("args")
-    elif fmt == "datastates":
-        with CheckpointEngine(rank=0, world_size=1, registry=make_registry(self_contained=True)) as engine:
-            saved = saved_common(latest.path, fmt, engine).get("args")
-    else:
-        saved = saved_common(latest.path, fmt, None).get("args")
+    with closing(detect(latest.path).alone()) as saver:
+        saved = saver.saved_common(latest.path).get("args")
     if saved is None:
         raise ArgumentError(f"--use-checkpoint-args: {latest.path} holds no saved args")
     return saved, latest.path

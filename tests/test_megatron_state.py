@@ -146,8 +146,11 @@ def test_round_trip_through_stock_megatron_core(tmp_path, straight, sources):
     src = sources["dp_reshardable"]
     td = str(tmp_path / "td")
     _convert(src, td, "datastates", "torch_dist")
-    # megatron-core's own dist_checkpointing.load, through DistributedOptimizer.sharded_state_dict
-    _, log = _run(nproc, layout + ["--load", td, "--ckpt-format", "torch_dist", "--save", str(tmp_path / "td_out")])
+    # megatron-core's own dist_checkpointing.load, through DistributedOptimizer.sharded_state_dict, with upstream's
+    # strategy flags (a fully parallel load exchanging replicas, the save plan cached across saves)
+    _, log = _run(nproc, layout + ["--load", td, "--ckpt-format", "torch_dist", "--save", str(tmp_path / "td_out"),
+                                   "--ckpt-fully-parallel-load", "--ckpt-assume-constant-structure",
+                                   "--dist-ckpt-strictness", "log_all"])
     assert "(torch_dist) at iteration 4" in log
     reference = straight("tp2_dp2")
     assert losses(log) == {i: reference[i] for i in range(5, 9)}

@@ -162,10 +162,11 @@ def load_optimizer_state(optimizer, loaded: dict) -> None:
     state = inner.get("state") if isinstance(inner, dict) else None
     if isinstance(state, dict) and isinstance(state.get("common_step"), (int, float)):
         state["common_step"] = torch.tensor(float(state["common_step"]), dtype=torch.float32)  # Adam's type
-    if loaded.get("param_state_sharding_type") == "fully_reshardable":
-        _load_fully_reshardable(optimizer, loaded)
-    else:
-        optimizer.load_state_dict(loaded)
+    with torch.no_grad():  # copies into the main params, never a step autograd should see
+        if loaded.get("param_state_sharding_type") == "fully_reshardable":
+            _load_fully_reshardable(optimizer, loaded)
+        else:
+            optimizer.load_state_dict(loaded)
     _restore_adam_steps(optimizer)
     if scaler:
         _restore_grad_scaler(optimizer, scaler)

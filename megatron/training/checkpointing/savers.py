@@ -144,6 +144,7 @@ class DatastatesSaver(Saver):
 
 class TorchDistSaver(Saver):
     name = "torch_dist"
+    _save_strategy = None  # built at the first save (the cached plan lives in it)
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:
@@ -154,17 +155,38 @@ class TorchDistSaver(Saver):
             return False
 
     def write(self, state: dict, ckpt_dir: str) -> int:
+        """megatron-core's save, with upstream's strategy flags: --ckpt-fully-parallel-save spreads the replicated
+        state over the DP ranks, --ckpt-assume-constant-structure reuses the save plan."""
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
         nbytes = state_nbytes(state)
         if torch.distributed.get_rank() == 0:
             os.makedirs(ckpt_dir, exist_ok=True)
         torch.distributed.barrier()
-        dist_checkpointing.save(state, ckpt_dir)
+        if self._save_strategy is None:
+            strategy = get_default_save_sharded_strategy()
+            strategy.use_cached_ckpt_structure = self.args.ckpt_assume_constant_structure
+            if self.args.ckpt_fully_parallel_save:
+                strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(
+                    with_context_parallel=True), self.args.ckpt_assume_constant_structure)
+            self._save_strategy = strategy
+        dist_checkpointing.save(state, ckpt_dir, self._save_strategy)
         return nbytes
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
+        """megatron-core's load; --ckpt-fully-parallel-load reads each replica once in the DP group and exchanges
+        it; --dist-ckpt-strictness decides about entries the model lacks (missing ones always fail here)."""
         from megatron.core import dist_checkpointing
-        return dist_checkpointing.load(template, ckpt_dir)
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+        strategy = None
+        if self.args.ckpt_fully_parallel_load:
+            strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir),
+                                                        ps.get_data_parallel_group(with_context_parallel=True),
+                                                        exchange_algo="gather_object")
+        loaded = dist_checkpointing.load(template, ckpt_dir, strategy, strict=self.args.dist_ckpt_strictness)
+        return loaded[0] if isinstance(loaded, tuple) else loaded
 
     def saved_common(self, ckpt_dir: str) -> dict:
         from megatron.core import dist_checkpointing

@@ -1,13 +1,8 @@
 """CheckpointEngine: the one stateful object of a checkpointing run.
 
-Lifecycle of a save, each stage on its own thread so that none waits on another's kind of work:
-
-    save()      training thread: flatten the state, bind it to a cached plan, start pickling objects; returns
-    copier      copies tensors into staging slots (CPU thread or CUDA side stream), then places pickled objects
-    flusher     waits for a slot's copy to land, hands it to the native writer pool (pwrite + crc32c)
-    completer   collects checksums, returns slots to the pool, fsyncs, writes the rank's manifest and reports it
-    publisher   rank 0: gathers every rank's report, publishes with the global index, then tells the others;
-                other ranks: wait for rank 0's verdict (`coordination`, through the torch.distributed store)
+`save()` runs on the training thread: it flattens the state, binds it to a cached plan, starts pickling the
+objects and queues the save for the stage threads (`stages`), which copy, write and publish it through the
+engine's storage (`storage`: a POSIX file system, or the node-local memory tier's shared memory).
 
 `wait_for_snapshot()` is the fence the training loop calls before it mutates saved state; `wait()` waits until
 everything is durable and published and `latest` names it. If a stage thread dies, every pending save fails
@@ -18,26 +13,25 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import _native
-from . import commit
 from . import format as fmt
 from .coordination import Coordinator, default_store
-from .errors import CheckpointError, CheckpointTimeoutError
+from .errors import CheckpointError
 from .plan import Entry, Plan
 from .schema import Item
 from .providers import ProviderRegistry, default_registry
 from .restore import CheckpointReader, check_read_mode, resolve_checkpoint
-from .snapshot import CopyBackend, SlotFiller, copy_tensor_bytes, make_backend
+from .snapshot import CopyBackend, make_backend
+from .stages import STOP, Job, Pages, SaveHandle, SaveStages, _logged
 from .staging import StagingPool
+from .storage import PosixStorage, Storage
 
 log = logging.getLogger(__name__)
 
@@ -51,74 +45,21 @@ WRITER_NICE = 5
 # "stream", how many data files are read at once.
 DEFAULT_READ_THREADS = 8
 
-_STOP = object()
-
-
-class SaveHandle:
-    """One save in flight. `wait()` raises the save's error, if any, and the engine never raises it again."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.error: BaseException | None = None
-        self.delivered = False  # the error was raised to the caller (by this handle's or the engine's wait)
-        self.stats: dict[str, Any] = {"blocking_s": 0.0}
-        self._snapshot_done = threading.Event()
-        self._done = threading.Event()
-
-    @property
-    def snapshot_done(self) -> bool:
-        return self._snapshot_done.is_set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait until the save finished, successfully or not (see `.error`); False on timeout."""
-        return self._done.wait(timeout)
-
-    def wait(self, timeout: float | None = None) -> dict:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save of {self.path!r} still running after {timeout} s")
-        if self.error is not None:
-            self.delivered = True
-            raise self.error
-        return self.stats
-
-
-class _Job:
-    def __init__(self, seq: int, handle: SaveHandle, entries: list[Entry], plan: Plan,
-                 objects: list[tuple[Entry, Future]], ordering, t0: float):
-        self.seq = seq  # the same on every rank: ranks save in the same order
-        self.handle = handle
-        self.reported = False
-        self.final = handle.path
-        self.partial = commit.partial_dir(handle.path)
-        self.entries, self.plan, self.objects, self.ordering, self.t0 = entries, plan, objects, ordering, t0
-        self.file: _native.File | None = None
-        self.size = 0
-        self.manifest: dict | None = None
-
-    def fail(self, error: BaseException) -> None:
-        if self.handle.error is None:
-            self.handle.error = _describe(error, self.final)
-
-    @property
-    def failed(self) -> bool:
-        return self.handle.error is not None
-
-
-class CheckpointEngine:
-    """Lazy asynchronous checkpoints to a parallel file system, bounded host memory, native writers."""
+class CheckpointEngine(SaveStages):
+    """Lazy asynchronous checkpoints to a parallel file system (or the memory tier), bounded host memory,
+    native writers."""
 
     def __init__(self, host_buffer_bytes: int = 4 << 30, writer_threads: int = 4, direct_io="auto",
                  fsync: bool = True, rank: int | None = None, world_size: int | None = None,
                  keep_last: int | None = None, publish_timeout_s: float = 600.0,
                  registry: ProviderRegistry | None = None, copy_threads: int | None = None,
                  copy_backend: CopyBackend | None = None, store: torch.distributed.Store | None = None,
-                 read_mode: str = "stream", read_threads: int = DEFAULT_READ_THREADS):
+                 read_mode: str = "stream", read_threads: int = DEFAULT_READ_THREADS, storage: Storage | None = None):
         """`store` (a torch.distributed Store shared by the ranks) carries the agreement on each save; by
         default the default process group's. `copy_backend` replaces the device backend (see `snapshot`).
-        Loads read as `read_mode` says (see `CheckpointReader`) on `read_threads` native threads."""
+        Loads read as `read_mode` says (see `CheckpointReader`) on `read_threads` native threads. `storage` is
+        where saves go: by default a POSIX file system, fsynced and with O_DIRECT as `fsync` and `direct_io`
+        say."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -129,7 +70,7 @@ class CheckpointEngine:
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         self.direct_io = {True: "on", False: "off", "auto": "auto", "on": "on", "off": "off"}[direct_io]
-        self.fsync = fsync
+        self.storage = storage or PosixStorage(fsync, self.direct_io)
         self.keep_last = keep_last
         self.publish_timeout_s = publish_timeout_s
         self.registry = registry or default_registry
@@ -147,28 +88,23 @@ class CheckpointEngine:
         self._reader: tuple[tuple | None, CheckpointReader] | None = None
         self._plans: dict[tuple, Plan] = {}
         self._seq = 0
-        self._published: dict[str, list[int]] = {}  # rank 0, with retention: published iterations per save root
-        self._root_fds: dict[str, int] = {}  # rank 0: a descriptor of each save root, for its fsyncs
-        self._emptying: list[list] = []  # rank 0: retired directories the ranks are emptying, [path, looks]
-        self._jobs: dict[SaveHandle, _Job] = {}  # saves not finished yet, for failing them if a stage dies
+        self._jobs: dict[SaveHandle, Job] = {}  # saves not finished yet, for failing them if a stage dies
         self._jobs_lock = threading.Lock()
         self._broken: CheckpointError | None = None
         self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete")  # retention, off the save path
         self._pending: list[SaveHandle] = []
         self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
-        self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
-                         for name, fn in (
-            ("copy", self._copier), ("flush", self._flusher), ("complete", self._completer),
-            ("publish", self._publisher))]
-        for t in self._threads:
-            t.start()
+        self._start_stages()
         self._closed = False
 
     # ----- the training-thread API -----
 
-    def save(self, state: Any, path: str) -> SaveHandle:
-        """Start saving `state` to the checkpoint directory `path`; returns before anything is copied."""
+    def save(self, state: Any, path: str, pages: SaveHandle | None = None) -> SaveHandle:
+        """Start saving `state` to the checkpoint directory `path`; returns before anything is copied.
+
+        `pages`: a save of the same state by an engine on mapped storage (the memory tier), just started. This
+        save then copies nothing: it writes its tensors from that save's pages once their snapshot is done."""
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointEngine")
         if self._broken is not None:
@@ -184,11 +120,14 @@ class CheckpointEngine:
         plan = self._plan_for([e.item for e in entries])
         handle = SaveHandle(os.path.normpath(path))
         self._seq += 1
-        job = _Job(self._seq, handle, entries, plan, [], self.backend.begin(), t0)
+        job = Job(self._seq, handle, entries, plan, [], self.backend.begin(), t0, _pages_of(pages))
         try:
-            _make_dir(job.partial)
+            job.partial = self.storage.prepare(handle.path)
         except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint directory {job.partial!r}: {e.strerror}") from e
+            if job.pages is not None:
+                job.pages.release()
+            raise CheckpointError(f"cannot create checkpoint directory {e.filename!r}: {e.strerror}") from e
+        handle._pages = (self.storage, job) if self.storage.mapped else None
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == "object" and e.item.write]
         with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
@@ -267,14 +206,13 @@ class CheckpointEngine:
         finally:
             self._closed = True
             for q in (self._queues.values() if self._broken else [self._queues["copy"]]):
-                q.put(_STOP)  # a dead stage cannot pass the stop on
+                q.put(STOP)  # a dead stage cannot pass the stop on
             for t in self._threads:
                 t.join()
             self._pickler.shutdown()
-            self._deleter.submit(_logged, self._sweep)
+            self._deleter.submit(_logged, self.storage.sweep)
             self._deleter.shutdown()
-            for fd in self._root_fds.values():
-                os.close(fd)
+            self.storage.close()
             self.backend.close()
             self.io.close()
             if self._reader is not None:
@@ -308,255 +246,12 @@ class CheckpointEngine:
         cached.apply(items)
         return cached
 
-    # ----- background stages -----
 
-    def _guard(self, name: str, stage) -> None:
-        """Run a stage; if it dies (an error outside its handlers), fail everything pending instead of hanging."""
-        try:
-            stage()
-        except BaseException as e:  # noqa: BLE001
-            self._die(name, e)
-
-    def _die(self, name: str, error: BaseException) -> None:
-        broken = CheckpointError(f"the checkpoint engine's {name} thread died ({type(error).__name__}: {error}); "
-                                 f"no save can complete in this engine")
-        broken.__cause__ = error
-        log.error("rank %d: %s", self.rank, broken)
-        with self._jobs_lock:
-            self._broken = broken
-            jobs, self._jobs = list(self._jobs.values()), {}
-        for job in jobs:
-            job.fail(broken)
-            if not job.reported:  # the other ranks learn it now, not at their timeout
-                try:
-                    self._report(job)
-                except BaseException:  # noqa: BLE001 - the store may be what broke; they will time out
-                    pass
-            job.handle._snapshot_done.set()
-            job.handle._done.set()
-        self.pool.close()  # wakes a copier waiting for a slot that will never come back
-        for q in self._queues.values():
-            q.put(_STOP)
-
-    @torch.no_grad()
-    def _copier(self) -> None:
-        while (job := self._queues["copy"].get()) is not _STOP:
-            self._stage(job)
-        self._queues["flush"].put(_STOP)
-
-    def _stage(self, job: _Job) -> None:
-        handle = job.handle
-        self.pool.reset_peak()
-        filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
-        try:
-            job.file = _native.File(os.path.join(job.partial, fmt.data_file(self.rank)), "w", self.direct_io,
-                                    job.plan.tensor_region)
-            for e in job.entries:
-                if e.item.kind == "tensor" and e.item.write:
-                    src = e.source
-                    filler.add(e.item, lambda dst, start, n, src=src: copy_tensor_bytes(
-                        dst, src, start, n, self.backend, job.ordering), aligned=True)
-            self.backend.finish()
-            pickled = [(e, f.result()) for e, f in job.objects]
-        except BaseException as e:  # noqa: BLE001 - any failure fails this save, never the engine
-            job.fail(e)
-            self.backend.finish()
-            for _, f in job.objects:
-                f.cancel()
-            pickled = []
-        handle.stats["snapshot_s"] = time.perf_counter() - job.t0
-        handle._snapshot_done.set()
-        try:
-            for e, data in pickled:
-                e.item.nbytes = len(data)
-                filler.add(e.item, lambda dst, start, n, data=data: dst.numpy().__setitem__(
-                    slice(None), np.frombuffer(data, np.uint8, n, start)), aligned=False)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-        filler.flush()
-        job.size = filler.position
-        self._queues["flush"].put(job)
-
-    def _flusher(self) -> None:
-        flush_q, complete_q = self._queues["flush"], self._queues["complete"]
-        while (slot := flush_q.get()) is not _STOP:
-            ticket = None
-            if not isinstance(slot, _Job) and not slot.job.failed:
-                try:
-                    self.backend.ready(slot)
-                    ticket = self.io.submit_write(slot.job.file, slot.buffer.data_ptr(), slot.fill,
-                                                  slot.file_offset, [(s[0], s[1]) for s in slot.segments])
-                except BaseException as e:  # noqa: BLE001
-                    slot.job.fail(e)
-            complete_q.put((slot, ticket))
-        complete_q.put(_STOP)
-
-    def _completer(self) -> None:
-        complete_q = self._queues["complete"]
-        while (entry := complete_q.get()) is not _STOP:
-            slot, ticket = entry
-            if isinstance(slot, _Job):
-                self._finish_rank(slot)
-                self._queues["publish"].put(slot)
-                continue
-            try:
-                if ticket is not None:
-                    for (_, _, item, index), crc in zip(slot.segments, self.io.wait(ticket)):
-                        item.crcs[index] = crc
-            except OSError as e:
-                slot.job.fail(CheckpointError(f"writing {slot.job.file.path!r} failed: {e.strerror or e}"))
-            finally:
-                self.pool.release(slot)
-        self._queues["publish"].put(_STOP)
-
-    def _finish_rank(self, job: _Job) -> None:
-        """All slots of this rank are written: fsync the data, write the manifest (the rank's written proof of its
-        part), and report it."""
-        handle = job.handle
-        handle.stats.update(peak_staging_bytes=self.pool.peak_bytes, staging_allocated_bytes=self.pool.allocated_bytes,
-                            staging_pinned_bytes=self.pool.pinned_bytes)
-        try:
-            if not job.failed:
-                job.file.truncate(job.size)
-                if self.fsync:
-                    job.file.fsync()
-                job.file.close()
-                items = [e.item.to_json() for e in job.entries]
-                body = {"rank": self.rank, "world_size": self.world_size, "data_file": fmt.data_file(self.rank),
-                        "data_bytes": job.size, "direct_io": job.file.direct, "items": items}
-                # the directory entry is made durable by rank 0's fsync of the directory at publication
-                job.manifest = fmt.write_manifest(os.path.join(job.partial, fmt.manifest_file(self.rank)), body,
-                                                  self.fsync)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-        if job.file is not None:
-            job.file.close()
-        handle.stats["bytes"] = job.size
-        self._report(job)
-
-    def _report(self, job: _Job) -> None:
-        job.reported = True
-        self.coordinator.report(job.seq, None if job.failed else job.manifest,
-                                str(job.handle.error) if job.failed else None)
-
-    def _publisher(self) -> None:
-        while (job := self._queues["publish"].get()) is not _STOP:
-            what = f"checkpoint {job.final!r}"
-            try:
-                if self.rank == 0:
-                    t0 = time.perf_counter()
-                    self.coordinator.await_reports(job.seq, what, self.publish_timeout_s)
-                    t1 = time.perf_counter()
-                    retired = self._publish(job, self.coordinator.manifests(job.seq))
-                    self.coordinator.announce(job.seq, None, retired)
-                    job.handle.stats.update(wait_ranks_s=t1 - t0, publish_s=time.perf_counter() - t1)
-                else:
-                    retired = self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
-                self._deleter.submit(_logged, self._delete, retired)
-            except BaseException as e:  # noqa: BLE001
-                job.fail(e)
-                if self.rank == 0:
-                    try:
-                        self._abandon(job, timed_out=isinstance(e, CheckpointTimeoutError))
-                    except BaseException as e2:  # noqa: BLE001 - e.g. the store is gone: ranks time out instead
-                        log.warning("rank 0: cannot tell the ranks that %s failed: %s", what, e2)
-            try:
-                self.coordinator.done(job.seq)
-            except BaseException as e:  # noqa: BLE001 - the verdict is in; cleaning the store is best effort
-                log.warning("rank %d: cannot clean the store keys of %s: %s", self.rank, what, e)
-            self._finished(job)
-
-    def _abandon(self, job: _Job, timed_out: bool) -> None:
-        """Rank 0, on a failed save: tell every rank at once, then remove the unfinished directory."""
-        self.coordinator.announce(job.seq, str(job.handle.error))
-        if not timed_out:  # let the ranks still writing finish touching the directory (they will fail anyway)
-            self.coordinator.await_all_reports(job.seq, self.publish_timeout_s)
-        shutil.rmtree(job.partial, ignore_errors=True)
-
-    def _finished(self, job: _Job) -> None:
-        handle = job.handle
-        with self._jobs_lock:
-            self._jobs.pop(handle, None)
-        handle.stats["durable_s"] = time.perf_counter() - job.t0
-        handle.stats["throughput_gbps"] = job.size / handle.stats["durable_s"] / 1e9
-        handle._done.set()
-
-    def _publish(self, job: _Job, manifests: dict[int, dict]) -> list[str]:
-        """Rank 0: write the global index, rename the directory into place, retire old ones, point `latest` at
-        it; returns the retired directories."""
-        iteration = commit.iteration_of(job.final)
-        metadata = fmt.index_metadata(manifests, iteration, self.world_size)
-        root = os.path.dirname(job.final) or "."
-        published = None
-        if self.keep_last is not None and iteration is not None:
-            if root not in self._published:  # scanned once per save root, then kept up to date by retention
-                self._published[root] = commit.published_iterations(root)
-            published = self._published[root]
-        if self.fsync and root not in self._root_fds:
-            self._root_fds[root] = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        return commit.publish(job.partial, job.final, metadata, self.fsync, self.keep_last, published,
-                              self._root_fds.get(root))
-
-    def _delete(self, retired: list[str]) -> None:
-        """Deleter thread, off the save path: every rank deletes its share of the retired checkpoints
-        (`commit.deletes`); rank 0 then removes the emptied directories, looking again at each publication, and
-        after a few looks (a rank died, or the checkpoint came from a larger world) removes what is left itself."""
-        for path in retired:
-            for name in commit.deletes(self.rank, self.world_size):
-                try:
-                    os.unlink(os.path.join(path, name))
-                except FileNotFoundError:
-                    pass
-        if self.rank != 0:
-            return
-        still = []
-        for entry in self._emptying:
-            try:
-                os.rmdir(entry[0])
-            except FileNotFoundError:
-                pass
-            except OSError:
-                entry[1] += 1
-                if entry[1] < 3:
-                    still.append(entry)
-                else:
-                    shutil.rmtree(entry[0], ignore_errors=True)
-        self._emptying = still + [[path, 0] for path in retired]
-
-    def _sweep(self) -> None:
-        """Deleter thread, at close: rank 0 removes the retired directories still there."""
-        for path, _ in self._emptying:
-            shutil.rmtree(path, ignore_errors=True)
-        self._emptying = []
-
-def _logged(fn, *args) -> None:
-    """Run a clean-up step, logging its failure (a leftover is removed at the next start, never fatal)."""
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001
-        log.warning("deleting retired checkpoints: %s", e)
-
-
-def _make_dir(path: str) -> None:
-    """One mkdir where the save root exists (the other ranks' mkdir of the same directory may come first)."""
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(path, exist_ok=True)
-
-
-def _describe(error: BaseException, path: str) -> CheckpointError:
-    """A CheckpointError whose message names the checkpoint being saved."""
-    if isinstance(error, CheckpointError) and path in str(error):
-        return error
-    if isinstance(error, CheckpointError):
-        wrapped = type(error)(f"saving {path!r} failed: {error}")
-    elif isinstance(error, OSError):
-        where = f" {error.filename!r}" if error.filename else ""
-        wrapped = CheckpointError(f"saving {path!r} failed:{where} {error.strerror or error}")
-    else:
-        wrapped = CheckpointError(f"saving {path!r} failed: {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
-    return wrapped
+def _pages_of(handle: SaveHandle | None) -> Pages | None:
+    """The snapshot a save writes from: `handle`'s, held until that save finishes."""
+    if handle is None:
+        return None
+    if getattr(handle, "_pages", None) is None:
+        raise CheckpointError(f"save(pages=...) needs a save to mapped storage (the memory tier); "
+                              f"{handle.path!r} is not one")
+    return Pages(*handle._pages)

@@ -3,7 +3,9 @@
 A software failure, the common case, kills the processes but not the node: their memory tier in `/dev/shm`
 survives, and the restart loads from it in seconds instead of from the parallel file system. Each rank saves
 its own part as a self-contained checkpoint (same format, checksums and atomic publication as on storage, no
-fsync) with its own `CheckpointEngine`; the tier keeps the newest `keep` of them. With replication, each part is
+fsync) with its own `CheckpointEngine` on shared-memory storage (`storage.SharedMemoryStorage`): the snapshot is
+copied straight into the tier's pages, and a storage save of the same iteration writes from those pages
+(`CheckpointEngine.save(pages=)`). The tier keeps the newest `keep` parts. With replication, each part is
 also sent to the F-1 peers of the rank's clique on other nodes, so that a node lost entirely is recovered from
 its peers' memory.
 
@@ -18,7 +20,8 @@ machine, `DATASTATES_RANKS_PER_NODE=k` simulates nodes of k consecutive ranks, e
 Replication follows Megatron-LM's cliques: with factor F and jump J, ranks {i, i+J, ..., i+(F-1)J} (within
 blocks of F*J ranks) hold each other's parts; J defaults to the ranks per node, so the peers are on other nodes.
 The exchange runs on a background thread over a gloo group of the clique, in the order of the saves on every
-rank: the training thread never waits on it.
+rank: the training thread never waits on it. A part travels as its index and its data file, and is published
+on arrival through the same storage (`SharedMemoryStorage.receive`).
 
 Restart (`choose`, collective): every rank lists the parts its node holds; the newest iteration whose part of
 every rank is held somewhere (and that is newer than storage's) wins; a part missing from a rank's node is sent
@@ -43,6 +46,7 @@ from . import commit
 from . import format as fmt
 from .engine import CheckpointEngine
 from .errors import CheckpointError
+from .storage import SharedMemoryStorage
 
 log = logging.getLogger(__name__)
 
@@ -89,38 +93,17 @@ def _rank_dir(node_dir: str, rank: int) -> str:
     return os.path.join(node_dir, f"rank_{rank:05d}")
 
 
-def _read_part(path: str) -> bytes:
-    """A published part as one buffer: a JSON header naming each file and its length, then the bytes."""
-    names = sorted(os.listdir(path))
-    blobs = []
-    for name in names:
-        with open(os.path.join(path, name), "rb") as f:
-            blobs.append(f.read())
-    header = json.dumps([[n, len(b)] for n, b in zip(names, blobs)]).encode()
-    return len(header).to_bytes(8, "little") + header + b"".join(blobs)
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
-def _write_part(path: str, buf: bytes) -> None:
-    """Unpack `_read_part`'s buffer into `path`, published atomically (a `.partial` directory, then a rename)."""
-    n = int.from_bytes(buf[:8], "little")
-    files = json.loads(buf[8:8 + n])
-    partial = commit.partial_dir(path)
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    pos = 8 + n
-    for name, length in files:
-        if os.path.basename(name) != name:
-            raise CheckpointError(f"replica of {path!r} names a file outside its directory: {name!r}")
-        fmt.write_file(os.path.join(partial, name), buf[pos:pos + length], fsync=False)
-        pos += length
-    if os.path.isdir(path):
-        shutil.rmtree(commit.retire(path), ignore_errors=True)
-    os.rename(partial, path)
-
-
-def _prune(rank_dir: str, keep: int) -> None:
-    for it in commit.published_iterations(rank_dir)[:-keep]:
-        shutil.rmtree(commit.retire(commit.checkpoint_dir(rank_dir, it)), ignore_errors=True)
+def _part(path: str) -> tuple[bytes, torch.Tensor]:
+    """A published part as it travels: its index, and its data file mapped (read from the tier's pages, never
+    copied here)."""
+    with open(os.path.join(path, fmt.METADATA), "rb") as f:
+        index = f.read()
+    data = os.path.join(path, fmt.data_file(0))
+    size = os.path.getsize(data)
+    return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
 
 
 class LocalTier:
@@ -156,8 +139,9 @@ class LocalTier:
         if distributed:
             dist.barrier()  # cleared before any rank writes again
         os.makedirs(self.dir, exist_ok=True)
+        self.storage = SharedMemoryStorage()
         self.engine = CheckpointEngine(rank=0, world_size=1, fsync=False, direct_io="off", keep_last=keep,
-                                       **engine_kwargs)
+                                       storage=self.storage, **engine_kwargs)
         self._clique, self._group = [rank], None
         if replication_factor > 1:
             jump = replication_jump or per_node
@@ -201,33 +185,36 @@ class LocalTier:
             iteration, handle = job
             try:
                 handle.join()
-                mine = _read_part(self.path(iteration)) if handle.error is None else b""
-                parts = self._exchange(mine)
-                for peer, buf in zip(self._clique, parts):
-                    if self.node_of_rank(peer) != self.node and buf:  # a rank of this node has it already
+                mine = _part(self.path(iteration)) if handle.error is None else (b"", _NOTHING)
+                parts = self._exchange(*mine)
+                for peer, (index, data) in zip(self._clique, parts):
+                    if self.node_of_rank(peer) != self.node and index:  # a rank of this node has it already
                         peer_dir = _rank_dir(self.node_dir, peer)
                         os.makedirs(peer_dir, exist_ok=True)
-                        _write_part(commit.checkpoint_dir(peer_dir, iteration), buf)
-                        _prune(peer_dir, self.keep)
+                        self.storage.receive(commit.checkpoint_dir(peer_dir, iteration), index, data, self.keep)
             except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
                 log.warning("rank %d: replicating the memory checkpoint of iteration %d failed: %s", self.rank,
                             iteration, e)
                 self.errors.append(e)
 
-    def _exchange(self, mine: bytes) -> list[bytes]:
-        """Every clique member's buffer (all-gather of sizes, then of the padded bytes)."""
-        size = torch.tensor([len(mine)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self._clique]
-        dist.all_gather(sizes, size, group=self._group)
-        longest = max(int(s) for s in sizes)
+    def _exchange(self, index: bytes, data: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
+        """Every clique member's part (all-gather of the sizes, then of the indexes and the data, padded)."""
+        sizes = [torch.zeros(2, dtype=torch.int64) for _ in self._clique]
+        dist.all_gather(sizes, torch.tensor([len(index), data.numel()], dtype=torch.int64), group=self._group)
+        indexes = [bytes(b[:int(s[0])].numpy()) for b, s in zip(self._gather(
+            torch.frombuffer(bytearray(index), dtype=torch.uint8) if index else _NOTHING, sizes, 0), sizes)]
+        datas = [b[:int(s[1])] for b, s in zip(self._gather(data, sizes, 1), sizes)]
+        return list(zip(indexes, datas))
+
+    def _gather(self, mine: torch.Tensor, sizes: list[torch.Tensor], which: int) -> list[torch.Tensor]:
+        longest = max(int(s[which]) for s in sizes)
         if longest == 0:
-            return [b""] * len(self._clique)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        if mine:
-            padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in self._clique]
-        dist.all_gather(bufs, padded, group=self._group)
-        return [b[:int(s)].numpy().tobytes() for b, s in zip(bufs, sizes)]
+            return [_NOTHING] * len(self._clique)
+        if mine.numel() != longest:  # all-gather wants one size: pad (parts of one layout rarely differ)
+            mine = torch.cat([mine, torch.zeros(longest - mine.numel(), dtype=torch.uint8)])
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in self._clique]
+        dist.all_gather(out, mine, group=self._group)
+        return out
 
     def drain(self) -> None:
         """Wait until every queued replication is done."""
@@ -298,15 +285,17 @@ class LocalTier:
                 continue
             sender = holders[(part, iteration)][0]
             if self.rank == sender:
-                buf = _read_part(commit.checkpoint_dir(_rank_dir(self.node_dir, part), iteration))
-                dist.send(torch.tensor([len(buf)], dtype=torch.int64), part)
-                dist.send(torch.frombuffer(bytearray(buf), dtype=torch.uint8), part)
+                index, data = _part(commit.checkpoint_dir(_rank_dir(self.node_dir, part), iteration))
+                dist.send(torch.tensor([len(index), data.numel()], dtype=torch.int64), part)
+                dist.send(torch.frombuffer(bytearray(index), dtype=torch.uint8), part)
+                dist.send(data, part)
             elif self.rank == part:
-                size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(size, sender)
-                buf = torch.empty(int(size), dtype=torch.uint8)
-                dist.recv(buf, sender)
-                _write_part(self.path(iteration), buf.numpy().tobytes())
+                sizes = torch.zeros(2, dtype=torch.int64)
+                dist.recv(sizes, sender)
+                index, data = (torch.empty(int(n), dtype=torch.uint8) for n in sizes)
+                dist.recv(index, sender)
+                dist.recv(data, sender)
+                self.storage.receive(self.path(iteration), bytes(index.numpy()), data, self.keep)
                 _notice(f"rank {part}: memory checkpoint of iteration {iteration} recovered from rank "
                         f"{sender}'s replica (node {everyone[sender][0]})", any_rank=True)
 

@@ -1,0 +1,388 @@
+"""The save pipeline: one thread per stage, so that none waits on another's kind of work.
+
+    copier      copies tensors into their destination, then places the pickled objects. The destination is the
+                storage's mapped pages (shared memory: the snapshot lands where it is kept), or staging slots
+                (a file system). A save written from another save's pages (`pages=`) copies nothing: its
+                tensors go to the writers straight from those pages once their snapshot is done.
+    flusher     waits for a slot's copy to land, hands it to the native writer pool (pwrite + crc32c)
+    completer   collects checksums, returns slots to the pool, closes the data, writes the rank's manifest and
+                reports it
+    publisher   rank 0: gathers every rank's report, publishes with the global index, then tells the others;
+                other ranks: wait for rank 0's verdict (`coordination`, through the torch.distributed store)
+
+If a stage thread dies, every pending save fails with the cause, the fence opens, and later saves fail at once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _native
+from . import commit
+from . import format as fmt
+from .errors import CheckpointError, CheckpointTimeoutError
+from .plan import Entry, Plan, align_up
+from .snapshot import SlotFiller, copy_tensor_bytes
+
+log = logging.getLogger(__name__)
+
+STOP = object()
+
+
+class SaveHandle:
+    """One save in flight. `wait()` raises the save's error, if any, and the engine never raises it again."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.error: BaseException | None = None
+        self.delivered = False  # the error was raised to the caller (by this handle's or the engine's wait)
+        self.stats: dict[str, Any] = {"blocking_s": 0.0}
+        self._snapshot_done = threading.Event()
+        self._done = threading.Event()
+
+    @property
+    def snapshot_done(self) -> bool:
+        return self._snapshot_done.is_set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the save finished, successfully or not (see `.error`); False on timeout."""
+        return self._done.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> dict:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of {self.path!r} still running after {timeout} s")
+        if self.error is not None:
+            self.delivered = True
+            raise self.error
+        return self.stats
+
+
+class Job:
+    """One save on this rank, as the stages see it."""
+
+    def __init__(self, seq: int, handle: SaveHandle, entries: list[Entry], plan: Plan,
+                 objects: list[tuple[Entry, Future]], ordering, t0: float, pages: "Pages | None" = None):
+        self.seq = seq  # the same on every rank: ranks save in the same order
+        self.handle = handle
+        self.reported = False
+        self.final = handle.path
+        self.partial: str | None = None
+        self.entries, self.plan, self.objects, self.ordering, self.t0 = entries, plan, objects, ordering, t0
+        self.pages = pages  # the save whose mapped pages this one writes its tensors from
+        self.data = None  # the storage's data file (a `_native.File` or mapped pages)
+        self.size = 0
+        self.manifest: dict | None = None
+
+    def fail(self, error: BaseException) -> None:
+        if self.handle.error is None:
+            self.handle.error = _describe(error, self.final)
+
+    @property
+    def failed(self) -> bool:
+        return self.handle.error is not None
+
+
+class PageWrite:
+    """A write straight from mapped pages (another save's snapshot), shaped like a staging slot for the
+    flusher and the completer: (offset, length, item, chunk index) segments, nothing to wait on."""
+
+    __slots__ = ("buffer", "fill", "file_offset", "segments", "job", "waits")
+
+    def __init__(self, buffer: torch.Tensor, file_offset: int, segments: list, job: Job):
+        self.buffer, self.fill, self.file_offset = buffer, buffer.numel(), file_offset
+        self.segments, self.job, self.waits = segments, job, []
+
+
+class Pages:
+    """The snapshot of a save to mapped storage, held (not reused by its storage) while another save writes
+    from it."""
+
+    def __init__(self, storage, job: Job):
+        self.storage, self.job = storage, job
+        storage.hold(job.final)
+
+    def release(self) -> None:
+        self.storage.release(self.job.final)
+
+
+class SaveStages:
+    """The stage threads of `CheckpointEngine` (its attributes: storage, pool, backend, io, coordinator...)."""
+
+    def _start_stages(self) -> None:
+        self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
+                         for name, fn in (
+            ("copy", self._copier), ("flush", self._flusher), ("complete", self._completer),
+            ("publish", self._publisher))]
+        for t in self._threads:
+            t.start()
+
+    def _guard(self, name: str, stage) -> None:
+        """Run a stage; if it dies (an error outside its handlers), fail everything pending instead of hanging."""
+        try:
+            stage()
+        except BaseException as e:  # noqa: BLE001
+            self._die(name, e)
+
+    def _die(self, name: str, error: BaseException) -> None:
+        broken = CheckpointError(f"the checkpoint engine's {name} thread died ({type(error).__name__}: {error}); "
+                                 f"no save can complete in this engine")
+        broken.__cause__ = error
+        log.error("rank %d: %s", self.rank, broken)
+        with self._jobs_lock:
+            self._broken = broken
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.fail(broken)
+            if not job.reported:  # the other ranks learn it now, not at their timeout
+                try:
+                    self._report(job)
+                except BaseException:  # noqa: BLE001 - the store may be what broke; they will time out
+                    pass
+            job.handle._snapshot_done.set()
+            job.handle._done.set()
+        self.pool.close()  # wakes a copier waiting for a slot that will never come back
+        for q in self._queues.values():
+            q.put(STOP)
+
+    # ----- copier -----
+
+    @torch.no_grad()
+    def _copier(self) -> None:
+        while (job := self._queues["copy"].get()) is not STOP:
+            if self.storage.mapped:
+                self._copy_to_pages(job)
+            else:
+                self._stage(job)
+            self._queues["flush"].put(job)
+        self._queues["flush"].put(STOP)
+
+    def _snapshot(self, job: Job, copy_tensors) -> list[tuple[Entry, bytes]]:
+        """Run `copy_tensors()` and wait for the pickles: then nothing of this save reads the live state any
+        more and the fence opens. Returns the pickled objects (none if the save failed)."""
+        try:
+            job.data = self.storage.open_data(job.partial, self.rank, job.plan.tensor_region)
+            copy_tensors()
+            self.backend.finish()
+            pickled = [(e, f.result()) for e, f in job.objects]
+        except BaseException as e:  # noqa: BLE001 - any failure fails this save, never the engine
+            job.fail(e)
+            self.backend.finish()
+            for _, f in job.objects:
+                f.cancel()
+            pickled = []
+        job.handle.stats["snapshot_s"] = time.perf_counter() - job.t0
+        job.handle._snapshot_done.set()
+        return pickled
+
+    def _tensors(self, job: Job):
+        return [e for e in job.entries if e.item.kind == "tensor" and e.item.write]
+
+    def _copy_to_pages(self, job: Job) -> None:
+        """The storage's pages are the destination: each tensor chunk is copied straight to its planned offset
+        (the padding up to the next item zeroed), then the objects are appended to the file."""
+        def copy_tensors():
+            pages = job.data.buffer
+            for e in self._tensors(job):
+                item = e.item
+                for start, n in item.chunks():
+                    copy_tensor_bytes(pages[item.offset + start:], e.source, start, n, self.backend, job.ordering)
+                pages[item.offset + item.nbytes:item.offset + align_up(item.nbytes)].zero_()
+        pickled = self._snapshot(job, copy_tensors)
+        position = job.plan.tensor_region
+        try:
+            for e, data in pickled:
+                e.item.nbytes, e.item.offset = len(data), position
+                e.item.chunk_bytes = min(len(data), self.pool.slot_bytes)
+                e.item.crcs = [_native.crc32c(memoryview(data)[s:s + n]) for s, n in e.item.chunks()]
+                job.data.write(position, data)
+                position += len(data)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        job.size = position
+
+    def _stage(self, job: Job) -> None:
+        """Staging slots are the destination, handed to the writers as they fill; a save written from another
+        save's pages submits those pages instead."""
+        filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
+        self.pool.reset_peak()
+
+        def copy_tensors():
+            if job.pages is not None:
+                self._write_from_pages(job)
+                filler.position = job.plan.tensor_region
+                return
+            for e in self._tensors(job):
+                filler.add(e.item, lambda dst, start, n, src=e.source: copy_tensor_bytes(
+                    dst, src, start, n, self.backend, job.ordering), aligned=True)
+        pickled = self._snapshot(job, copy_tensors)
+        try:
+            for e, data in pickled:
+                e.item.nbytes = len(data)
+                filler.add(e.item, lambda dst, start, n, data=data: dst.numpy().__setitem__(
+                    slice(None), np.frombuffer(data, np.uint8, n, start)), aligned=False)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        filler.flush()
+        job.size = filler.position
+
+    def _write_from_pages(self, job: Job) -> None:
+        """Once the snapshot of `job.pages` is taken, hand each tensor of this save to the writers straight from
+        its bytes there (whole aligned blocks: O_DIRECT takes them as they are)."""
+        source = job.pages.job
+        source.handle._snapshot_done.wait()
+        if source.failed:
+            raise CheckpointError(f"the memory checkpoint it is written from failed: {source.handle.error}")
+        saved = {e.item.id: e.item for e in source.entries}
+        pages = source.data.buffer
+        for e in self._tensors(job):
+            item, held = e.item, saved.get(e.item.id)
+            if held is None or (held.dtype, held.shape, held.chunk_bytes) != (item.dtype, item.shape,
+                                                                              item.chunk_bytes):
+                raise CheckpointError(f"item {item.id!r} is not in the memory checkpoint {source.final!r} as this "
+                                      f"save lays it out")
+            segments = [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())]
+            block = pages[held.offset:held.offset + align_up(item.nbytes)]
+            self._queues["flush"].put(PageWrite(block, item.offset, segments, job))
+
+    # ----- flusher, completer -----
+
+    def _flusher(self) -> None:
+        flush_q, complete_q = self._queues["flush"], self._queues["complete"]
+        while (slot := flush_q.get()) is not STOP:
+            ticket = None
+            if not isinstance(slot, Job) and not slot.job.failed:
+                try:
+                    self.backend.ready(slot)
+                    ticket = self.io.submit_write(slot.job.data, slot.buffer.data_ptr(), slot.fill,
+                                                  slot.file_offset, [(s[0], s[1]) for s in slot.segments])
+                except BaseException as e:  # noqa: BLE001
+                    slot.job.fail(e)
+            complete_q.put((slot, ticket))
+        complete_q.put(STOP)
+
+    def _completer(self) -> None:
+        complete_q = self._queues["complete"]
+        while (entry := complete_q.get()) is not STOP:
+            slot, ticket = entry
+            if isinstance(slot, Job):
+                self._finish_rank(slot)
+                self._queues["publish"].put(slot)
+                continue
+            try:
+                if ticket is not None:
+                    for (_, _, item, index), crc in zip(slot.segments, self.io.wait(ticket)):
+                        item.crcs[index] = crc
+            except OSError as e:
+                slot.job.fail(CheckpointError(f"writing {slot.job.data.path!r} failed: {e.strerror or e}"))
+            finally:
+                if not isinstance(slot, PageWrite):
+                    self.pool.release(slot)
+        self._queues["publish"].put(STOP)
+
+    def _finish_rank(self, job: Job) -> None:
+        """All of this rank's data is written: close it (durable where the storage syncs), write the manifest
+        (the rank's written proof of its part), and report it."""
+        handle = job.handle
+        handle.stats.update(peak_staging_bytes=self.pool.peak_bytes, staging_allocated_bytes=self.pool.allocated_bytes,
+                            staging_pinned_bytes=self.pool.pinned_bytes)
+        try:
+            if not job.failed:
+                if self.storage.mapped:  # the copies landed in the pages unchecked: their checksums now
+                    for e in self._tensors(job):
+                        e.item.crcs = [job.data.crc(e.item.offset + s, n) for s, n in e.item.chunks()]
+                self.storage.close_data(job.data, job.size)
+                body = {"rank": self.rank, "world_size": self.world_size, "data_file": fmt.data_file(self.rank),
+                        "data_bytes": job.size, "direct_io": job.data.direct,
+                        "items": [e.item.to_json() for e in job.entries]}
+                job.manifest = self.storage.write_manifest(job.partial, self.rank, body)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        if job.data is not None and not self.storage.mapped:
+            job.data.close()
+        handle.stats["bytes"] = job.size
+        self._report(job)
+
+    def _report(self, job: Job) -> None:
+        job.reported = True
+        self.coordinator.report(job.seq, None if job.failed else job.manifest,
+                                str(job.handle.error) if job.failed else None)
+
+    # ----- publisher -----
+
+    def _publisher(self) -> None:
+        while (job := self._queues["publish"].get()) is not STOP:
+            what = f"checkpoint {job.final!r}"
+            try:
+                if self.rank == 0:
+                    t0 = time.perf_counter()
+                    self.coordinator.await_reports(job.seq, what, self.publish_timeout_s)
+                    t1 = time.perf_counter()
+                    metadata = fmt.index_metadata(self.coordinator.manifests(job.seq),
+                                                  commit.iteration_of(job.final), self.world_size)
+                    retired = self.storage.publish(job.partial, job.final, metadata, self.keep_last)
+                    self.coordinator.announce(job.seq, None, retired)
+                    job.handle.stats.update(wait_ranks_s=t1 - t0, publish_s=time.perf_counter() - t1)
+                else:
+                    retired = self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
+                self._deleter.submit(_logged, self.storage.delete, retired, self.rank, self.world_size)
+            except BaseException as e:  # noqa: BLE001
+                job.fail(e)
+                if self.rank == 0:
+                    try:
+                        self._abandon(job, timed_out=isinstance(e, CheckpointTimeoutError))
+                    except BaseException as e2:  # noqa: BLE001 - e.g. the store is gone: ranks time out instead
+                        log.warning("rank 0: cannot tell the ranks that %s failed: %s", what, e2)
+            try:
+                self.coordinator.done(job.seq)
+            except BaseException as e:  # noqa: BLE001 - the verdict is in; cleaning the store is best effort
+                log.warning("rank %d: cannot clean the store keys of %s: %s", self.rank, what, e)
+            self._finished(job)
+
+    def _abandon(self, job: Job, timed_out: bool) -> None:
+        """Rank 0, on a failed save: tell every rank at once, then remove the unfinished directory."""
+        self.coordinator.announce(job.seq, str(job.handle.error))
+        if not timed_out:  # let the ranks still writing finish touching the directory (they will fail anyway)
+            self.coordinator.await_all_reports(job.seq, self.publish_timeout_s)
+        self.storage.abandon(job.partial)
+
+    def _finished(self, job: Job) -> None:
+        handle = job.handle
+        with self._jobs_lock:
+            self._jobs.pop(handle, None)
+        if job.pages is not None:
+            job.pages.release()
+        handle.stats["durable_s"] = time.perf_counter() - job.t0
+        handle.stats["throughput_gbps"] = job.size / handle.stats["durable_s"] / 1e9
+        handle._done.set()
+
+
+def _logged(fn, *args) -> None:
+    """Run a clean-up step, logging its failure (a leftover is removed at the next start, never fatal)."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        log.warning("deleting retired checkpoints: %s", e)
+
+
+def _describe(error: BaseException, path: str) -> CheckpointError:
+    """A CheckpointError whose message names the checkpoint being saved."""
+    if isinstance(error, CheckpointError) and path in str(error):
+        return error
+    if isinstance(error, CheckpointError):
+        wrapped = type(error)(f"saving {path!r} failed: {error}")
+    elif isinstance(error, OSError):
+        where = f" {error.filename!r}" if error.filename else ""
+        wrapped = CheckpointError(f"saving {path!r} failed:{where} {error.strerror or error}")
+    else:
+        wrapped = CheckpointError(f"saving {path!r} failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped

@@ -1,0 +1,344 @@
+"""The storage seam: where one rank's part of a checkpoint lives, and how a checkpoint becomes visible.
+
+The engine drives every backend through one fixed call sequence per checkpoint (after PyTorch DCP's
+StorageWriter: the engine plans and copies, the backend owns the bytes):
+
+    prepare(final)                        every rank: the unpublished directory, created
+    open_data(partial, rank, nbytes)      every rank: its data file (a `_native.File`, or mapped pages)
+    close_data(data, nbytes)              every rank: the data is complete (truncated, durable where it syncs)
+    write_manifest(partial, rank, body)   every rank: its written proof of its part
+    publish(partial, final, metadata)     rank 0, once every rank reported: visible in one atomic step
+    abandon(partial)                      rank 0, on failure: the unfinished directory goes
+    delete(retired, rank, world_size)     every rank, off the save path: its share of the retired checkpoints
+
+Backends:
+
+- `PosixStorage` (local disks, Lustre, NFS): aligned writes through the native pool, O_DIRECT where the file
+  system accepts it, and publication in the documented fsync order (`commit.publish`).
+- `SharedMemoryStorage` (the node-local memory tier, a /dev/shm-style directory): the data file is mapped, the
+  snapshot copies straight into its pages, nothing is fsynced. Pages of a retired checkpoint are kept mapped and
+  reused by the next one: a fresh tmpfs page costs a fault and a zeroing on every save, a reused one nothing.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import torch
+
+from . import _native
+from . import commit
+from . import format as fmt
+from .errors import CheckpointCorruptError
+from .plan import ALIGN, align_up
+
+SPARES = "spare" + commit.DELETING  # a memory tier's reusable pages, out of sight of every reader
+
+
+class Storage:
+    """The protocol (see the module docstring). `mapped`: the data file is pages the engine copies into."""
+
+    mapped = False
+    fsync = True
+
+    def prepare(self, final: str) -> str:
+        partial = commit.partial_dir(final)
+        _make_dir(partial)
+        return partial
+
+    def open_data(self, partial: str, rank: int, nbytes: int):
+        raise NotImplementedError
+
+    def close_data(self, data, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def write_manifest(self, partial: str, rank: int, body: dict) -> dict:
+        # the directory entry is made durable by rank 0's fsync of the directory at publication
+        return fmt.write_manifest(os.path.join(partial, fmt.manifest_file(rank)), body, self.fsync)
+
+    def publish(self, partial: str, final: str, metadata: dict, keep_last: int | None) -> list[str]:
+        raise NotImplementedError
+
+    def abandon(self, partial: str) -> None:
+        shutil.rmtree(partial, ignore_errors=True)
+
+    def delete(self, retired: list[str], rank: int, world_size: int) -> None:
+        raise NotImplementedError
+
+    def sweep(self) -> None:
+        """At close, off the save path: what retirement left behind goes."""
+
+    def close(self) -> None:
+        pass
+
+
+class PosixStorage(Storage):
+    """A POSIX file system. Rank 0 keeps, per save root, the published iterations (for retention, scanned once)
+    and an open descriptor (for its fsyncs)."""
+
+    def __init__(self, fsync: bool = True, direct_io: str = "auto"):
+        self.fsync, self.direct_io = fsync, direct_io
+        self._published: dict[str, list[int]] = {}
+        self._root_fds: dict[str, int] = {}
+        self._emptying: list[list] = []  # rank 0: retired directories the ranks are emptying, [path, looks]
+
+    def open_data(self, partial: str, rank: int, nbytes: int) -> _native.File:
+        return _native.File(os.path.join(partial, fmt.data_file(rank)), "w", self.direct_io, nbytes)
+
+    def close_data(self, data: _native.File, nbytes: int) -> None:
+        data.truncate(nbytes)
+        if self.fsync:
+            data.fsync()
+        data.close()
+
+    def publish(self, partial, final, metadata, keep_last):
+        root = os.path.dirname(final) or "."
+        iteration = commit.iteration_of(final)
+        published = None
+        if keep_last is not None and iteration is not None:
+            if root not in self._published:  # scanned once per save root, then kept up to date by retention
+                self._published[root] = commit.published_iterations(root)
+            published = self._published[root]
+        if self.fsync and root not in self._root_fds:
+            self._root_fds[root] = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        return commit.publish(partial, final, metadata, self.fsync, keep_last, published, self._root_fds.get(root))
+
+    def delete(self, retired, rank, world_size):
+        """Every rank deletes its share (`commit.deletes`); rank 0 then removes the emptied directories, looking
+        again at each publication, and after a few looks (a rank died, or the checkpoint came from a larger
+        world) removes what is left itself."""
+        for path in retired:
+            for name in commit.deletes(rank, world_size):
+                try:
+                    os.unlink(os.path.join(path, name))
+                except FileNotFoundError:
+                    pass
+        if rank != 0:
+            return
+        still = []
+        for entry in self._emptying:
+            try:
+                os.rmdir(entry[0])
+            except FileNotFoundError:
+                pass
+            except OSError:
+                entry[1] += 1
+                if entry[1] < 3:
+                    still.append(entry)
+                else:
+                    shutil.rmtree(entry[0], ignore_errors=True)
+        self._emptying = still + [[path, 0] for path in retired]
+
+    def sweep(self):
+        for path, _ in self._emptying:
+            shutil.rmtree(path, ignore_errors=True)
+        self._emptying = []
+
+    def close(self):
+        for fd in self._root_fds.values():
+            os.close(fd)
+        self._root_fds = {}
+
+
+class MappedData:
+    """A data file in shared memory and its pages, mapped for the life of the storage that made it: the engine
+    copies into `buffer`, a storage level writes from it, replication sends it."""
+
+    direct = False
+
+    def __init__(self, path: str, nbytes: int, pinned: bool):
+        self.path, self.nbytes, self.pinned = path, nbytes, pinned
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # a full memory file system fails here, not as SIGBUS in a copy
+        finally:
+            os.close(fd)
+        self.buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        if pinned:
+            torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+        self.final: str | None = None  # the checkpoint it belongs to, by its published name
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Bytes past the mapped pages (the pickled objects), written to the file."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+
+    def crc(self, start: int, nbytes: int) -> int:
+        return _native.crc32c_ptr(self.buffer.data_ptr() + start, nbytes)
+
+    def unmap(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer = None
+
+
+class SharedMemoryStorage(Storage):
+    """One rank's own checkpoints (world size 1) in a memory file system: mapped data files, no fsync.
+
+    A published checkpoint's data stays mapped (`data_of`): a storage level writes from those pages. When
+    retention retires it, its file moves aside as a spare, still mapped, and the next checkpoint that fits
+    takes it over."""
+
+    mapped = True
+    fsync = False
+
+    def __init__(self, pinned: bool | None = None):
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self._lock = threading.Lock()  # the engine's stage threads and its deleter share the maps
+        self._live: dict[str, MappedData] = {}  # checkpoint directory (partial or final) -> its data
+        self._spares: list[MappedData] = []
+        self._holds: dict[str, int] = {}  # checkpoint (final name) -> saves writing from its pages
+        self._held_retired: dict[str, list[MappedData]] = {}  # retired while held: dropped at the last release
+
+    def open_data(self, partial, rank, nbytes):
+        path = os.path.join(partial, fmt.data_file(rank))
+        nbytes = max(align_up(nbytes), ALIGN)
+        with self._lock:
+            spare = next((s for s in self._spares if s.nbytes >= nbytes), None)
+            if spare is not None:
+                self._spares.remove(spare)
+        if spare is not None:
+            os.rename(spare.path, path)
+            spare.path = path
+            data = spare
+        else:
+            data = MappedData(path, nbytes, self.pinned)
+        data.final = partial[:-len(commit.PARTIAL)]
+        with self._lock:
+            self._live[partial] = data
+        return data
+
+    def close_data(self, data: MappedData, nbytes: int) -> None:
+        os.truncate(data.path, max(nbytes, data.nbytes))  # objects past the pages, and never below the mapping
+
+    def data_of(self, checkpoint: str) -> MappedData | None:
+        """The mapped data of a checkpoint this storage wrote and still holds."""
+        with self._lock:
+            return self._live.get(os.path.normpath(checkpoint))
+
+    def publish(self, partial, final, metadata, keep_last):
+        with self._lock:
+            data = self._live.pop(partial, None)
+            if data is not None:
+                self._live[final] = data
+                data.path = os.path.join(final, os.path.basename(data.path))
+        if metadata is not None:  # None: a received replica, whose index is in place
+            fmt.write_file(os.path.join(partial, fmt.METADATA), fmt.encode_json(metadata), fsync=False)
+        retired = []
+        if os.path.isdir(final):  # re-saving an iteration: the new one wins
+            retired.append(self._retire(final))
+        os.rename(partial, final)
+        root = os.path.dirname(final) or "."
+        if keep_last is not None:
+            doomed = commit.published_iterations(root)[:-keep_last]
+            retired += [self._retire(commit.checkpoint_dir(root, it)) for it in doomed]
+        return retired
+
+    def receive(self, final: str, index: bytes, data: torch.Tensor, keep: int) -> None:
+        """Publish a checkpoint another rank sent (a replica): its data file and its index, refused unless the
+        index verifies and describes that data; then keep the newest `keep` of its save root."""
+        partial = commit.partial_dir(final)
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        fmt.write_file(os.path.join(partial, fmt.data_file(0)), data.numpy(), fsync=False)
+        fmt.write_file(os.path.join(partial, fmt.METADATA), index, fsync=False)
+        part = fmt.read_index(os.path.join(partial, fmt.METADATA)).part(0)
+        if part.data_bytes != data.numel():
+            shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
+                                         f"{data.numel()} came")
+        self.delete(self.publish(partial, final, None, keep), 0, 1)
+
+    def _retire(self, path: str) -> str:
+        doomed = commit.retire(path)
+        with self._lock:
+            data = self._live.pop(path, None)
+            if data is not None:
+                data.path = os.path.join(doomed, os.path.basename(data.path))
+                self._live[doomed] = data
+        return doomed
+
+    def abandon(self, partial):
+        with self._lock:
+            data = self._live.pop(partial, None)
+        if data is not None:
+            self._drop(data)
+        super().abandon(partial)
+
+    def delete(self, retired, rank, world_size):
+        for path in retired:
+            with self._lock:
+                data = self._live.pop(path, None)
+            if data is not None:
+                self._spare(data, os.path.dirname(path))
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _spare(self, data: MappedData, root: str) -> None:
+        """Keep a retired checkpoint's pages for the next one, unless a save still writes from them (then they
+        go when it lets go)."""
+        with self._lock:
+            if self._holds.get(data.final):
+                self._held_retired.setdefault(data.final, []).append(data)
+                return
+        spares = os.path.join(root, SPARES)  # a crash leaves it to commit.clean_stale
+        spare = os.path.join(spares, str(id(data)))
+        try:
+            os.makedirs(spares, exist_ok=True)
+            os.rename(data.path, spare)
+        except OSError:
+            self._drop(data)
+            return
+        data.path = spare
+        with self._lock:
+            self._spares.append(data)
+
+    def hold(self, checkpoint: str) -> None:
+        """A save writes from the pages of `checkpoint` (its final name): they are not reused until `release`."""
+        with self._lock:
+            self._holds[checkpoint] = self._holds.get(checkpoint, 0) + 1
+
+    def release(self, checkpoint: str) -> None:
+        with self._lock:
+            self._holds[checkpoint] -= 1
+            gone = [] if self._holds[checkpoint] else self._held_retired.pop(checkpoint, [])
+            if not self._holds[checkpoint]:
+                del self._holds[checkpoint]
+        for data in gone:
+            self._drop(data)
+
+    def _drop(self, data: MappedData) -> None:
+        try:
+            os.unlink(data.path)
+        except OSError:
+            pass
+        data.unmap()
+
+    def sweep(self):
+        with self._lock:
+            spares, self._spares = self._spares, []
+        for data in spares:
+            self._drop(data)
+
+    def close(self):
+        self.sweep()
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for data in live:  # the files stay: they are the tier
+            data.unmap()
+
+
+def _make_dir(path: str) -> None:
+    """One mkdir where the save root exists (the other ranks' mkdir of the same directory may come first)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)

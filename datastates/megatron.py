@@ -279,17 +279,19 @@ def finalize_load(template: dict, loaded: dict, nonpersistent: dict, factories: 
     return apply_factory_merges(state, factories)
 
 
-def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optional[ReplicaOwnership] = None):
+def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optional[ReplicaOwnership] = None,
+                 pages=None):
     """Save a megatron-core sharded state dict (plus plain objects/tensors) with `engine`; returns the handle.
 
     `ownership` is the ReplicaOwnership of the MegatronProvider in the engine's registry (found on the engine
-    when not given). Collective on first use and whenever the structure changes; otherwise local.
+    when not given). Collective on first use and whenever the structure changes; otherwise local. `pages`: the
+    memory tier's save of the same state, whose pages this save writes from (`CheckpointEngine.save`).
     """
     sd = prepare_for_save(sharded_state_dict)
     provider = _provider(engine.registry)
     if not provider.self_contained:
         (ownership or provider.ownership).compute(_sharded_leaves(sd))
-    return engine.save(sd, path)
+    return engine.save(sd, path, pages=pages)
 
 
 def _fit_saved_shapes(sharded_state_dict: dict, saved_shapes) -> dict:

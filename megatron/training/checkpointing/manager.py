@@ -4,7 +4,8 @@
     iteration, consumed = manager.load()          the policy of `loading`; memory tier or storage
     every iteration i:
         manager.wait_for_snapshot()               right before optimizer.step(): pending snapshots are taken
-        manager.save(i, consumed)                 to storage, in --ckpt-format's Saver (or save_local: memory)
+        manager.save(i, consumed)                 to storage, in --ckpt-format's Saver (or save_local: memory);
+                                                  with the tier, storage writes from the tier's pages
         manager.maybe_finalize()                  logs the saves that finished; a failed one stops or warns
     manager.wait()                                every save durable and published; a summary over ranks
     manager.close(); manager.remove_memory_tier()
@@ -103,7 +104,10 @@ class CheckpointManager:
         t0 = time.perf_counter()
         state = self._state(iteration, consumed, wrap_common=self.saver.wraps_common)
         self.agree_on_failures(iteration)
-        started = self.saver.save(state, iteration)
+        pages = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
+        if self.tier is not None and self.saver.writes_from_pages:
+            pages = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
+        started = self.saver.save(state, iteration, pages=pages)
         if isinstance(started, Written):
             dt = time.perf_counter() - t0
             self._record(iteration, dict(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
@@ -120,10 +124,14 @@ class CheckpointManager:
     def save_local(self, iteration: int, consumed: int) -> None:
         """A lazy checkpoint of this rank's part to the node-local memory tier (replicated in the background)."""
         t0 = time.perf_counter()
-        state = self._state(iteration, consumed, wrap_common=True)
+        self._save_memory(iteration, self._state(iteration, consumed, wrap_common=True), t0)
+
+    def _save_memory(self, iteration: int, state: dict, t0: float) -> SaveHandle:
+        """This rank's part of `state` to the memory tier (replicated in the background); the save's handle."""
         handle = save_sharded(self.tier.engine, state, self.tier.path(iteration))
         self.tier.replicate(iteration, handle)
         self._started(MEMORY, handle, t0)
+        return handle
 
     def _state(self, iteration: int, consumed: int, wrap_common: bool) -> dict:
         self._finish_param_gather()

@@ -41,6 +41,7 @@ class Saver:
 
     name: ClassVar[str]
     wraps_common: ClassVar[bool] = False  # whether the state's plain values go in as `Common` (see build_state)
+    writes_from_pages: ClassVar[bool] = False  # whether `save` writes from the memory tier's save of the state
     engine: CheckpointEngine | None = None  # where the pending saves are, for a format that saves in the background
 
     def __init__(self, args, model, optimizer, scheduler):
@@ -61,9 +62,10 @@ class Saver:
         """A reader of the common state for one process, before the distributed start (--use-checkpoint-args)."""
         return cls(None, None, None, None)
 
-    def save(self, state: dict, iteration: int) -> SaveHandle | Written:
+    def save(self, state: dict, iteration: int, pages: SaveHandle | None = None) -> SaveHandle | Written:
         """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
-        the background, else `Written` once it is durable and published."""
+        the background, else `Written` once it is durable and published. `pages`: the memory tier's save of
+        the same state, to write from (given only to a saver that `writes_from_pages`)."""
         nbytes = self.write(state, commit.checkpoint_dir(self.args.save, iteration))
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
@@ -93,6 +95,7 @@ class Saver:
 class DatastatesSaver(Saver):
     name = "datastates"
     wraps_common = True
+    writes_from_pages = True  # one copy for both levels: the tier's pages are the snapshot
 
     def __init__(self, args, model, optimizer, scheduler, *, engine: CheckpointEngine | None = None,
                  clean_leftovers: bool = True):
@@ -121,9 +124,9 @@ class DatastatesSaver(Saver):
         return os.path.isfile(os.path.join(ckpt_dir, ds_format.METADATA)) and \
             os.path.isfile(os.path.join(ckpt_dir, ds_format.data_file(0)))
 
-    def save(self, state: dict, iteration: int) -> SaveHandle:
+    def save(self, state: dict, iteration: int, pages: SaveHandle | None = None) -> SaveHandle:
         return save_sharded(self.engine, state, commit.checkpoint_dir(self.args.save, iteration),
-                            ownership=self.ownership)
+                            ownership=self.ownership, pages=pages)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
         return load_sharded(self.engine, template, ckpt_dir)

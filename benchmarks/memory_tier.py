@@ -5,8 +5,8 @@
    Restarting it resumes from memory; the same restart without the memory tier resumes from storage, with the
    storage files evicted from the page cache. Reported: the iteration resumed, the trainer's load time, and
    process start to first trained iteration.
-2. Loop: training time of N iterations with a lazy memory checkpoint every iteration and storage every 10,
-   beside storage every iteration and no checkpoint at all.
+2. Loop: training time of N iterations with a lazy memory checkpoint every iteration (alone, and with storage
+   every 10), beside storage every iteration and no checkpoint at all, in one run.
 
     python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier]
 """
@@ -96,6 +96,8 @@ def loop(out: str, memory_dir: str, iters: int, rounds: int) -> dict:
     runs = {"no checkpoint": [],
             "storage every iteration": ["--save", ck, "--save-interval", "1", "--ckpt-keep-last", "1",
                                         "--async-ckpt"],
+            "memory every iteration": ["--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir",
+                                       mem],
             "memory every iteration, storage every 10": [
                 "--save", ck, "--save-interval", "10", "--ckpt-keep-last", "1", "--async-ckpt",
                 "--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", mem]}

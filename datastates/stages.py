@@ -245,10 +245,9 @@ class SaveStages:
         pages = source.data.buffer
         for e in self._tensors(job):
             item, held = e.item, saved.get(e.item.id)
-            if held is None or (held.dtype, held.shape, held.chunk_bytes) != (item.dtype, item.shape,
-                                                                              item.chunk_bytes):
-                raise CheckpointError(f"item {item.id!r} is not in the memory checkpoint {source.final!r} as this "
-                                      f"save lays it out")
+            if held is None or (held.kind, held.dtype, held.shape) != (item.kind, item.dtype, item.shape):
+                raise CheckpointError(f"the memory checkpoint {source.final!r} has no tensor {item.id!r} of "
+                                      f"{item.dtype} {item.shape}: it was saved from another state")
             segments = [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())]
             block = pages[held.offset:held.offset + align_up(item.nbytes)]
             self._queues["flush"].put(PageWrite(block, item.offset, segments, job))

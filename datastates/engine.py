@@ -132,6 +132,8 @@ class CheckpointEngine(SaveStages):
                        for e in entries if e.item.kind == "object" and e.item.write]
         with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
             if self._broken is not None:
+                if job.pages is not None:
+                    job.pages.release()
                 raise CheckpointError(f"cannot save {path!r}: {self._broken}")
             self._jobs[handle] = job
         self._pending.append(handle)
@@ -251,7 +253,7 @@ def _pages_of(handle: SaveHandle | None) -> Pages | None:
     """The snapshot a save writes from: `handle`'s, held until that save finishes."""
     if handle is None:
         return None
-    if getattr(handle, "_pages", None) is None:
+    if handle._pages is None:
         raise CheckpointError(f"save(pages=...) needs a save to mapped storage (the memory tier); "
                               f"{handle.path!r} is not one")
     return Pages(*handle._pages)

@@ -45,6 +45,7 @@ class SaveHandle:
         self.stats: dict[str, Any] = {"blocking_s": 0.0}
         self._snapshot_done = threading.Event()
         self._done = threading.Event()
+        self._pages = None  # (storage, job) of a save to mapped storage: what `save(pages=)` writes from
 
     @property
     def snapshot_done(self) -> bool:
@@ -107,11 +108,14 @@ class Pages:
     from it."""
 
     def __init__(self, storage, job: Job):
-        self.storage, self.job = storage, job
+        self.storage, self.job, self.held = storage, job, True
         storage.hold(job.final)
 
     def release(self) -> None:
-        self.storage.release(self.job.final)
+        """Let go of the pages (once, whichever of a finished save or a dying engine comes first)."""
+        if self.held:
+            self.held = False
+            self.storage.release(self.job.final)
 
 
 class SaveStages:
@@ -147,6 +151,8 @@ class SaveStages:
                     self._report(job)
                 except BaseException:  # noqa: BLE001 - the store may be what broke; they will time out
                     pass
+            if job.pages is not None:
+                job.pages.release()
             job.handle._snapshot_done.set()
             job.handle._done.set()
         self.pool.close()  # wakes a copier waiting for a slot that will never come back

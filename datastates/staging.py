@@ -47,10 +47,10 @@ class Slot:
         self.waits = []
 
 
-def _cuda_host_register(ptr: int, nbytes: int) -> None:
+def cuda_host_register(ptr: int, nbytes: int) -> None:
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte staging slot failed (cudaError {int(err)}): "
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (cudaError {int(err)}): "
                            f"lower --ckpt-host-buffer-gb or raise the locked-memory limit (ulimit -l)")
 
 
@@ -70,7 +70,7 @@ class StagingPool:
     def _allocate(self) -> Slot:
         slot = Slot(mmap.mmap(-1, self.slot_bytes))
         if self.pinned:
-            _cuda_host_register(slot.buffer.data_ptr(), self.slot_bytes)
+            cuda_host_register(slot.buffer.data_ptr(), self.slot_bytes)
         return slot
 
     def acquire(self, block: bool = True) -> Slot | None:

@@ -32,6 +32,7 @@ from . import commit
 from . import format as fmt
 from .errors import CheckpointCorruptError
 from .plan import ALIGN, align_up
+from .staging import cuda_host_register
 
 SPARES = "spare" + commit.DELETING  # a memory tier's reusable pages, out of sight of every reader
 
@@ -155,8 +156,8 @@ class MappedData:
         finally:
             os.close(fd)
         self.buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        if pinned:
-            torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+        if pinned:  # the snapshot's device copies land here asynchronously, as in a staging slot
+            cuda_host_register(self.buffer.data_ptr(), nbytes)
         self.final: str | None = None  # the checkpoint it belongs to, by its published name
 
     def write(self, offset: int, data: bytes) -> None:

@@ -6,7 +6,8 @@
    storage files evicted from the page cache. Reported: the iteration resumed, the trainer's load time, and
    process start to first trained iteration.
 2. Loop: training time of N iterations with a lazy memory checkpoint every iteration (alone, and with storage
-   every 10), beside storage every iteration and no checkpoint at all, in one run.
+   every 10), beside storage every iteration and no checkpoint at all, in one run; with each run's CPU seconds
+   beyond the checkpoint-free run's (what checkpointing costs, less sensitive to other load on the machine).
 
     python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier]
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -37,10 +39,16 @@ def _env():
                 WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", DATASTATES_JOB_ID="bench-memtier")
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of the finished child processes so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _run(flags, stop_at=None, timeout=900):
     """Run the trainer; with `stop_at` (a regex), SIGKILL it when a line matches. Returns (lines with their
-    arrival times, seconds from start to the first iteration line, the process's exit code)."""
-    t0 = time.perf_counter()
+    arrival times, seconds from start to the first iteration line, the process's exit code, its CPU seconds)."""
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *flags], cwd=ROOT,
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, first = [], None
@@ -55,7 +63,8 @@ def _run(flags, stop_at=None, timeout=900):
         if now - t0 > timeout:
             p.kill()
             break
-    return lines, first, p.wait()
+    rc = p.wait()
+    return lines, first, rc, _cpu_s() - cpu0
 
 
 def restart(out: str, memory_dir: str, rounds: int) -> dict:
@@ -64,7 +73,7 @@ def restart(out: str, memory_dir: str, rounds: int) -> dict:
         shutil.rmtree(d, ignore_errors=True)
     tier = ["--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", mem]
     base = ["--train-iters", "40", "--save", ck, "--load", ck, "--save-interval", "4", "--async-ckpt"]
-    lines, _, _ = _run(base + tier, stop_at=r"memory checkpoint iteration\s+7 ")
+    lines, _, _, _ = _run(base + tier, stop_at=r"memory checkpoint iteration\s+7 ")
     if not os.path.isdir(os.path.join(ck, "iter_0000004")):
         raise SystemExit("the first run did not leave storage at iteration 4:\n" + "".join(l for _, l in lines[-20:]))
     snap = os.path.join(out, "snapshot")
@@ -78,7 +87,7 @@ def restart(out: str, memory_dir: str, rounds: int) -> dict:
                 shutil.rmtree(d, ignore_errors=True)
                 shutil.copytree(os.path.join(snap, os.path.basename(d)), d)
             evict_tree(ck)
-            lines, first, _ = _run(base + (tier if name == "memory" else []) + ["--exit-interval", "9"],
+            lines, first, _, _ = _run(base + (tier if name == "memory" else []) + ["--exit-interval", "9"],
                                    stop_at=RE_ITER.pattern)
             m = next((RE_LOADED.search(l) for _, l in lines if RE_LOADED.search(l)), None)
             if m is None:
@@ -106,15 +115,17 @@ def loop(out: str, memory_dir: str, iters: int, rounds: int) -> dict:
         for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
             for d in (ck, mem):
                 shutil.rmtree(d, ignore_errors=True)
-            lines, _, rc = _run(["--train-iters", str(iters)] + runs[name])
+            lines, _, rc, cpu = _run(["--train-iters", str(iters)] + runs[name])
             first = next((t - float(m[2]) / 1e3 for t, l in lines if (m := RE_ITER.search(l))), None)
             done = next((t for t, l in lines if "> training done" in l), None)
             if rc != 0 or first is None or done is None:
                 raise SystemExit(f"{name} failed:\n" + "".join(l for _, l in lines[-20:]))
-            times[name].append(done - first)
-            print(f"[loop] {name:42s} {done - first:6.2f} s", flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {k: {"total_s": v, "ratio": v / med["no checkpoint"]} for k, v in med.items()}
+            times[name].append((done - first, cpu))
+            print(f"[loop] {name:42s} {done - first:6.2f} s, process CPU {cpu:6.2f} s", flush=True)
+    med = {k: (statistics.median(t for t, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
+    base = med["no checkpoint"]
+    return {k: {"total_s": t, "ratio": t / base[0], "cpu_s": c, "extra_cpu_s": c - base[1]}
+            for k, (t, c) in med.items()}
 
 
 def main() -> None:
@@ -134,9 +145,9 @@ def main() -> None:
     print("\nrestart      iteration  load s  start to first iteration s")
     for k, v in result["restart"].items():
         print(f"  {k:9s} {v['iteration']:10d} {v['load_s']:7.3f} {v['first_iteration_s']:27.2f}")
-    print(f"\nloop ({a.iters} iterations)                      total s  vs no checkpoint")
+    print(f"\nloop ({a.iters} iterations)                      total s  vs no checkpoint  extra CPU s")
     for k, v in result["loop"].items():
-        print(f"  {k:42s} {v['total_s']:7.2f} {v['ratio']:8.2f}x")
+        print(f"  {k:42s} {v['total_s']:7.2f} {v['ratio']:8.2f}x {v['extra_cpu_s']:16.2f}")
     with open(os.path.join(a.out, "memory_tier.json"), "w") as f:
         json.dump(result, f, indent=1)
 

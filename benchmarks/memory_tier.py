@@ -9,7 +9,7 @@
    every 10), beside storage every iteration and no checkpoint at all, in one run; with each run's CPU seconds
    beyond the checkpoint-free run's (what checkpointing costs, less sensitive to other load on the machine).
 
-    python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier]
+    python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier] [--only restart|loop]
 """
 from __future__ import annotations
 
@@ -135,11 +135,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/datastates-memtier")
     ap.add_argument("--memory-dir", default="/dev/shm/datastates-bench",
                     help="the memory tier's directory: a memory file system, as in production")
+    ap.add_argument("--only", choices=("restart", "loop"), help="run one of the two measurements")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     try:
-        result = {"restart": restart(a.out, a.memory_dir, a.rounds),
-                  "loop": loop(a.out, a.memory_dir, a.iters, a.rounds)}
+        result = {"restart": restart(a.out, a.memory_dir, a.rounds) if a.only != "loop" else {},
+                  "loop": loop(a.out, a.memory_dir, a.iters, a.rounds) if a.only != "restart" else {}}
     finally:
         shutil.rmtree(a.memory_dir, ignore_errors=True)
     print("\nrestart      iteration  load s  start to first iteration s")

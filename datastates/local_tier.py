@@ -97,12 +97,12 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def _part(path: str) -> tuple[bytes, torch.Tensor]:
-    """A published part as it travels: its index, and its data file mapped (read from the tier's pages, never
-    copied here)."""
+    """A published part as it travels: its index, and the bytes of its data file that the index describes,
+    mapped (read from the tier's pages, never copied here; a reused file may be longer)."""
     with open(os.path.join(path, fmt.METADATA), "rb") as f:
         index = f.read()
+    size = fmt.read_index(os.path.join(path, fmt.METADATA)).part(0).data_bytes
     data = os.path.join(path, fmt.data_file(0))
-    size = os.path.getsize(data)
     return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
 
 

@@ -248,13 +248,16 @@ class SharedMemoryStorage(Storage):
         partial = commit.partial_dir(final)
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        fmt.write_file(os.path.join(partial, fmt.data_file(0)), data.numpy(), fsync=False)
-        fmt.write_file(os.path.join(partial, fmt.METADATA), index, fsync=False)
-        part = fmt.read_index(os.path.join(partial, fmt.METADATA)).part(0)
-        if part.data_bytes != data.numel():
+        try:
+            fmt.write_file(os.path.join(partial, fmt.data_file(0)), data.numpy(), fsync=False)
+            fmt.write_file(os.path.join(partial, fmt.METADATA), index, fsync=False)
+            part = fmt.read_index(os.path.join(partial, fmt.METADATA)).part(0)
+            if part.data_bytes != data.numel():
+                raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
+                                             f"{data.numel()} came")
+        except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
-                                         f"{data.numel()} came")
+            raise
         self.delete(self.publish(partial, final, None, keep), 0, 1)
 
     def _retire(self, path: str) -> str:

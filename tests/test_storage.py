@@ -134,6 +134,7 @@ def test_a_replica_whose_index_does_not_verify_is_refused(tmp_path):
         os.makedirs(os.path.dirname(peer))
         with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
             mem.storage.receive(peer, index.replace(b'"iteration":1', b'"iteration":2'), data, keep=2)
+        assert os.listdir(os.path.dirname(peer)) == []  # nothing half-written is left
         with pytest.raises(CheckpointCorruptError, match="data bytes"):
             mem.storage.receive(peer, index, data[:-1], keep=2)
         assert os.listdir(os.path.dirname(peer)) == []

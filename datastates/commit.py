@@ -1,15 +1,13 @@
-"""Publication: a checkpoint becomes visible in one atomic step, only once every rank has finished.
+"""Names and the tracker: what a save root holds, and which checkpoint a load of it resumes from.
 
-Ranks write into `iter_XXXXXXX.partial/` and report through the store (`coordination`). Rank 0 then writes
-`metadata.json` (the global index), renames the directory to its final name, retires old checkpoints and
-replaces `latest_checkpointed_iteration.txt` (`publish` gives the fsync order). A crash at any point leaves
-either the old state or the new one; stale `.partial` and `.deleting` directories are removed by
-`clean_stale`. Retired checkpoints are deleted by the ranks that wrote them (`deletes`).
+Ranks write into `iter_XXXXXXX.partial/`; a storage backend publishes it under its final name (`storage.posix`
+gives the fsync order) and `write_latest` replaces `latest_checkpointed_iteration.txt`, whose one reader is
+`find_latest`. A crash at any point leaves either the old state or the new one; stale `.partial` and
+`.deleting` directories are removed by `clean_stale`; `retire` takes a checkpoint out of sight in one rename.
 """
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import re
 import shutil
@@ -180,73 +178,3 @@ def retire(path: str) -> str:
     doomed = f"{path}{DELETING}.{os.getpid()}.{time.monotonic_ns()}"
     os.rename(path, doomed)
     return doomed
-
-
-def apply_retention(save_dir: str, keep_last: int, protect: int, published: list[int]) -> list[str]:
-    """`protect` was just published: add it to `published` (sorted; kept up to date in place), then retire all
-    but the newest `keep_last` of them, never `protect`; returns the retired directories, to be deleted off the
-    critical path."""
-    if protect not in published:
-        published.append(protect)
-        published.sort()
-    keep = set(published[-keep_last:]) | {protect}
-    doomed = [i for i in published if i not in keep]
-    published[:] = [i for i in published if i in keep]
-    return [retire(checkpoint_dir(save_dir, i)) for i in doomed]
-
-
-def deletes(rank: int, world_size: int) -> list[str]:
-    """The files of a retired checkpoint that `rank` deletes: its own; rank 1 also rank 0's and the index. Rank 0,
-    which publishes, only renames the directory out of sight and removes it once it is empty, so no rank's
-    share of a deletion grows with the world size. Alone, rank 0 deletes everything."""
-    if world_size == 1:
-        return [fmt.METADATA, fmt.data_file(0), fmt.manifest_file(0)]
-    mine = [fmt.data_file(rank), fmt.manifest_file(rank)] if rank else []
-    return mine + ([fmt.METADATA, fmt.data_file(0), fmt.manifest_file(0)] if rank == 1 else [])
-
-
-def _sync_dir(path: str, fd: int | None) -> None:
-    if fd is None:
-        fmt.fsync_dir(path)
-    else:
-        os.fsync(fd)
-
-
-def publish(partial: str, final: str, metadata: dict, fsync: bool = True, keep_last: int | None = None,
-            published: list[int] | None = None, root_fd: int | None = None) -> list[str]:
-    """Rank 0: make a checkpoint visible, retire old ones, point `latest` at it. Returns the retired directories
-    (renamed out of sight, durably): those of retention and an earlier save of the same iteration, if any.
-
-    Order, each step durable before the next depends on it:
-      1. metadata.json is written into the unpublished directory and fsynced, then the directory is fsynced: the
-         index and every rank's file entries are durable (no temporary name: the directory is not visible yet);
-      2. the directory is renamed into place, the parent fsynced: the checkpoint is durable;
-      3. old checkpoints are renamed out of sight (`keep_last`, `published` as in `apply_retention`) and the
-         tracker is replaced; one fsync of the parent makes both durable.
-    A crash leaves `latest` naming the new checkpoint or the previous one (`read_latest` skips a tracker that
-    names a retired one), and no rank deletes from a retired directory before its rename is durable.
-    `root_fd` is an open descriptor of the parent, to spare an open per publication."""
-    fmt.write_file(os.path.join(partial, fmt.METADATA), fmt.encode_json(metadata), fsync)
-    if fsync:
-        fmt.fsync_dir(partial)
-    parent = os.path.dirname(final) or "."
-    retired = []
-    try:
-        os.rename(partial, final)
-    except OSError as e:  # re-saving an iteration: the new one wins
-        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise
-        # No rename replaces a non-empty directory: a crash before the second rename leaves the old one under
-        # `.deleting` and none under `final`; `clean_stale` gives the old one its name back.
-        retired.append(retire(final))
-        os.rename(partial, final)
-    if fsync:
-        _sync_dir(parent, root_fd)
-    iteration = iteration_of(final)
-    if iteration is not None:
-        if keep_last is not None:
-            retired += apply_retention(parent, keep_last, iteration, published)
-        write_latest(parent, iteration, fsync, sync_dir=False)
-        if fsync:
-            _sync_dir(parent, root_fd)
-    return retired

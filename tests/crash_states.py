@@ -4,7 +4,7 @@ crashes during real multi-rank saves, not only SIGKILL (which keeps the page cac
 1. Record. A real job runs under strace (`fs_trace`): 2 ranks (gloo, TCPStore), `CheckpointEngine` with
    `keep_last=2`, lazy saves of a state that is a pure function of (rank, iteration) (`crash_harness`), in three
    runs: a fresh run saving iterations 1-4, a restart (clean-up, resume from latest) saving 5-7, and a restart
-   that resumes from 6 and re-saves 7 (the re-save path of `commit.publish`), then 8. Every system call that
+   that resumes from 6 and re-saves 7 (the re-save path of `storage.posix.publish`), then 8. Every system call that
    changes the checkpoint root is recorded with its data, from the native writer threads and from Python. Rank 0
    writes the iteration to a marks file outside the root each time its `wait()` returns: from then on that
    iteration is *durable* by the engine's contract.

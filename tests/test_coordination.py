@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from datastates import CheckpointEngine, CheckpointError, commit
+from datastates.storage import posix
 
 
 def _engines(n=2, **kw):
@@ -46,7 +47,7 @@ def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypa
 
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device", "metadata.json")
-    monkeypatch.setattr(commit, "publish", refuse)
+    monkeypatch.setattr(posix, "publish", refuse)
     path = commit.checkpoint_dir(str(tmp_path), 1)
     handles = [eng.save({"w": torch.full((1000,), float(r))}, path) for r, eng in enumerate(engines)]
     assert handles[1].join(30), "rank 1 waited for its timeout instead of hearing rank 0's failure"

@@ -1,24 +1,6 @@
-"""The storage seam: where one rank's part of a checkpoint lives, and how a checkpoint becomes visible.
-
-The engine drives every backend through one fixed call sequence per checkpoint (after PyTorch DCP's
-StorageWriter: the engine plans and copies, the backend owns the bytes):
-
-    prepare(final)                        every rank: the unpublished directory, created
-    open_data(partial, rank, nbytes)      every rank: its data file (a `_native.File`, or mapped pages)
-    close_data(data, nbytes)              every rank: the data is complete (truncated, durable where it syncs)
-    write_manifest(partial, rank, body)   every rank: its written proof of its part
-    publish(partial, final, metadata)     rank 0, once every rank reported: visible in one atomic step
-    abandon(partial)                      rank 0, on failure: the unfinished directory goes
-    delete(retired, rank, world_size)     every rank, off the save path: its share of the retired checkpoints
-
-Backends:
-
-- `PosixStorage` (local disks, Lustre, NFS): aligned writes through the native pool, O_DIRECT where the file
-  system accepts it, and publication in the documented fsync order (`commit.publish`).
-- `SharedMemoryStorage` (the node-local memory tier, a /dev/shm-style directory): the data file is mapped, the
-  snapshot copies straight into its pages, nothing is fsynced. Pages of a retired checkpoint are kept mapped and
-  reused by the next one: a fresh tmpfs page costs a fault and a zeroing on every save, a reused one nothing.
-"""
+"""The shared-memory backend: the node-local memory tier's storage (a /dev/shm-style directory). Data files are
+mapped and the snapshot is copied straight into their pages; nothing is fsynced; a retired checkpoint's pages
+are reused by the next one."""
 from __future__ import annotations
 
 import os
@@ -27,119 +9,15 @@ import threading
 
 import torch
 
-from . import _native
-from . import commit
-from . import format as fmt
-from .errors import CheckpointCorruptError
-from .plan import ALIGN, align_up
-from .staging import cuda_host_register
+from .. import _native
+from .. import commit
+from .. import format as fmt
+from ..errors import CheckpointCorruptError
+from ..plan import ALIGN, align_up
+from ..staging import cuda_host_register
+from . import Storage
 
-SPARES = "spare" + commit.DELETING  # a memory tier's reusable pages, out of sight of every reader
-
-
-class Storage:
-    """The protocol (see the module docstring). `mapped`: the data file is pages the engine copies into."""
-
-    mapped = False
-    fsync = True
-
-    def prepare(self, final: str) -> str:
-        partial = commit.partial_dir(final)
-        _make_dir(partial)
-        return partial
-
-    def open_data(self, partial: str, rank: int, nbytes: int):
-        raise NotImplementedError
-
-    def close_data(self, data, nbytes: int) -> None:
-        raise NotImplementedError
-
-    def write_manifest(self, partial: str, rank: int, body: dict) -> dict:
-        # the directory entry is made durable by rank 0's fsync of the directory at publication
-        return fmt.write_manifest(os.path.join(partial, fmt.manifest_file(rank)), body, self.fsync)
-
-    def publish(self, partial: str, final: str, metadata: dict, keep_last: int | None) -> list[str]:
-        raise NotImplementedError
-
-    def abandon(self, partial: str) -> None:
-        shutil.rmtree(partial, ignore_errors=True)
-
-    def delete(self, retired: list[str], rank: int, world_size: int) -> None:
-        raise NotImplementedError
-
-    def sweep(self) -> None:
-        """At close, off the save path: what retirement left behind goes."""
-
-    def close(self) -> None:
-        pass
-
-
-class PosixStorage(Storage):
-    """A POSIX file system. Rank 0 keeps, per save root, the published iterations (for retention, scanned once)
-    and an open descriptor (for its fsyncs)."""
-
-    def __init__(self, fsync: bool = True, direct_io: str = "auto"):
-        self.fsync, self.direct_io = fsync, direct_io
-        self._published: dict[str, list[int]] = {}
-        self._root_fds: dict[str, int] = {}
-        self._emptying: list[list] = []  # rank 0: retired directories the ranks are emptying, [path, looks]
-
-    def open_data(self, partial: str, rank: int, nbytes: int) -> _native.File:
-        return _native.File(os.path.join(partial, fmt.data_file(rank)), "w", self.direct_io, nbytes)
-
-    def close_data(self, data: _native.File, nbytes: int) -> None:
-        data.truncate(nbytes)
-        if self.fsync:
-            data.fsync()
-        data.close()
-
-    def publish(self, partial, final, metadata, keep_last):
-        root = os.path.dirname(final) or "."
-        iteration = commit.iteration_of(final)
-        published = None
-        if keep_last is not None and iteration is not None:
-            if root not in self._published:  # scanned once per save root, then kept up to date by retention
-                self._published[root] = commit.published_iterations(root)
-            published = self._published[root]
-        if self.fsync and root not in self._root_fds:
-            self._root_fds[root] = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        return commit.publish(partial, final, metadata, self.fsync, keep_last, published, self._root_fds.get(root))
-
-    def delete(self, retired, rank, world_size):
-        """Every rank deletes its share (`commit.deletes`); rank 0 then removes the emptied directories, looking
-        again at each publication, and after a few looks (a rank died, or the checkpoint came from a larger
-        world) removes what is left itself."""
-        for path in retired:
-            for name in commit.deletes(rank, world_size):
-                try:
-                    os.unlink(os.path.join(path, name))
-                except FileNotFoundError:
-                    pass
-        if rank != 0:
-            return
-        still = []
-        for entry in self._emptying:
-            try:
-                os.rmdir(entry[0])
-            except FileNotFoundError:
-                pass
-            except OSError:
-                entry[1] += 1
-                if entry[1] < 3:
-                    still.append(entry)
-                else:
-                    shutil.rmtree(entry[0], ignore_errors=True)
-        self._emptying = still + [[path, 0] for path in retired]
-
-    def sweep(self):
-        for path, _ in self._emptying:
-            shutil.rmtree(path, ignore_errors=True)
-        self._emptying = []
-
-    def close(self):
-        for fd in self._root_fds.values():
-            os.close(fd)
-        self._root_fds = {}
+SPARES = "spare" + commit.DELETING  # a memory tier's reusable pages, out of sight of every reader (clean_stale)
 
 
 class MappedData:
@@ -336,13 +214,3 @@ class SharedMemoryStorage(Storage):
             live, self._live = list(self._live.values()), {}
         for data in live:  # the files stay: they are the tier
             data.unmap()
-
-
-def _make_dir(path: str) -> None:
-    """One mkdir where the save root exists (the other ranks' mkdir of the same directory may come first)."""
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(path, exist_ok=True)

@@ -8,8 +8,10 @@
 2. Loop: training time of N iterations with a lazy memory checkpoint every iteration (alone, and with storage
    every 10), beside storage every iteration and no checkpoint at all, in one run; with each run's CPU seconds
    beyond the checkpoint-free run's (what checkpointing costs, less sensitive to other load on the machine).
+3. Save: one memory checkpoint of the same size in one process, the engine alone: staged into fresh files (the
+   tier before the storage seam) against copied into the reused mapped pages of SharedMemoryStorage.
 
-    python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier] [--only restart|loop]
+    python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier] [--only restart|loop|save]
 """
 from __future__ import annotations
 
@@ -128,6 +130,37 @@ def loop(out: str, memory_dir: str, iters: int, rounds: int) -> dict:
             for k, (t, c) in med.items()}
 
 
+def save_cost(memory_dir: str, rounds: int) -> dict:
+    """One memory checkpoint of 278 MB in one process, engine alone, steady state (saves 4-10 of 10): staged
+    (slots, then written into fresh files of the memory directory, as the tier saved before the storage seam)
+    against mapped (copied straight into the reused pages of SharedMemoryStorage). CPU seconds of the process
+    per save, snapshot and durable times."""
+    import torch
+    from datastates import CheckpointEngine, commit
+    from datastates.storage import SharedMemoryStorage
+    state = {f"t{i}": torch.randn(1_740_000, generator=torch.Generator().manual_seed(i)) for i in range(40)}
+    res: dict[str, list] = {"staged": [], "mapped": []}
+    for _ in range(rounds):
+        for name in res:
+            root = os.path.join(memory_dir, "save-" + name)
+            eng = CheckpointEngine(rank=0, world_size=1, fsync=False, direct_io="off", keep_last=2,
+                                   storage=SharedMemoryStorage() if name == "mapped" else None)
+            for it in range(1, 11):
+                cpu0 = time.process_time()
+                stats = eng.save(state, commit.checkpoint_dir(root, it)).wait()
+                eng._deleter.submit(lambda: None).result()  # retention's deletions belong to this save's cost
+                if it > 3:
+                    res[name].append((time.process_time() - cpu0, stats["snapshot_s"], stats["durable_s"]))
+            eng.close()
+            shutil.rmtree(root, ignore_errors=True)
+    out = {k: {m: statistics.median(r[i] for r in v) for i, m in enumerate(("cpu_s", "snapshot_s", "durable_s"))}
+           for k, v in res.items()}
+    for k, v in out.items():
+        print(f"[save] {k:7s} CPU {v['cpu_s']:.3f} s, snapshot {v['snapshot_s']:.3f} s, durable {v['durable_s']:.3f} s",
+              flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=12)
@@ -135,12 +168,14 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/datastates-memtier")
     ap.add_argument("--memory-dir", default="/dev/shm/datastates-bench",
                     help="the memory tier's directory: a memory file system, as in production")
-    ap.add_argument("--only", choices=("restart", "loop"), help="run one of the two measurements")
+    ap.add_argument("--only", choices=("restart", "loop", "save"), help="run one of the measurements")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     try:
-        result = {"restart": restart(a.out, a.memory_dir, a.rounds) if a.only != "loop" else {},
-                  "loop": loop(a.out, a.memory_dir, a.iters, a.rounds) if a.only != "restart" else {}}
+        result = {name: fn() if a.only in (None, name) else {} for name, fn in (
+            ("restart", lambda: restart(a.out, a.memory_dir, a.rounds)),
+            ("loop", lambda: loop(a.out, a.memory_dir, a.iters, a.rounds)),
+            ("save", lambda: save_cost(a.memory_dir, a.rounds)))}
     finally:
         shutil.rmtree(a.memory_dir, ignore_errors=True)
     print("\nrestart      iteration  load s  start to first iteration s")

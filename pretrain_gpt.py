@@ -21,13 +21,13 @@ if _HERE not in sys.path[:1]:
 import torch  # noqa: E402
 
 
-def model_provider(pre_process=True, post_process=True):
-    """Build the GPT model of this rank's pipeline stage."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def model_provider(pre_process=True, post_process=True, vp_stage=None):
+    """Build the GPT model of this rank's pipeline stage (`vp_stage`: its virtual stage, with virtual pipelines)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training import get_args
+    from megatron.training.moe import moe_config_kwargs
 
     args = get_args()
     cuda = torch.cuda.is_available()
@@ -43,26 +43,44 @@ def model_provider(pre_process=True, post_process=True):
         torch.nn.functional.gelu, add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         use_cpu_initialization=not cuda, perform_initialization=True, params_dtype=dtype,
         bf16=args.bf16, fp16=args.fp16, pipeline_dtype=dtype, attention_backend=AttnBackend[args.attention_backend],
         attention_softmax_in_fp32=args.attention_softmax_in_fp32, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         **({"recompute_modules": args.recompute_modules} if args.recompute_modules else {}),
         calculate_per_token_loss=args.calculate_per_token_loss,
-        batch_p2p_comm=cuda)  # gloo has no coalesced send/recv: pairs of isend/irecv instead
-    if args.transformer_impl == "transformer_engine":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
-        from megatron.training import cpu_shim
-        if args.sequence_parallel and cpu_shim.installed():
-            spec = cpu_shim.sequence_parallel_local_spec(spec, config)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-                    post_process=post_process,
+        batch_p2p_comm=cuda,  # gloo has no coalesced send/recv: pairs of isend/irecv instead
+        **moe_config_kwargs(args))
+    return GPTModel(config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage),
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent)
+                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                    vp_stage=vp_stage)
+
+
+def _layer_spec(args, config, vp_stage):
+    """megatron-core's layer spec: its decoder block spec (dense and MoE layers) with experts, else one layer's."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.training import cpu_shim
+    te = args.transformer_impl == "transformer_engine"
+    if args.num_experts is not None:
+        from megatron.training.moe import define_missing_te_gemm
+        define_missing_te_gemm()
+        block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
+                                                 vp_stage=vp_stage)
+        if args.sequence_parallel and cpu_shim.installed():  # each layer's norms marked, as for dense layers
+            marked = [cpu_shim.sequence_parallel_local_spec(s, config) for s in block.layer_specs]
+            block.layer_specs = [m.layer_specs[0] for m in marked]
+            block.layer_norm = marked[0].layer_norm
+        return block
+    if te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
+    if args.sequence_parallel and cpu_shim.installed():
+        spec = cpu_shim.sequence_parallel_local_spec(spec, config)
+    return spec
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

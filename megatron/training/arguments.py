@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from .moe import add_moe_args, validate_moe
+from .virtual_pipeline import add_virtual_pipeline_args, validate_virtual_pipeline
+
 
 class ArgumentError(ValueError):
     """Inconsistent or unusable command line."""
@@ -291,6 +294,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_data_args(p)
     _add_logging_args(p)
     _add_checkpoint_args(p)
+    add_moe_args(p)
+    add_virtual_pipeline_args(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p)
     return p
@@ -490,6 +495,11 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
                             "across DP ranks; use --ckpt-format datastates or torch_dist")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
+    try:
+        validate_moe(args, world_size, cuda)
+        validate_virtual_pipeline(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     return args
 
 

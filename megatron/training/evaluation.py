@@ -15,6 +15,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from .data import MicroBatches
+from .virtual_pipeline import data_iterators
 
 
 def evaluations_before(args, iteration: int) -> int:
@@ -32,17 +33,19 @@ def evaluate(args, model, forward_step_func, dataset, first_sample: int, *, voca
                            vocab_size=vocab_size, device=args.device, what=what,
                            causal_mask=args.create_attention_mask_in_dataloader)
     reported = []
-    model.eval()
+    for chunk in model:
+        chunk.eval()
     try:
         with torch.no_grad():
             for _ in range(args.eval_iters):
-                data = iter([next(batches) for _ in range(num_microbatches)])
+                data = data_iterators([next(batches) for _ in range(num_microbatches)], model)
                 reported += get_forward_backward_func()(
-                    forward_step_func=forward_step_func, data_iterator=data, model=[model],
+                    forward_step_func=forward_step_func, data_iterator=data, model=model,
                     num_microbatches=num_microbatches, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=True)
     finally:
-        model.train()
+        for chunk in model:
+            chunk.train()
     return reported if ps.is_pipeline_last_stage() else []
 
 

@@ -62,7 +62,10 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                 virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                                 expert_model_parallel_size=args.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     set_seed(args.seed)
     set_args(args)
     return args

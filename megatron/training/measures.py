@@ -24,12 +24,13 @@ def flops_per_iteration(args, batch_size: int) -> float:
     return 2 * 3 * batch_size * s * per_token
 
 
-def params_norm(model) -> float:
-    """The L2 norm of the model's parameters, each counted once across tensor and pipeline ranks."""
+def params_norm(model: list) -> float:
+    """The L2 norm of the model chunks' parameters, each counted once across tensor and pipeline ranks."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
-    squares = torch.zeros(1, dtype=torch.float64, device=next(model.parameters()).device)
-    for p in model.parameters():
+    params = [p for chunk in model for p in chunk.parameters()]
+    squares = torch.zeros(1, dtype=torch.float64, device=params[0].device)
+    for p in params:
         if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
             squares += p.detach().double().pow(2).sum()
     torch.distributed.all_reduce(squares, group=ps.get_model_parallel_group())

@@ -30,6 +30,18 @@ def _parts(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _with_state_dicts(optimizer, state_dict) -> list[tuple[object, dict]]:
+    """(part, its state dict) for each part of `optimizer`: a ChainedOptimizer of one part describes that part's
+    state alone; one of several (a MoE model's dense and expert optimizers) keys each part's by its index."""
+    parts = _parts(optimizer)
+    if len(parts) == 1:
+        return [(parts[0], state_dict)]
+    if sorted(state_dict) != list(range(len(parts))):
+        raise ValueError(f"the optimizer state holds parts {sorted(state_dict)}, this run's chained optimizer has "
+                         f"{len(parts)} (dense and expert optimizers): the checkpoint is of another model")
+    return [(part, state_dict[i]) for i, part in enumerate(parts)]
+
+
 def _has_sharded(tree) -> bool:
     """Whether `tree` holds anything megatron-core's loaders treat specially (sharded, or kept on load)."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
@@ -63,7 +75,7 @@ def _as_common(tree):
     return type(tree)(_as_common(v) for v in tree)
 
 
-def _one_common_step(optimizer_sd: dict, optimizer) -> None:
+def _one_common_step(optimizer_sd: dict, opt) -> None:
     """A FP32Optimizer / Float16Optimizer state dict always with its `common_step`.
 
     megatron-core saves the Adam step shared by all parameters once, as `common_step`, and restores every
@@ -73,11 +85,10 @@ def _one_common_step(optimizer_sd: dict, optimizer) -> None:
     state = inner.get("state") if isinstance(inner, dict) else None
     if not isinstance(state, dict) or "common_step" in state:
         return  # DistributedOptimizer: its step lives in the param groups
-    for opt in _parts(optimizer):
-        for st in getattr(getattr(opt, "optimizer", None), "state", {}).values():
-            if "step" in st:
-                state["common_step"] = st["step"].clone()
-                return
+    for st in getattr(getattr(opt, "optimizer", None), "state", {}).values():
+        if "step" in st:
+            state["common_step"] = st["step"].clone()
+            return
 
 
 @contextlib.contextmanager
@@ -141,56 +152,112 @@ def _init_optimizer_state(optimizer) -> None:
 
 
 def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, is_loading: bool,
-                                 common: bool) -> dict:
+                                 common: bool, saved_chain: int | None = None) -> dict:
     """megatron-core's optimizer sharded state dict; for datastates its plain values become `Common`.
 
     Non-distributed optimizers always describe their Adam step (see `_one_common_step`). A save before the first
     step the optimizer took (fp16's loss scaler skips the steps that overflow) describes the zero moments and
-    step 0 Adam would create at that first step, the same math: a load always asks for them."""
+    step 0 Adam would create at that first step, the same math: a load always asks for them. `saved_chain`: a
+    load template for a checkpoint whose chained optimizer has that many parts (see `_template_for_chain`)."""
     _init_optimizer_state(optimizer)
     with _bucket_padded_gather(optimizer, metadata):
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-    _one_common_step(sd, optimizer)
-    if sd.get("grad_scaler"):  # fp16's loss scale: plain numbers (a 1-element tensor on the device otherwise)
-        sd["grad_scaler"] = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in sd["grad_scaler"].items()}
-    return _as_common(sd) if common else sd
+    for part, part_sd in _with_state_dicts(optimizer, sd):
+        _one_common_step(part_sd, part)
+        if part_sd.get("grad_scaler"):  # fp16's loss scale: plain numbers (a 1-element tensor on the device else)
+            part_sd["grad_scaler"] = {k: v.item() if isinstance(v, torch.Tensor) else v
+                                      for k, v in part_sd["grad_scaler"].items()}
+    sd = _as_common(sd) if common else sd
+    if saved_chain is not None and saved_chain != len(_parts(optimizer)):
+        sd = _template_for_chain(optimizer, sd, saved_chain, Common if common else lambda value: value)
+    return sd
+
+
+def chain_length(optimizer_keys) -> int:
+    """How many optimizers a saved chain holds, from the keys of its `optimizer` entry (0, 1, ... per part of a
+    chain of several; a single optimizer's own keys otherwise)."""
+    parts = [k for k in optimizer_keys if str(k).isdigit()]
+    return len(parts) or 1
+
+
+def _template_for_chain(optimizer, sd: dict, saved_chain: int, common) -> dict:
+    """A load template for a fully_reshardable checkpoint whose chain has another number of parts than this run's.
+
+    A MoE model's experts have an optimizer of their own only with expert parallelism (EP > 1), so EP2 -> EP1 turns
+    a chain of two into one. fully_reshardable tensors are keyed by parameter, not by part: this run's tensors
+    load as they are (kept under RUN_PARTS); the hyper-parameters and step of each saved part are read where
+    they were saved, and `_regrouped` gives them to this run's parts."""
+    def part():
+        return {"optimizer": common(None), "param_state_sharding_type": common(None)}
+
+    template = {i: part() for i in range(saved_chain)} if saved_chain > 1 else part()
+    template[RUN_PARTS] = [part_sd["param_state"] for _, part_sd in _with_state_dicts(optimizer, sd)]
+    return template
+
+
+RUN_PARTS = "this_run_parts"  # in a `_template_for_chain` template: this run's parts' tensors
+
+
+def _regrouped(optimizer, loaded: dict) -> dict:
+    """A `_template_for_chain` load as this run's chained optimizer state: each of this run's param groups takes
+    the hyper-parameters and step of the saved group with the same identity (megatron-core's
+    `param_group_identifier_keys`), whichever part of the saved chain it was in."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+    saved_parts = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(k for k in loaded if k != RUN_PARTS)]
+    saved_groups = [g for part in saved_parts for g in part["optimizer"]["param_groups"]]
+    keys = [k for k in param_group_identifier_keys if k != "is_expert_parallel"]
+    regrouped = []
+    for part, param_state in zip(_parts(optimizer), loaded[RUN_PARTS]):
+        groups = []
+        for group in part.optimizer.param_groups:
+            same = [g for g in saved_groups if all(g.get(k) == group.get(k) for k in keys)]
+            if not same:
+                raise ValueError(f"the checkpoint's optimizer has no param group like this run's "
+                                 f"{ {k: group.get(k) for k in keys} }")
+            same.sort(key=lambda g: g.get("is_expert_parallel") != group.get("is_expert_parallel"))
+            groups.append({**same[0], "is_expert_parallel": group.get("is_expert_parallel")})
+        regrouped.append({"optimizer": {"param_groups": groups}, "param_state": param_state,
+                          "param_state_sharding_type": "fully_reshardable"})
+    return regrouped[0] if len(regrouped) == 1 else dict(enumerate(regrouped))
 
 
 def load_optimizer_state(optimizer, loaded: dict) -> None:
-    scaler = loaded.pop("grad_scaler", None)  # restored below: megatron-core's loader moves it with .cuda()
-    inner = loaded.get("optimizer", loaded)
-    state = inner.get("state") if isinstance(inner, dict) else None
-    if isinstance(state, dict) and isinstance(state.get("common_step"), (int, float)):
-        state["common_step"] = torch.tensor(float(state["common_step"]), dtype=torch.float32)  # Adam's type
-    with torch.no_grad():  # copies into the main params, never a step autograd should see
-        if loaded.get("param_state_sharding_type") == "fully_reshardable":
-            _load_fully_reshardable(optimizer, loaded)
-        else:
-            optimizer.load_state_dict(loaded)
+    """The loaded optimizer state into each part of `optimizer` (both of a MoE model's chain), in its layout."""
+    if RUN_PARTS in loaded:
+        loaded = _regrouped(optimizer, loaded)
+    for part, part_loaded in _with_state_dicts(optimizer, loaded):
+        scaler = part_loaded.pop("grad_scaler", None)  # restored below: megatron-core's loader moves it with .cuda()
+        inner = part_loaded.get("optimizer", part_loaded)
+        state = inner.get("state") if isinstance(inner, dict) else None
+        if isinstance(state, dict) and isinstance(state.get("common_step"), (int, float)):
+            state["common_step"] = torch.tensor(float(state["common_step"]), dtype=torch.float32)  # Adam's type
+        with torch.no_grad():  # copies into the main params, never a step autograd should see
+            if part_loaded.get("param_state_sharding_type") == "fully_reshardable":
+                _load_fully_reshardable(part, part_loaded)
+            else:
+                part.load_state_dict(part_loaded)
+        if scaler:
+            _restore_grad_scaler(part, scaler)
     _restore_adam_steps(optimizer)
-    if scaler:
-        _restore_grad_scaler(optimizer, scaler)
 
 
-def _restore_grad_scaler(optimizer, saved: dict) -> None:
+def _restore_grad_scaler(opt, saved: dict) -> None:
     """fp16's dynamic loss scale and its trackers, on the device the scale lives on."""
-    for opt in _parts(optimizer):
-        grad_scaler = getattr(opt, "grad_scaler", None)
-        if grad_scaler is not None and hasattr(grad_scaler, "_scale"):
-            scale = saved["scale"]
-            grad_scaler._scale = torch.tensor([scale] if not isinstance(scale, torch.Tensor) else scale.tolist(),
-                                              dtype=grad_scaler._scale.dtype, device=grad_scaler._scale.device)
-            grad_scaler._growth_tracker = int(saved["growth_tracker"])
-            grad_scaler._hysteresis_tracker = int(saved["hysteresis_tracker"])
+    grad_scaler = getattr(opt, "grad_scaler", None)
+    if grad_scaler is not None and hasattr(grad_scaler, "_scale"):
+        scale = saved["scale"]
+        grad_scaler._scale = torch.tensor([scale] if not isinstance(scale, torch.Tensor) else scale.tolist(),
+                                          dtype=grad_scaler._scale.dtype, device=grad_scaler._scale.device)
+        grad_scaler._growth_tracker = int(saved["growth_tracker"])
+        grad_scaler._hysteresis_tracker = int(saved["hysteresis_tracker"])
 
-def _load_fully_reshardable(optimizer, loaded: dict) -> None:
+def _load_fully_reshardable(opt, loaded: dict) -> None:
     """DistributedOptimizer.load_state_dict in its two steps, the Adam steps set aside for the second.
 
     megatron-core (0.16.1, 0.19.2) copies a fully_reshardable param state into every key of the parameter's
     optimizer state; with torch's Adam (no TE/apex) that state also holds `step`, which the checkpoint keeps in
     the param groups, and the copy fails (KeyError: 'step'). The steps come back from the param groups
     afterwards."""
-    (opt,) = _parts(optimizer)
     param_state = loaded.pop("param_state")
     opt.load_state_dict(loaded)
     inner = opt.optimizer

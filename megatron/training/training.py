@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .profiling import Profiler
 from .schedules import batch_at, scheduler_steps
 from .utils import print_rank_0, print_rank_last
+from .virtual_pipeline import build_model_chunks, data_iterators
 
 log = logging.getLogger(__name__)
 
@@ -59,42 +60,52 @@ def build_scheduler(args, optimizer):
 def setup_model_and_optimizer(args, model_provider):
     """megatron-core's model, DistributedDataParallel (grad buffers) and optimizer, on every device.
 
-    Returns (the GPT model, the DDP wrapper that trains it, optimizer, scheduler).
+    Returns (the GPT model chunks, the DDP wrappers that train them, optimizer, scheduler): one chunk per virtual
+    pipeline stage (one without them).
 
     `get_megatron_optimizer` gives `DistributedOptimizer` with --use-distributed-optimizer, else
-    `Float16OptimizerWithFloat16Params` (--bf16/--fp16) or `FP32Optimizer`; gradient clipping is theirs."""
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    `Float16OptimizerWithFloat16Params` (--bf16/--fp16) or `FP32Optimizer`, chained with a second one for the
+    experts of a MoE model; gradient clipping is theirs."""
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    model = model_provider(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-    if args.device.type == "cuda":
-        model.cuda(torch.cuda.current_device())
-    gpt = model
-    if args.bf16 or args.fp16:
-        from megatron.core.transformer.module import Float16Module
-        model = Float16Module(model.config, model)  # 16-bit inputs in, fp32 logits out, as in Megatron-LM
+    gpts = build_model_chunks(model_provider, args.virtual_pipeline_model_parallel_size)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
         # fp16: the dynamic loss scaler skips the steps whose scaled gradients overflow (NaN included), so a
         # NaN there is expected, not fatal
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
-    model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=model)
+    model = [_wrap(args, gpt, ddp_config, i) for i, gpt in enumerate(gpts)]
+    config = gpts[0].config
     opt_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=model.config.params_dtype,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(opt_config, model)
     # What Megatron-LM's train() wires into the schedules: loss scaling, the end-of-backward gradient
     # reductions (DP, sequence-parallel layer norms, the embedding tied across pipeline stages), no_sync.
-    config = model.config
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if args.overlap_param_gather:
-        config.param_sync_func = model.start_param_sync
-    return gpt, model, optimizer, build_scheduler(args, optimizer)
+        config.param_sync_func = ([m.start_param_sync for m in model] if len(model) > 1
+                                  else model[0].start_param_sync)
+    return gpts, model, optimizer, build_scheduler(args, optimizer)
+
+
+def _wrap(args, gpt, ddp_config, chunk: int):
+    """One model chunk on its device, in 16-bit if asked, inside megatron-core's DistributedDataParallel (as in
+    Megatron-LM, only the first chunk's gradients are bucketed)."""
+    from megatron.core.distributed import DistributedDataParallel
+    if args.device.type == "cuda":
+        gpt.cuda(torch.cuda.current_device())
+    module = gpt
+    if args.bf16 or args.fp16:
+        from megatron.core.transformer.module import Float16Module
+        module = Float16Module(gpt.config, gpt)  # 16-bit inputs in, fp32 logits out, as in Megatron-LM
+    return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=module,
+                                   disable_bucketing=chunk > 0)
 
 
 # ----- one step -----
@@ -134,11 +145,12 @@ def train_step(args, model, optimizer, forward_step_func, batches, num_microbatc
     """One iteration of `num_microbatches` micro-batches from `batches`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     t0 = time.perf_counter()
-    model.zero_grad_buffer()  # gradients are not part of the checkpoint
+    for chunk in model:
+        chunk.zero_grad_buffer()  # gradients are not part of the checkpoint
     optimizer.zero_grad()
-    data = iter([next(batches) for _ in range(num_microbatches)])
+    data = data_iterators([next(batches) for _ in range(num_microbatches)], model)
     reported = get_forward_backward_func()(
-        forward_step_func=forward_step_func, data_iterator=data, model=[model],
+        forward_step_func=forward_step_func, data_iterator=data, model=model,
         num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
     if args.empty_unused_memory_level >= 2:
@@ -241,7 +253,8 @@ def train(args, model, optimizer, scheduler, run: Run, checkpoints, iteration, c
                            ps.get_data_parallel_world_size(), vocab_size=run.vocab_size,
                            num_workers=args.num_workers, device=args.device,
                            causal_mask=args.create_attention_mask_in_dataloader)
-    model.train()
+    for chunk in model:
+        chunk.train()
     saved_last, start, stop = None, iteration, None
     t_last = time.perf_counter()
     while iteration < args.train_iters and stop is None:

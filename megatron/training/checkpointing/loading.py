@@ -10,10 +10,11 @@ from datastates import CheckpointError
 from datastates import commit
 from datastates.local_tier import LocalTier
 
-from ..optimizer_state import load_optimizer_state
+from ..optimizer_state import chain_length, load_optimizer_state
+from ..virtual_pipeline import chunks_sharded_state_dict, load_chunks
 from .savers import DatastatesSaver, Saver, detect
-from .state import (build_state, current_layout, describe_layout, layout_of, rng_sharded_object,
-                    set_rng_state, sharded_metadata)
+from .state import (build_state, current_layout, describe_layout, describe_model_layout, layout_of, model_layout,
+                    rng_sharded_object, set_rng_state, sharded_metadata)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,7 @@ class CheckpointLoader:
         load_optim = not (args.no_load_optim or args.finetune)
         t0 = time.perf_counter()
         if args.finetune:  # the weights only: a model-only checkpoint (e.g. from upstream) has nothing else
-            model_sd = self.model.sharded_state_dict(metadata=sharded_metadata(args))
-            self.model.load_state_dict(saver.read({"model": model_sd}, ckpt_dir)["model"], strict=True)
+            load_chunks(self.model, saver.read(chunks_sharded_state_dict(self.model, sharded_metadata(args)), ckpt_dir))
             log.info(f"successfully loaded the model weights of {ckpt_dir} ({saver.name}) for fine-tuning from "
                      f"iteration 0 in {(time.perf_counter() - t0) * 1e3:.1f} ms")
             return 0, 0
@@ -77,9 +77,10 @@ class CheckpointLoader:
         # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
         # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
         state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0,
-                            wrap_common=saver.wraps_common, is_loading=True, metadata=metadata)
+                            wrap_common=saver.wraps_common, is_loading=True, metadata=metadata,
+                            saved_chain=chain_length(saved.get("optimizer") or ()))
         loaded = saver.read(state, ckpt_dir)
-        self.model.load_state_dict(loaded["model"], strict=True)
+        load_chunks(self.model, loaded)
         if load_optim:
             load_optimizer_state(self.optimizer, loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
@@ -98,7 +99,7 @@ class CheckpointLoader:
     def load_whole(self, state: dict, source: str) -> tuple[int, int]:
         """Load a legacy whole-state checkpoint of this (tp, pp) rank (`torch`); (iteration, consumed)."""
         args = self.args
-        self.model.load_state_dict(state["model"], strict=True)
+        load_chunks(self.model, state)
         if not (args.no_load_optim or args.finetune):
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
@@ -164,6 +165,15 @@ def _require_loadable_optimizer(ckpt_dir: str, args, saved_args, metadata: dict)
             f"saved with {describe_layout(saved_layout)}; it reshards across DP sizes only, and this run is "
             f"{describe_layout(now)}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP, or pass "
             "--no-load-optim")
+    saved_model, now_model = model_layout(saved_args), model_layout(args)
+    fully_reshardable = saved_dist and metadata.get("distrib_optim_sharding_type") == "fully_reshardable"
+    chain_changes = (saved_model[0] > 1) != (now_model[0] > 1)  # experts get their own optimizer with EP > 1
+    if saved_model != now_model and not fully_reshardable and (saved_dist or chain_changes):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir!r} was saved with {describe_model_layout(saved_model)} and this run is "
+            f"{describe_model_layout(now_model)}: its optimizer state moves to another expert or virtual pipeline "
+            "layout only in the distributed optimizer's fully_reshardable layout (save with "
+            "--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable), or pass --no-load-optim")
 
 
 class _LoadArgs:

@@ -54,8 +54,9 @@ class CheckpointManager:
     """Owns the Saver of --ckpt-format and the memory tier; the training loop decides when to call it."""
 
     def __init__(self, args, model, optimizer, scheduler, ddp=None):
+        model = model if isinstance(model, list) or model is None else [model]  # the model chunks
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
-        self.ddp = ddp  # megatron-core's DistributedDataParallel around `model`, when there is one
+        self.ddp = ddp if isinstance(ddp, list) or ddp is None else [ddp]  # megatron-core's DDP around each
         self.mode = SaveMode.of(args)
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.saver = saver_class(args.ckpt_format)(args, model, optimizer, scheduler)
@@ -73,7 +74,7 @@ class CheckpointManager:
         factor = args.replication_factor if args.replication else 1
         # newest 2 kept + 1 being written, per copy, for every rank of the node: params, two fp32 Adam moments
         # and, with 16-bit params, fp32 main params (an upper bound: the distributed optimizer shards them)
-        params = list(self.model.parameters())
+        params = [p for chunk in self.model for p in chunk.parameters()]
         per_copy = sum(p.numel() * p.element_size() for p in params)
         if not args.no_save_optim:
             per_copy += sum(p.numel() for p in params) * 4 * (3 if (args.bf16 or args.fp16) else 2)
@@ -153,8 +154,9 @@ class CheckpointManager:
         the saved bf16 params those of the saved step, and nothing writes them again before the next
         optimizer step, which is where `wait_for_snapshot` is."""
         if self.ddp is not None and self.args.overlap_param_gather:
-            self.ddp.disable_forward_pre_hook(param_sync=True)
-            self.ddp.enable_forward_pre_hook()
+            for ddp in self.ddp:
+                ddp.disable_forward_pre_hook(param_sync=True)
+                ddp.enable_forward_pre_hook()
 
     # ----- the engine's steps -----
 

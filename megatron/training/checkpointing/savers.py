@@ -26,6 +26,7 @@ from datastates import format as ds_format
 from datastates.engine import DEFAULT_READ_THREADS, SaveHandle
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
+from ..virtual_pipeline import chunk_keys
 from .state import get_rng_state, state_nbytes
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class Saver:
         raise NotImplementedError
 
     def saved_common(self, ckpt_dir: str) -> dict:
-        """The checkpoint's common state, top-level names -> values (at least args and content_metadata read)."""
+        """The checkpoint's common state, top-level names -> values (at least args and content_metadata read, and
+        the keys under the optimizer's entry)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -133,10 +135,12 @@ class DatastatesSaver(Saver):
 
     def saved_common(self, ckpt_dir: str) -> dict:
         wanted = ("args", "content_metadata")
-        names = {name[len(COMMON_PREFIX):].split("/")[0] for name in self.engine.reader(ckpt_dir).global_index()
-                 if name.startswith(COMMON_PREFIX)}
+        paths = [name[len(COMMON_PREFIX):].split("/") for name in self.engine.reader(ckpt_dir).global_index()
+                 if name.startswith(COMMON_PREFIX)]
+        names = {p[0] for p in paths}
         present = [n for n in wanted if n in names]
         values = load_sharded(self.engine, {n: Common(None) for n in present}, ckpt_dir) if present else {}
+        values["optimizer"] = {p[1] for p in paths if p[0] == "optimizer" and len(p) > 1}
         return {n: values.get(n) for n in names}
 
     def close(self) -> None:
@@ -224,7 +228,7 @@ class TorchSaver(Saver):
         if ps.get_data_parallel_rank() != 0:
             return None
         state = {k: sharded[k] for k in ("args", "checkpoint_version", "iteration", "train_state")}
-        state["model"] = self.model.state_dict()
+        state.update({key: chunk.state_dict() for key, chunk in zip(chunk_keys(self.model), self.model)})
         if "optimizer" in sharded:
             state["optimizer"] = self.optimizer.state_dict()
             state["opt_param_scheduler"] = self.scheduler.state_dict()

@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from datastates.megatron import Common
 
 from ..optimizer_state import optimizer_sharded_state_dict
+from ..virtual_pipeline import chunks_sharded_state_dict
 
 CHECKPOINT_VERSION = 3.0
 
@@ -80,26 +81,28 @@ def sharded_metadata(args) -> dict:
             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def build_state(args, model, optimizer, scheduler, iteration: int, consumed: int, *, wrap_common: bool,
-                is_loading: bool = False, metadata: dict | None = None) -> dict:
+def build_state(args, model: list, optimizer, scheduler, iteration: int, consumed: int, *, wrap_common: bool,
+                is_loading: bool = False, metadata: dict | None = None, saved_chain: int | None = None) -> dict:
     """The sharded state dict of one checkpoint (same structure for save and as the load template).
 
+    `model`: the model chunks, under `model` (one) or `model0`, `model1`, ... (virtual pipeline stages).
     `wrap_common`: the plain values go in as `datastates.megatron.Common` (the saver stores them as objects);
-    `metadata`: the layout to build (a load passes the checkpoint's own); default this run's flags."""
+    `metadata`: the layout to build (a load passes the checkpoint's own); default this run's flags.
+    `saved_chain`: a load's, the number of optimizers chained in the checkpoint (optimizer_state.chain_length)."""
     common = Common if wrap_common else (lambda v: v)
     metadata = dict(metadata or sharded_metadata(args))
-    model_sd = model.sharded_state_dict(metadata=dict(metadata))  # megatron-core adds process groups to it
+    model_sd = chunks_sharded_state_dict(model, metadata)  # megatron-core adds process groups to it
     state = {
         "args": common(saveable_args(args)),
         "checkpoint_version": common(CHECKPOINT_VERSION),
         "iteration": common(iteration),
         "train_state": common({"consumed_train_samples": consumed, "iteration": iteration}),
         "content_metadata": common(metadata),
-        "model": model_sd,
+        **model_sd,
     }
     if not args.no_save_optim and optimizer is not None:
         state["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, dict(metadata), is_loading=is_loading,
-                                                          common=wrap_common)
+                                                          common=wrap_common, saved_chain=saved_chain)
         state["opt_param_scheduler"] = common(scheduler.state_dict())
     if not args.no_save_rng:
         state["rng_state"] = rng_sharded_object()
@@ -129,3 +132,15 @@ def layout_of(saved_args):
 
 def describe_layout(layout) -> str:
     return "TP{}xPP{}xDP{}".format(*layout)
+
+
+def model_layout(args) -> tuple:
+    """(expert parallel, expert tensor parallel, virtual stages per pipeline rank) of a run's args or a
+    checkpoint's (a checkpoint from before these flags: one chunk, no experts)."""
+    ep = getattr(args, "expert_model_parallel_size", None) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
+    return ep, etp, getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+
+
+def describe_model_layout(layout) -> str:
+    return "EP{}xETP{} with {} virtual stage(s) per pipeline rank".format(*layout)

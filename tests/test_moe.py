@@ -1,0 +1,123 @@
+"""Mixture of experts end to end through pretrain_gpt.py, 4 CPU ranks (gloo), real torchrun runs.
+
+A Mixtral-style model (SwiGLU experts, top-2 routing with an auxiliary loss, RMSNorm, rotary positions, bf16)
+with expert parallelism EP2 x DP2 and megatron-core's distributed optimizer, which for a MoE model is its
+ChainedOptimizer of a dense and an expert optimizer. One uninterrupted run of 2N iterations, saving at N in the
+fully_reshardable layout, is the reference loss curve and the source checkpoint of every test here:
+
+- exact resume, both layouts: N iterations, stop (--exit-interval), resume: losses bit-equal to the reference
+  (dp_reshardable); the reference's own iteration-N checkpoint resumed in the same layout (fully_reshardable);
+- resharding across expert parallelism: the iteration-N checkpoint converted (--save-after-load) onto 1 rank
+  (EP1: the experts join the dense optimizer, the chain of two becomes one) and onto EP1 x TP2 (experts split
+  by TP), and the 1-rank one back onto EP2 x DP2: every tensor, fp32 main params and both Adam moments of every
+  expert included, bit-equal to the source, and the Adam step and the scheduler carried over.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_helpers import losses, torchrun
+from test_reshard import assert_same_tensors, iter_dir, read_full
+
+N = 4
+# vocab 128 padded to a multiple of 64 x TP = 128 under TP1 and TP2 alike (the reshard compares the embedding)
+MIXTRAL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+           "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2",
+           "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--seed", "1234", "--train-iters", str(2 * N),
+           "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+           "--untie-embeddings-and-output-weights", "--bf16", "--use-distributed-optimizer",
+           "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+           "--moe-ffn-hidden-size", "96", "--no-ckpt-fsync"]
+EP2DP2 = MIXTRAL + ["--expert-model-parallel-size", "2"]
+FULLY = ["--dist-ckpt-optim-fully-reshardable"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """2N iterations EP2 x DP2, saving at N and 2N (fully_reshardable, lazy async): (checkpoint root, losses)."""
+    root = str(tmp_path_factory.mktemp("moe") / "ep2dp2")
+    _, log = torchrun(4, EP2DP2 + FULLY + ["--save", root, "--save-interval", str(N), "--async-ckpt"])
+    ref = losses(log)
+    assert sorted(ref) == list(range(1, 2 * N + 1)), log[-3000:]
+    return root, ref
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """N iterations EP2 x DP2 that stop (--exit-interval) with a dp_reshardable checkpoint: (its root, losses)."""
+    ck = str(tmp_path_factory.mktemp("moe") / "stopped")
+    _, log = torchrun(4, EP2DP2 + ["--save", ck, "--async-ckpt", "--exit-interval", str(N)])
+    return ck, losses(log)
+
+
+def test_exact_resume_dp_reshardable(tmp_path, reference, stopped):
+    _, ref = reference
+    ck, first = stopped
+    _, log = torchrun(4, EP2DP2 + ["--load", ck, "--save", str(tmp_path / "ck"), "--async-ckpt"])
+    assert f"at iteration {N}" in log, log[-3000:]
+    second = losses(log)
+    assert sorted(second) == list(range(N + 1, 2 * N + 1)), log[-3000:]
+    assert {**first, **second} == ref
+
+
+def test_exact_resume_fully_reshardable(tmp_path, reference):
+    root, ref = reference
+    _, log = torchrun(4, EP2DP2 + FULLY + ["--load", iter_dir(root, N), "--save", str(tmp_path / "ck")])
+    resumed = losses(log)
+    assert sorted(resumed) == list(range(N + 1, 2 * N + 1)), log[-3000:]
+    assert resumed == {i: ref[i] for i in resumed}
+
+
+def _convert(nproc: int, layout: list[str], load: str, save: str) -> str:
+    """--save-after-load with --train-iters N: load iteration N, write it in this layout, train nothing."""
+    flags = list(MIXTRAL)
+    flags[flags.index("--train-iters") + 1] = str(N)
+    _, log = torchrun(nproc, flags + FULLY + layout + ["--load", load, "--save", save, "--save-after-load"])
+    assert os.path.isfile(os.path.join(iter_dir(save, N), "metadata.json")), log[-3000:]
+    return iter_dir(save, N)
+
+
+def assert_same_moe_state(src: str, dst: str) -> None:
+    """Every tensor of `dst` bit-equal to `src`'s (experts' fp32 main params and moments included), and the
+    same Adam step, iteration, data position and scheduler."""
+    st, so = read_full(src)
+    dt, do = read_full(dst)
+    assert_same_tensors(st, dt, src, dst)
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        experts = [k for k in st if k.startswith(f"optimizer.state.{kind}.") and ".experts." in k]
+        assert len(experts) == 2, sorted(st)  # linear_fc1 and linear_fc2 of every expert of every layer
+        assert st[experts[0]].shape[:2] == (2, 4)  # (layers, experts): the experts' global offsets
+    for name in ("common:iteration", "common:train_state", "common:opt_param_scheduler"):
+        assert so[name] == do[name], name
+    assert _adam_steps(so) == _adam_steps(do) == {float(N)}
+
+
+def _adam_steps(objects: dict) -> set:
+    return {g["step"] for name, value in objects.items() if name.startswith("common:optimizer/")
+            and name.endswith("optimizer") for g in value["param_groups"]}
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
+                         ids=["ep2dp2-to-1-rank", "ep2dp2-to-ep1tp2"])
+def test_reshard_across_expert_parallelism(tmp_path, reference, nproc, layout):
+    root, _ = reference
+    src = iter_dir(root, N)
+    dst = _convert(nproc, layout, src, str(tmp_path / "dst"))
+    assert_same_moe_state(src, dst)
+    names = set(read_full(dst)[1])
+    assert "common:optimizer/optimizer" in names  # EP1: one optimizer, the experts' state in it
+    if nproc == 1:  # and back: one optimizer into the chain of two, again bit-equal
+        back = _convert(4, ["--expert-model-parallel-size", "2"], dst, str(tmp_path / "back"))
+        assert_same_moe_state(src, back)
+        assert "common:optimizer/1/optimizer" in set(read_full(back)[1])
+
+
+def test_dp_reshardable_refuses_another_expert_layout(stopped):
+    """The dp_reshardable flat buffers belong to one expert layout: a resume into EP1 is refused before any
+    read, naming the layouts and the flag that moves them."""
+    rc, log = torchrun(2, MIXTRAL + ["--load", stopped[0]], check=False)
+    assert rc != 0
+    assert "saved with EP2xETP1" in log and "this run is EP1xETP1" in log, log[-3000:]
+    assert "--dist-ckpt-optim-fully-reshardable" in log

@@ -1,0 +1,74 @@
+"""The mixture-of-experts and virtual-pipeline flags: accepted where megatron-core runs them on CPU ranks, refused
+before any work, naming the flag and why, where it does not or where they disagree (in-process, cheap)."""
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args, validate_args
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--disable-bias-linear"]
+MOE = ["--num-experts", "4"]
+
+
+def check(extra, world=4, cuda=False):
+    return validate_args(parse_args(argv=BASE + extra), world, cuda=cuda)
+
+
+def test_moe_defaults_and_expert_parallel_sizes():
+    args = check(MOE + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel", "--ffn-hidden-size", "96"])
+    assert args.moe_ffn_hidden_size == 96 and args.expert_tensor_parallel_size == 2
+    args = check(MOE + ["--moe-layer-freq", "[1,0,1,0]", "--expert-tensor-parallel-size", "1"])
+    assert args.moe_layer_freq == [1, 0, 1, 0] and args.expert_tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size applies to mixture-of-experts layers"),
+    (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias applies to mixture-of-experts"),
+    (MOE + ["--expert-model-parallel-size", "3"], "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
+    (MOE + ["--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
+     "world size 4 is not divisible by --expert-tensor-parallel-size 2 x --expert-model-parallel-size 4"),
+    (MOE + ["--moe-router-topk", "5"], "--moe-router-topk 5 must be in 1..--num-experts 4"),
+    (MOE + ["--moe-router-topk", "1"], "needs --moe-router-pre-softmax"),
+    (MOE + ["--moe-router-enable-expert-bias"], "needs --moe-router-score-function sigmoid"),
+    (MOE + ["--moe-layer-freq", "[1,0]"], "--moe-layer-freq lists 2 layers, --num-layers is 4"),
+    (MOE + ["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
+    (MOE + ["--moe-token-dispatcher-type", "alltoall"], "alltoall needs CUDA: .*on CPU use allgather"),
+    (MOE + ["--moe-token-dispatcher-type", "flex"], "flex needs DeepEP"),
+    (MOE + ["--moe-grouped-gemm"], "--moe-grouped-gemm needs CUDA: .*SequentialMLP"),
+])
+def test_moe_refusals(extra, message):
+    with pytest.raises(ArgumentError, match=message):
+        check(extra)
+
+
+def test_moe_layer_freq_is_parsed_not_evaluated():
+    with pytest.raises(SystemExit):
+        parse_args(argv=BASE + MOE + ["--moe-layer-freq", "__import__('os')"])
+
+
+def test_expert_biases_need_expert_tp_1():
+    argv = [f for f in BASE if f != "--disable-bias-linear"] + MOE
+    with pytest.raises(ArgumentError, match="biases only with expert TP 1; pass --disable-bias-linear"):
+        validate_args(parse_args(argv=argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), 4,
+                      cuda=False)
+
+
+def test_virtual_pipeline_sizes():
+    pp2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    assert check(pp2 + ["--num-virtual-stages-per-pipeline-rank", "2"]).virtual_pipeline_model_parallel_size == 2
+    assert check(pp2 + ["--num-layers-per-virtual-pipeline-stage", "1"]).virtual_pipeline_model_parallel_size == 2
+    assert check(pp2).virtual_pipeline_model_parallel_size is None
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--num-virtual-stages-per-pipeline-rank", "2"], "need --pipeline-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3"],
+     "--num-virtual-stages-per-pipeline-rank 3 does not divide the 2 layers"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-virtual-stages-per-pipeline-rank", "2"], "give one"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size",
+      "6"], "3 micro-batches per iteration .* not a multiple of --pipeline-model-parallel-size 2"),
+])
+def test_virtual_pipeline_refusals(extra, message):
+    with pytest.raises(ArgumentError, match=message):
+        check(extra, world=2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from megatron_helpers import losses, torchrun
 from test_reshard import assert_same_tensors, iter_dir, read_full
@@ -121,3 +122,33 @@ def test_dp_reshardable_refuses_another_expert_layout(stopped):
     assert rc != 0
     assert "saved with EP2xETP1" in log and "this run is EP1xETP1" in log, log[-3000:]
     assert "--dist-ckpt-optim-fully-reshardable" in log
+
+
+# DeepSeek-style routing on 2 ranks (EP2): a dense first layer (--moe-layer-freq), a shared expert beside the
+# routed ones, sigmoid scores with aux-loss-free balancing (the router's expert bias, a buffer updated each step).
+DEEPSEEK = [f for f in MIXTRAL if f not in ("--bf16", "--use-distributed-optimizer")] + [
+    "--expert-model-parallel-size", "2", "--moe-layer-freq", "[0,1]", "--moe-shared-expert-intermediate-size", "64",
+    "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
+    "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
+BIAS = "decoder.layers.1.mlp.router.expert_bias"
+
+
+def test_expert_bias_and_shared_expert_resume_exactly(tmp_path):
+    """Straight 2N vs N + resume (bf16-free, non-distributed chained optimizer): bit-equal losses, and the
+    resumed run's final checkpoint equals the straight one's in every tensor, the expert bias included."""
+    straight, ck = str(tmp_path / "straight"), str(tmp_path / "ck")
+    _, log = torchrun(2, DEEPSEEK + ["--save", straight, "--save-interval", str(N)])
+    ref = losses(log)
+    flags = DEEPSEEK + ["--save", ck, "--load", ck, "--save-interval", str(N), "--async-ckpt"]
+    _, log1 = torchrun(2, flags + ["--exit-interval", str(N)])
+    _, log2 = torchrun(2, flags)
+    assert {**losses(log1), **losses(log2)} == ref and sorted(ref) == list(range(1, 2 * N + 1)), log2[-3000:]
+    at_n = read_full(iter_dir(ck, N))[0]
+    assert at_n[BIAS].abs().sum() > 0, at_n[BIAS]  # updated from the load, and saved
+    assert any(".shared_experts." in name for name in at_n) and not any("layers.0.mlp.router" in n for n in at_n)
+    final, resumed = read_full(iter_dir(straight, 2 * N))[0], read_full(iter_dir(ck, 2 * N))[0]
+    assert sorted(final) == sorted(resumed)
+    assert any(k.startswith("chained_1.optimizer.state.exp_avg_sq.") for k in final)  # the experts' optimizer
+    for name in final:
+        assert torch.equal(final[name], resumed[name]), name
+    assert not torch.equal(final[BIAS], at_n[BIAS])  # it moved on after the resume, as in the straight run

@@ -51,13 +51,14 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         **({"recompute_modules": args.recompute_modules} if args.recompute_modules else {}),
         calculate_per_token_loss=args.calculate_per_token_loss,
         batch_p2p_comm=cuda,  # gloo has no coalesced send/recv: pairs of isend/irecv instead
+        qk_layernorm=args.qk_layernorm,
         **moe_config_kwargs(args))
     return GPTModel(config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                    vp_stage=vp_stage)
+                    rotary_base=args.rotary_base, vp_stage=vp_stage)
 
 
 def _layer_spec(args, config, vp_stage):
@@ -76,8 +77,8 @@ def _layer_spec(args, config, vp_stage):
             block.layer_norm = marked[0].layer_norm
         return block
     if te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    spec = specs.get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
     if args.sequence_parallel and cpu_shim.installed():
         spec = cpu_shim.sequence_parallel_local_spec(spec, config)
     return spec

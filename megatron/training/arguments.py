@@ -43,6 +43,8 @@ def _add_model_args(p):
                    help="upstream's older spelling: no learned position table (--position-embedding-type none "
                         "unless rope)")
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000, help="the rotary embedding's base period")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys before attention")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--apply-layernorm-1p", action="store_true",
@@ -116,6 +118,10 @@ def _add_training_args(p):
                    help="exit (after saving when --save is set) once the iteration is a multiple of this")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="the embedding and output layer's own peak learning rate (default --lr)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="the embedding and output layer's own minimum learning rate (default --min-lr)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
                    default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
@@ -394,6 +400,8 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     _require_package(args.wandb_project, "--wandb-project", "wandb", "wandb")
     if args.wandb_project and not (args.wandb_save_dir or args.save):
         raise ArgumentError("--wandb-project needs --wandb-save-dir (or --save, whose wandb/ directory it uses)")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's own peak)")
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
     _validate_implementation(args)

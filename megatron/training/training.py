@@ -81,7 +81,8 @@ def setup_model_and_optimizer(args, model_provider):
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
+        use_distributed_optimizer=args.use_distributed_optimizer, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr)
     optimizer = get_megatron_optimizer(opt_config, model)
     # What Megatron-LM's train() wires into the schedules: loss scaling, the end-of-backward gradient
     # reductions (DP, sequence-parallel layer norms, the embedding tied across pipeline stages), no_sync.

@@ -72,3 +72,12 @@ def test_virtual_pipeline_sizes():
 def test_virtual_pipeline_refusals(extra, message):
     with pytest.raises(ArgumentError, match=message):
         check(extra, world=2)
+
+
+def test_mtp_and_mla_refused_with_the_reason():
+    with pytest.raises(ArgumentError) as refused:
+        parse_args(argv=BASE + ["--mtp-num-layers", "1", "--multi-latent-attention", "--kv-lora-rank", "32"])
+    message = str(refused.value)
+    assert "--mtp-num-layers: multi-token prediction is not built here yet" in message, message
+    assert "--multi-latent-attention: multi-latent attention is not built here yet" in message
+    assert "--kv-lora-rank" in message and "unrecognized" not in message

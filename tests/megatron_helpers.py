@@ -45,3 +45,26 @@ def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int 
 def losses(log: str) -> dict[int, str]:
     """iteration -> the printed loss string (repr of the float: compared exactly)."""
     return {int(m.group(1)): m.group(2) for m in LOSS_RE.finditer(log)}
+
+
+def iter_dir(root: str, it: int) -> str:
+    return os.path.join(root, f"iter_{it:07d}")
+
+
+def saving_run(nproc: int, flags: list[str], root: str, every: int, iterations: int) -> dict[int, str]:
+    """A run of `flags` (with `iterations` as its --train-iters) saving lazily every `every` iterations to
+    `root`; its losses, checked to cover every iteration."""
+    _, log = torchrun(nproc, flags + ["--save", root, "--save-interval", str(every), "--async-ckpt"])
+    out = losses(log)
+    assert sorted(out) == list(range(1, iterations + 1)), log[-3000:]
+    return out
+
+
+def convert(nproc: int, flags: list[str], load: str, save: str, iteration: int) -> str:
+    """--save-after-load with --train-iters `iteration`: load that iteration, write it in the layout of `flags`,
+    train nothing; the new checkpoint's directory."""
+    flags = list(flags)
+    flags[flags.index("--train-iters") + 1] = str(iteration)
+    _, log = torchrun(nproc, flags + ["--load", load, "--save", save, "--save-after-load"])
+    assert os.path.isfile(os.path.join(iter_dir(save, iteration), "metadata.json")), log[-3000:]
+    return iter_dir(save, iteration)

@@ -14,13 +14,12 @@ fully_reshardable layout, is the reference loss curve and the source checkpoint 
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from megatron_helpers import losses, torchrun
-from test_reshard import assert_same_tensors, iter_dir, read_full
+from megatron_helpers import convert, iter_dir, losses, saving_run, torchrun
+from test_reshard import assert_same_tensors, read_full
 
 N = 4
 # vocab 128 padded to a multiple of 64 x TP = 128 under TP1 and TP2 alike (the reshard compares the embedding)
@@ -39,10 +38,7 @@ FULLY = ["--dist-ckpt-optim-fully-reshardable"]
 def reference(tmp_path_factory):
     """2N iterations EP2 x DP2, saving at N and 2N (fully_reshardable, lazy async): (checkpoint root, losses)."""
     root = str(tmp_path_factory.mktemp("moe") / "ep2dp2")
-    _, log = torchrun(4, EP2DP2 + FULLY + ["--save", root, "--save-interval", str(N), "--async-ckpt"])
-    ref = losses(log)
-    assert sorted(ref) == list(range(1, 2 * N + 1)), log[-3000:]
-    return root, ref
+    return root, saving_run(4, EP2DP2 + FULLY, root, N, 2 * N)
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +67,6 @@ def test_exact_resume_fully_reshardable(tmp_path, reference):
     assert resumed == {i: ref[i] for i in resumed}
 
 
-def _convert(nproc: int, layout: list[str], load: str, save: str) -> str:
-    """--save-after-load with --train-iters N: load iteration N, write it in this layout, train nothing."""
-    flags = list(MIXTRAL)
-    flags[flags.index("--train-iters") + 1] = str(N)
-    _, log = torchrun(nproc, flags + FULLY + layout + ["--load", load, "--save", save, "--save-after-load"])
-    assert os.path.isfile(os.path.join(iter_dir(save, N), "metadata.json")), log[-3000:]
-    return iter_dir(save, N)
-
-
 def assert_same_moe_state(src: str, dst: str) -> None:
     """Every tensor of `dst` bit-equal to `src`'s (experts' fp32 main params and moments included), and the
     same Adam step, iteration, data position and scheduler."""
@@ -105,12 +92,12 @@ def _adam_steps(objects: dict) -> set:
 def test_reshard_across_expert_parallelism(tmp_path, reference, nproc, layout):
     root, _ = reference
     src = iter_dir(root, N)
-    dst = _convert(nproc, layout, src, str(tmp_path / "dst"))
+    dst = convert(nproc, MIXTRAL + FULLY + layout, src, str(tmp_path / "dst"), N)
     assert_same_moe_state(src, dst)
     names = set(read_full(dst)[1])
     assert "common:optimizer/optimizer" in names  # EP1: one optimizer, the experts' state in it
     if nproc == 1:  # and back: one optimizer into the chain of two, again bit-equal
-        back = _convert(4, ["--expert-model-parallel-size", "2"], dst, str(tmp_path / "back"))
+        back = convert(4, EP2DP2 + FULLY, dst, str(tmp_path / "back"), N)
         assert_same_moe_state(src, back)
         assert "common:optimizer/1/optimizer" in set(read_full(back)[1])
 

@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
-from megatron_helpers import losses, torchrun
-from test_reshard import assert_same_tensors, iter_dir, read_full
+from megatron_helpers import convert, iter_dir, losses, saving_run, torchrun
+from test_reshard import assert_same_tensors, read_full
 
 N = 3
 PP2 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -35,10 +35,7 @@ FULLY = DIST + ["--dist-ckpt-optim-fully-reshardable"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("vpp") / "vpp2")
-    _, log = torchrun(2, VPP2 + FULLY + ["--save", root, "--save-interval", str(N), "--async-ckpt"])
-    ref = losses(log)
-    assert sorted(ref) == list(range(1, 2 * N + 1)), log[-3000:]
-    return root, ref
+    return root, saving_run(2, VPP2 + FULLY, root, N, 2 * N)
 
 
 def _layers_of(ckpt: str, rank: int) -> set[int]:
@@ -66,22 +63,14 @@ def test_exact_resume(tmp_path, reference):
     assert {**losses(log1), **second} == ref
 
 
-def _convert(flags: list[str], load: str, save: str) -> str:
-    flags = list(flags)
-    flags[flags.index("--train-iters") + 1] = str(N)  # load iteration N, write it in this layout, train nothing
-    _, log = torchrun(2, flags + FULLY + ["--load", load, "--save", save, "--save-after-load"])
-    assert os.path.isfile(os.path.join(iter_dir(save, N), "metadata.json")), log[-3000:]
-    return iter_dir(save, N)
-
-
 def test_reshard_to_no_virtual_stages_and_back(tmp_path, reference):
     root, _ = reference
     src = iter_dir(root, N)
-    flat = _convert(PP2, src, str(tmp_path / "pp2"))
+    flat = convert(2, PP2 + FULLY, src, str(tmp_path / "pp2"), N)
     assert _layers_of(flat, 0) == {0, 1}
     st = read_full(src)[0]
     assert assert_same_tensors(st, read_full(flat)[0], src, flat) > 20
-    back = _convert(VPP2, flat, str(tmp_path / "vpp2"))
+    back = convert(2, VPP2 + FULLY, flat, str(tmp_path / "vpp2"), N)
     assert _layers_of(back, 0) == {0, 2}
     assert_same_tensors(st, read_full(back)[0], src, back)
 

@@ -81,3 +81,12 @@ def test_mtp_and_mla_refused_with_the_reason():
     assert "--mtp-num-layers: multi-token prediction is not built here yet" in message, message
     assert "--multi-latent-attention: multi-latent attention is not built here yet" in message
     assert "--kv-lora-rank" in message and "unrecognized" not in message
+
+
+def test_use_checkpoint_args_takes_the_experts_not_their_layout():
+    from megatron.training.arguments import build_parser
+    from megatron.training.checkpoint_args import architecture_flags
+    flags = architecture_flags(build_parser())
+    assert {"num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_enable_expert_bias", "qk_layernorm",
+            "rotary_base"} <= set(flags)
+    assert not {"expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type"} & set(flags)

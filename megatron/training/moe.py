@@ -20,6 +20,13 @@ _MOE_ONLY = (("moe_ffn_hidden_size", None), ("moe_shared_expert_intermediate_siz
              ("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None))
 
 
+# The MoE flags that shape the weights or the function of the model (--use-checkpoint-args takes them from the
+# checkpoint); the expert layout, the dispatcher and the balancing loss's weight are the run's choices.
+ARCHITECTURE = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
+                "moe_router_score_function", "moe_router_pre_softmax", "moe_shared_expert_intermediate_size",
+                "moe_layer_freq", "moe_router_enable_expert_bias")
+
+
 def moe_layer_freq(text: str):
     """An int N (an MoE layer every N layers) or a list of 0/1 per layer such as "[1,0,1,0]" (as upstream)."""
     try:

@@ -47,6 +47,14 @@ REFUSED = {
                                   "START INCREMENT SAMPLES with --train-samples",
     "--use-torch-fsdp2": _FSDP,
     "--mtp-num-layers": _MTP, "--mtp-loss-scaling-factor": _MTP,
+    "--rotary-scaling-factor": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA, "--rope-type": _MLA,
+    "--moe-permute-fusion": "asks for Transformer Engine's fused token permutation (a CUDA kernel); the "
+                            "unfused permutation runs on every device here (drop the flag)",
+    "--moe-flex-dispatcher-backend": "belongs to the flex token dispatcher (DeepEP/HybridEP on CUDA); use "
+                                     "--moe-token-dispatcher-type allgather",
+    "--moe-router-force-load-balancing": "a benchmarking aid that routes tokens uniformly instead of by the "
+                                         "router; not built here (drop the flag)",
+    "--moe-per-layer-logging": "per-layer MoE loss logging is not built here; the total loss is logged",
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA,
 }

@@ -17,6 +17,8 @@ _MOE_ONLY = (("moe_ffn_hidden_size", None), ("moe_shared_expert_intermediate_siz
              ("moe_aux_loss_coeff", 0.0), ("moe_layer_freq", 1), ("moe_router_topk", 2),
              ("moe_router_load_balancing_type", "aux_loss"), ("moe_token_dispatcher_type", "allgather"),
              ("moe_router_score_function", "softmax"), ("moe_router_pre_softmax", False),
+             ("moe_router_dtype", None), ("moe_router_num_groups", None), ("moe_router_group_topk", None),
+             ("moe_router_topk_scaling_factor", None), ("moe_z_loss_coeff", None),
              ("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None))
 
 
@@ -24,18 +26,34 @@ _MOE_ONLY = (("moe_ffn_hidden_size", None), ("moe_shared_expert_intermediate_siz
 # checkpoint); the expert layout, the dispatcher and the balancing loss's weight are the run's choices.
 ARCHITECTURE = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
                 "moe_router_score_function", "moe_router_pre_softmax", "moe_shared_expert_intermediate_size",
-                "moe_layer_freq", "moe_router_enable_expert_bias")
+                "moe_layer_freq", "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+                "moe_router_topk_scaling_factor")
 
 
 def moe_layer_freq(text: str):
-    """An int N (an MoE layer every N layers) or a list of 0/1 per layer such as "[1,0,1,0]" (as upstream)."""
+    """An int N (an MoE layer every N layers) or a list of 0/1 per layer such as "[1,0,1,0]" or, as upstream's
+    scripts write it, "([0]*1+[1]*3)": lists, integers, + and * only (parsed, never evaluated)."""
     try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        raise ValueError(f"--moe-layer-freq {text!r}: give an integer or a list of 0/1 such as [1,0,1,0]") from None
-    if isinstance(value, int) or (isinstance(value, list) and all(v in (0, 1) for v in value)):
+        value = _list_expression(ast.parse(text.strip(), mode="eval").body)
+    except (ValueError, SyntaxError, TypeError):
+        value = None
+    if (isinstance(value, int) and value > 0) or (isinstance(value, list) and value
+                                                  and all(v in (0, 1) for v in value)):
         return value
-    raise ValueError(f"--moe-layer-freq {text!r}: give an integer or a list of 0/1 such as [1,0,1,0]")
+    raise ValueError(f"--moe-layer-freq {text!r}: give an integer or a list of 0/1 such as [1,0,1,0] or "
+                     "([0]*1+[1]*3)")
+
+
+def _list_expression(node):
+    """The value of an expression of integer constants, lists of them, + and *; ValueError for anything else."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_list_expression(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expression(node.left), _list_expression(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(ast.dump(node))
 
 
 def add_moe_args(parser) -> None:
@@ -46,6 +64,12 @@ def add_moe_args(parser) -> None:
     g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
     g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
+                   help="the router's logits and probabilities in this precision [the activations']")
+    g.add_argument("--moe-router-num-groups", type=int, default=None, help="group-limited routing: expert groups")
+    g.add_argument("--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups per token")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router's z-loss")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHER_TYPES, default="allgather")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
@@ -120,6 +144,10 @@ def moe_config_kwargs(args) -> dict:
                 moe_router_load_balancing_type=args.moe_router_load_balancing_type,
                 moe_router_score_function=args.moe_router_score_function,
                 moe_router_pre_softmax=args.moe_router_pre_softmax, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                moe_router_dtype=args.moe_router_dtype, moe_router_num_groups=args.moe_router_num_groups,
+                moe_router_group_topk=args.moe_router_group_topk,
+                moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+                moe_z_loss_coeff=args.moe_z_loss_coeff,
                 moe_token_dispatcher_type=args.moe_token_dispatcher_type,
                 moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
                 moe_layer_freq=args.moe_layer_freq, moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,

@@ -488,7 +488,8 @@ def write_safetensors(bundle: Bundle, output: str, exclude_prefixes: list[str], 
 # ----- main -----
 
 def _convert_hf(args) -> int:
-    """--to hf streams the checkpoint out (tools/hf); --from hf reads the model, then a writer above saves it."""
+    """--to hf streams the checkpoint out (tools/hf); --from hf streams in to datastates, or reads the model whole
+    for torch_dist's writer above."""
     try:
         if args.src == args.dst:
             raise ConvertError("--from hf --to hf: nothing to convert")
@@ -497,12 +498,17 @@ def _convert_hf(args) -> int:
             return 0
         if args.dst not in ("datastates", "torch_dist"):
             raise ConvertError(f"--from hf writes datastates or torch_dist, not {args.dst}")
-        bundle = Bundle(os.path.normpath(args.input), 0)
-        bundle.tensors, bundle.objects, bundle.object_shapes, bundle.common, flags = hf_cli.read(args)
-        out = (write_datastates(bundle, args.output, args.threads) if args.dst == "datastates"
-               else write_torch_dist(bundle, args.output))
-        print(f"converted {bundle.source} (hf) -> {out} ({args.dst}); fine-tune with: pretrain_gpt.py --finetune "
-              f"--load {args.output} {' '.join(flags)}")
+        imported = hf_cli.read(args)
+        lazy, objects, shapes, common, flags = imported
+        if args.dst == "datastates":  # streamed: built layer by layer as the engine writes
+            out = hf_cli.save_datastates(imported, resolve_output(args.output, 0)[0], args.threads)
+        else:  # megatron-core's writer takes the whole model in memory
+            bundle = Bundle(os.path.normpath(args.input), 0)
+            bundle.tensors = {name: lazy.materialised(name) for name in lazy.tensors}
+            bundle.objects, bundle.object_shapes, bundle.common = objects, shapes, common
+            out = write_torch_dist(bundle, args.output)
+        print(f"converted {os.path.normpath(args.input)} (hf) -> {out} ({args.dst}); fine-tune with: "
+              f"pretrain_gpt.py --finetune --load {args.output} {' '.join(flags)}")
         return 0
     except (ConvertError, hf_cli.HFError) as e:
         log.error("%s", e)

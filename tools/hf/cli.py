@@ -28,3 +28,10 @@ def read(args):
     if args.make_vocab_size_divisible_by < 1 or args.tensor_model_parallel_size < 1:
         raise HFError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be at least 1")
     return read_hf(args.input, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+
+
+def save_datastates(imported, out: str, threads: int) -> str:
+    """Write `read`'s result as a datastates checkpoint at `out`, layer by layer (tools/hf/import_ckpt.py)."""
+    from .import_ckpt import save_datastates as run
+    lazy, objects, shapes, common, _ = imported
+    return run(lazy, objects, shapes, common, out, threads)

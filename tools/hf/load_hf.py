@@ -1,8 +1,9 @@
-"""A transformers model directory -> megatron-core's global tensors, objects and saved flags (the convert tool's
-in-memory checkpoint), for a checkpoint `pretrain_gpt.py --finetune --load` takes into any TP/PP layout.
+"""A transformers model directory -> megatron-core's global tensors, objects and saved flags, for a checkpoint
+`pretrain_gpt.py --finetune --load` takes into any TP/PP layout.
 
-The model is read tensor by tensor with safetensors and held once in host memory (the engine saves a state whose
-tensors all exist); the word embedding and output layer are padded to Megatron's padded vocabulary.
+Planned from the safetensors headers alone (every shape checked against config.json, every tensor mapped, before
+anything is written); the values of each layer of each megatron-core tensor are built when the writer needs them
+(tools/hf/lazy.py). The word embedding and output layer are padded to Megatron's padded vocabulary.
 """
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import torch
 from . import HFError
 from .arch import Geometry, geometry_from_config, megatron_flags
 from .mapping import extra_state_keys, pad_rows, padded_vocab, rules_for
+from .lazy import LazyTensors
+from .writer import SAFETENSORS_DTYPES
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # buffers some transformers versions saved with the weights; recomputed by every model, not weights
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items() if dtype.is_floating_point}
 
 log = logging.getLogger("tools.hf.load_hf")
 
@@ -60,63 +64,103 @@ class _Weights:
     def __init__(self, files: dict[str, str]):
         self.files, self.taken, self._open = files, set(), {}
 
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
-        if name not in self.files:
-            raise HFError(f"the model has no tensor {name!r} (its config.json says it should)")
-        path = self.files[name]
+    def _file(self, path: str):
+        from safetensors import safe_open
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path]
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A shape-only tensor of `name`, from its file's header (nothing read); the tensor counts as taken."""
+        from safetensors import SafetensorError
+        path = self._path(name)
         try:
-            if path not in self._open:
-                self._open[path] = safe_open(path, framework="pt")
-            t = self._open[path].get_tensor(name)
+            piece = self._file(path).get_slice(name)
+            shape, code = piece.get_shape(), piece.get_dtype()
         except (OSError, SafetensorError) as e:
             raise HFError(f"cannot read {name!r} from {path!r}: {e}") from None
+        if code not in DTYPES:
+            raise HFError(f"{name!r} in {path!r} has dtype {code}, not a floating point one this trainer loads")
         self.taken.add(name)
-        return t
+        return torch.empty(shape, dtype=DTYPES[code], device="meta")
+
+    def _path(self, name: str) -> str:
+        if name not in self.files:
+            raise HFError(f"the model has no tensor {name!r} (its config.json says it should)")
+        return self.files[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+        path = self._path(name)
+        try:  # opened for this read alone: closing unmaps the file, whose pages would stay in the RSS
+            with safe_open(path, framework="pt") as f:
+                return f.get_tensor(name)
+        except (OSError, SafetensorError) as e:
+            raise HFError(f"cannot read {name!r} from {path!r}: {e}") from None
 
     def untaken(self) -> list[str]:
         return sorted(n for n in self.files if n not in self.taken and not n.endswith(BUFFER_SUFFIXES))
 
 
-def _megatron_tensors(weights: _Weights, geo: Geometry, rows: int, where: str) -> dict[str, torch.Tensor]:
-    out = {}
+def _converted(rule, pieces: list[torch.Tensor], geo: Geometry, rows: int) -> torch.Tensor:
+    """One layer (or the whole) of a megatron-core tensor from its transformers pieces, real or meta."""
+    t = rule.merge(pieces)
+    if rule.vocab:
+        if t.shape[0] != geo.vocab:
+            raise HFError(f"{rule.hf[0]} has {t.shape[0]} rows, config.json says vocab_size {geo.vocab}")
+        t = pad_rows(t, rows)
+    return t.contiguous()
+
+
+def _planned(rule, weights: _Weights, geo: Geometry, rows: int) -> torch.Tensor:
+    """The shape-only megatron-core tensor of `rule`, every layer's pieces checked against the config."""
+    layers = range(geo.layers) if rule.layered else [None]
+    metas = [_converted(rule, [weights.meta(n) for n in rule.names(i)], geo, rows) for i in layers]
+    if any(m.shape != metas[0].shape for m in metas):
+        raise HFError(f"{', '.join(rule.hf)}: the layers' shapes differ")
+    meta = metas[0]
+    return meta.expand(geo.layers, *meta.shape).contiguous() if rule.layered else meta
+
+
+def plan_import(directory: str, geo: Geometry, rows: int) -> LazyTensors:
+    """Every megatron-core tensor as a meta tensor and how to build its layers; refuses, before anything is
+    read or written, a model whose tensors do not fit its config or that holds tensors no rule takes."""
+    weights = _Weights(_weight_files(directory))
+    lazy = LazyTensors()
     for rule in rules_for(geo):
         try:
-            if rule.layered:
-                t = torch.stack([rule.merge([weights.get(n) for n in rule.names(i)]) for i in range(geo.layers)])
-            else:
-                t = rule.merge([weights.get(n) for n in rule.names(None)])
+            meta = _planned(rule, weights, geo, rows)
         except RuntimeError as e:  # a reshape or cat of tensors whose shapes do not fit the config
-            raise HFError(f"{where}: {', '.join(rule.hf)} do not fit its config.json: {e}") from None
-        if rule.vocab:
-            if t.shape[0] != geo.vocab:
-                raise HFError(f"{where}: {rule.hf[0]} has {t.shape[0]} rows, config.json says vocab_size {geo.vocab}")
-            t = pad_rows(t, rows)
-        out[rule.megatron] = t.contiguous()
-    return out
+            raise HFError(f"{directory}: {', '.join(rule.hf)} do not fit its config.json: {e}") from None
+        except HFError as e:
+            raise HFError(f"{directory}: {e}") from None
 
-
-def read_hf(directory: str, divisible_by: int, tensor_parallel: int):
-    """(tensors, objects, object shapes, common state, pretrain_gpt.py flags) of the model in `directory`."""
-    from megatron.training.arguments import parse_args
-    if not os.path.isdir(directory):
-        raise HFError(f"input {directory!r} is not a directory")
-    geo = geometry_from_config(_read_config(directory), directory)
-    weights = _Weights(_weight_files(directory))
-    rows = padded_vocab(geo.vocab, divisible_by, tensor_parallel)
-    tensors = _megatron_tensors(weights, geo, rows, directory)
+        def build(layer, rule=rule):
+            return _converted(rule, [weights.get(n) for n in rule.names(layer)], geo, rows)
+        lazy.add(rule.megatron, meta, build, rule.layered)
     left = weights.untaken()
     if left:
         raise HFError(f"{directory}: tensors with no megatron-core equivalent (refused rather than dropped): "
                       f"{', '.join(left)}")
+    return lazy
+
+
+def read_hf(directory: str, divisible_by: int, tensor_parallel: int):
+    """(LazyTensors, objects, object shapes, common state, pretrain_gpt.py flags) of the model in `directory`."""
+    from megatron.training.arguments import parse_args
+    if not os.path.isdir(directory):
+        raise HFError(f"input {directory!r} is not a directory")
+    geo = geometry_from_config(_read_config(directory), directory)
+    rows = padded_vocab(geo.vocab, divisible_by, tensor_parallel)
+    lazy = plan_import(directory, geo, rows)
     objects = {(key, (i,)): None for key in extra_state_keys() for i in range(geo.layers)}
     shapes = {key: (geo.layers,) for key in extra_state_keys()}
     flags = megatron_flags(geo, divisible_by)
-    dtype = tensors["embedding.word_embeddings.weight"].dtype
+    dtype = lazy.tensors["embedding.word_embeddings.weight"].dtype
     flags += {torch.bfloat16: ["--bf16"], torch.float16: ["--fp16"]}.get(dtype, [])
     args = parse_args(argv=flags + ["--seq-length", str(geo.max_positions),
                                     "--tensor-model-parallel-size", str(tensor_parallel)])
     fits = [tp for tp in (1, 2, 4, 8, 16) if padded_vocab(geo.vocab, divisible_by, tp) == rows]
     log.info("pretrain_gpt.py flags of this model: %s (padded vocabulary %d rows: loads at TP %s)",
              " ".join(flags), rows, ", ".join(map(str, fits)))
-    return tensors, objects, shapes, {"args": args}, flags
+    return lazy, objects, shapes, {"args": args}, flags

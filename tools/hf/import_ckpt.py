@@ -7,13 +7,26 @@ one megatron-core tensor and the transformers tensors it is made of, never the m
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 from datastates import CheckpointEngine
 from datastates.errors import CheckpointError
 
 from . import HFError
 from .lazy import BuildingCopyBackend, LazyTensors
 
-STAGING_BYTES = 64 << 20
+STAGING_BYTES = 32 << 20
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _return_large_frees_to_the_system() -> None:
+    """glibc raises its mmap threshold after each large free, so the next layers come from a heap it keeps: host
+    memory would creep up layer by layer. A fixed threshold maps (and unmaps) every buffer over 1 MiB."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to set
+        pass
 
 
 def save_datastates(lazy: LazyTensors, objects: dict, object_shapes: dict, common: dict, out: str,
@@ -28,6 +41,7 @@ def save_datastates(lazy: LazyTensors, objects: dict, object_shapes: dict, commo
                     for name, t in lazy.tensors.items()},
         "objects": {f"{k}@{o}": ShardedObject(k, v, object_shapes[k], o, replica_id=0)
                     for (k, o), v in objects.items()}}
+    _return_large_frees_to_the_system()
     with tqdm(total=lazy.nbytes(), unit="B", unit_scale=True, desc="import", disable=None) as bar:
         try:  # the engine closes its copy backend
             with CheckpointEngine(host_buffer_bytes=STAGING_BYTES, writer_threads=threads, rank=0, world_size=1,

@@ -297,6 +297,17 @@ def test_an_import_with_no_exact_equivalent_is_refused(tmp_path, build, override
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_an_unreadable_import_leaves_nothing_behind(tmp_path):
+    source = tmp_path / "source"
+    tiny_llama(str(source), vocab=100)
+    weights = source / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 1000)  # the header promises bytes the file lacks
+    rc, log = convert("--from", "hf", "--to", "datastates", "--input", str(source), "--output", str(tmp_path / "ckpt"),
+                      check=False)
+    assert rc == 1 and "model.safetensors" in log, log[-3000:]
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_an_export_with_no_exact_equivalent_is_refused():
     from argparse import Namespace
     sys.path.insert(0, ROOT)

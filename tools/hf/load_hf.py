@@ -50,10 +50,13 @@ def _weight_files(directory: str) -> dict[str, str]:
             raise HFError(f"cannot read {index!r}: {type(e).__name__}: {e}") from None
         return {name: os.path.join(directory, file) for name, file in weight_map.items()}
     if os.path.isfile(os.path.join(directory, SINGLE)):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         path = os.path.join(directory, SINGLE)
-        with safe_open(path, framework="pt") as f:
-            return {name: path for name in f.keys()}
+        try:
+            with safe_open(path, framework="pt") as f:
+                return {name: path for name in f.keys()}
+        except (OSError, SafetensorError) as e:
+            raise HFError(f"cannot read {path!r}: {e}") from None
     raise HFError(f"{directory!r} has neither {INDEX} nor {SINGLE}: only safetensors weights are read "
                   f"(re-save a pytorch_model.bin model with save_pretrained(safe_serialization=True))")
 

@@ -4,8 +4,8 @@ Tiny models trained with TP2 x PP2 (Llama-style untied with GQA, Llama-style tie
 GPT-2) are exported and loaded with AutoModelForCausalLM; their logits and loss on the trainer's first
 micro-batch equal megatron-core's (tests/hf_reference.py) in fp32. Models built with transformers go through
 this project and back bit for bit, and one is fine-tuned from: the trainer's first loss is transformers' loss.
-An export of a state larger than its memory budget stays within it (peak RSS), and bad input is refused with
-nothing written.
+An export and an import of a state larger than their memory budget stay within it (peak RSS), and bad input is
+refused with nothing written.
 """
 import json
 import math

@@ -485,9 +485,10 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
             raise ArgumentError("--empty-unused-memory-level empties the CUDA caching allocator; CPU ranks have "
                                 "none: drop it (or pass 0)")
         if args.recompute_granularity is not None:
-            raise ArgumentError(f"--recompute-granularity {args.recompute_granularity} (or --recompute-activations): "
-                                "megatron-core's recompute saves and restores CUDA RNG states, which CPU ranks do "
-                                "not have; drop it (it trades memory for time, the math is the same)")
+            flag = ("--recompute-activations" if args.recompute_activations
+                    else f"--recompute-granularity {args.recompute_granularity}")
+            raise ArgumentError(f"{flag}: megatron-core's recompute saves and restores CUDA RNG states, which CPU "
+                                "ranks do not have; drop it (it trades memory for time, the math is the same)")
         if args.profile and not args.use_pytorch_profiler:
             raise ArgumentError("--profile without --use-pytorch-profiler drives nsys through CUDA's profiler API; "
                                 "on CPU ranks add --use-pytorch-profiler (torch.profiler traces)")

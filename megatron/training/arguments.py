@@ -427,8 +427,10 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0 or \
             (args.ckpt_read_threads is not None and args.ckpt_read_threads <= 0):
         raise ArgumentError("--ckpt-host-buffer-gb, --ckpt-writer-threads and --ckpt-read-threads must be positive")
-    if args.async_ckpt and args.ckpt_format == "torch":
-        raise ArgumentError("--async-ckpt is not available with --ckpt-format torch (use datastates or torch_dist)")
+    if args.async_ckpt and args.ckpt_format != "datastates":
+        raise ArgumentError(f"--async-ckpt is the datastates engine's lazy save; --ckpt-format {args.ckpt_format} "
+                            "selects another writer, which saves synchronously here: drop --ckpt-format (its "
+                            "checkpoints still load, whatever --ckpt-format says) or drop --async-ckpt")
     if args.non_persistent_save_interval is not None:
         if args.non_persistent_save_interval <= 0:
             raise ArgumentError(f"--non-persistent-save-interval must be positive, got "

@@ -10,6 +10,8 @@ bit-exact resume and resharding tests, which fail without them, run in both envi
   non-distributed optimizers leave their common step out at 0 (`_one_common_step`), the
   DistributedOptimizer shares one step tensor between all parameters and its dp_reshardable loader overwrites the
   steps (`_restore_adam_steps`), and its fully_reshardable loader fails on the step (`_load_fully_reshardable`);
+- megatron-core 0.16 does not mark --decoupled-lr's param groups, so its loader mixes them up with the others
+  (`_mark_decoupled_lr_groups`);
 - fp16's grad scaler state holds a device tensor, and its loader moves it with `.cuda()`: saved as numbers,
   restored here (`_restore_grad_scaler`);
 - the fully_reshardable save reads parameters at their padded buffer offsets from a gather that dropped the
@@ -151,6 +153,20 @@ def _init_optimizer_state(optimizer) -> None:
                 inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
 
 
+def _mark_decoupled_lr_groups(optimizer) -> None:
+    """--decoupled-lr: tell its param groups apart by `is_decoupled_lr`, the key megatron-core's loader matches
+    saved groups to live ones by (with wd_mult, lr_mult and is_expert_parallel); 0.16 leaves it False on the
+    decoupled groups too, so a load gave every group one group's learning rates."""
+    for opt in _parts(optimizer):
+        config, inner = getattr(opt, "config", None), getattr(opt, "optimizer", None)
+        decoupled = getattr(config, "decoupled_lr", None)
+        if inner is None or decoupled is None or decoupled == config.lr:
+            continue
+        for group in inner.param_groups:
+            if group.get("max_lr") == decoupled:
+                group["is_decoupled_lr"] = True
+
+
 def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, is_loading: bool,
                                  common: bool, saved_chain: int | None = None) -> dict:
     """megatron-core's optimizer sharded state dict; for datastates its plain values become `Common`.
@@ -160,6 +176,7 @@ def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, i
     step 0 Adam would create at that first step, the same math: a load always asks for them. `saved_chain`: a
     load template for a checkpoint whose chained optimizer has that many parts (see `_template_for_chain`)."""
     _init_optimizer_state(optimizer)
+    _mark_decoupled_lr_groups(optimizer)
     with _bucket_padded_gather(optimizer, metadata):
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     for part, part_sd in _with_state_dicts(optimizer, sd):

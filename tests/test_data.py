@@ -7,7 +7,8 @@ import types
 import pytest
 
 from corpus import documents, gpt2_bpe, hf_dir, preprocess, sentencepiece_model, write_jsonl
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.validation import validate_args
 
 TEXT = "the checkpoint is written lazily while the next forward pass runs"
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -125,7 +126,6 @@ def args_of(extra, world=2):
      "multiples of micro-batch-size x data-parallel size = 4"),
     (["--train-samples", "64", "--global-batch-size", "16", "--rampup-batch-size", "4", "8", "32"],
      "a multiple of INCREMENT"),
-    (["--train-iters", "4", "--split", "1,1,1"], "--split and --data-cache-path apply to --data-path"),
     (["--train-iters", "4", "--tokenizer-type", "GPT2BPETokenizer"], "needs --vocab-file"),
     (["--train-iters", "4", "--tokenizer-type", "NullTokenizer", "--vocab-file", "x"], "--vocab-file does not apply"),
     (["--train-iters", "4", "--tokenizer-model", "/nonexistent", "--tokenizer-type", "HuggingFaceTokenizer"],

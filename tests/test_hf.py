@@ -162,7 +162,8 @@ def test_finetune_from_a_transformers_model(tmp_path):
     assert "for fine-tuning from iteration 0" in log, log[-3000:]
 
     # the run's first global batch (DP 1: 2 micro-batches of 2), from the trainer's own data set on one rank
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.validation import validate_args
     from megatron.training.data import MicroBatches, build_train_valid_test_datasets
     from megatron.training.initialize import setup_data_and_schedule
     args = validate_args(parse_args(argv=flags[:-4]), 1)  # without the TP2 x PP2 layout

@@ -2,7 +2,8 @@
 before any work, naming the flag and why, where it does not or where they disagree (in-process, cheap)."""
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.validation import validate_args
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--disable-bias-linear"]

@@ -11,7 +11,8 @@ from corpus import gpt2_bpe, hf_dir, sentencepiece_model
 from megatron_helpers import ROOT
 from upstream_scripts import SCRIPTS, argv
 
-from megatron.training.arguments import ArgumentError, build_parser, parse_args, validate_args
+from megatron.training.arguments import ArgumentError, build_parser, parse_args
+from megatron.training.validation import validate_args
 
 DOC = os.path.join(ROOT, "docs", "from-megatron-lm.md")
 ROW_RE = re.compile(r"^\| `(\w+)` \| (\d+) \| (\d+) \| (\d+) \|", re.M)

@@ -13,7 +13,8 @@ import torch
 from datastates.logs import setup_logging
 
 from . import cpu_shim
-from .arguments import ArgumentError, parse_args, validate_args
+from .arguments import ArgumentError, parse_args
+from .validation import validate_args
 from .global_vars import set_args, set_tokenizer
 
 

@@ -1,0 +1,307 @@
+"""validate_args: the whole configuration checked against the world size before any work starts (no model is
+built, no file is written), derived values filled in; ArgumentError names the flag and the way out. Like
+arguments.py, it imports neither megatron-core nor torch.distributed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
+from .moe import validate_moe
+from .virtual_pipeline import validate_virtual_pipeline
+
+
+def _require(args, *names):
+    missing = [n for n in names if getattr(args, n.replace("-", "_")) is None]
+    if missing:
+        raise ArgumentError("missing required flag(s): " + ", ".join("--" + n for n in missing))
+
+
+def _loadable(path: str) -> tuple[bool, str]:
+    """Whether --load points at something this trainer can load, and why not."""
+    if not os.path.isdir(path):
+        return False, f"--load {path!r} does not exist or is not a directory"
+    from datastates import CheckpointError, commit  # the one reader of the tracker; only when --load is given
+    try:
+        latest = commit.find_latest(path)
+    except CheckpointError as e:  # an unreadable tracker
+        return False, f"--load {path!r}: {e}"
+    return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
+
+
+def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argparse.Namespace:
+    """Check the configuration against the world size and fill derived values. Raises ArgumentError."""
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    args.world_size = world_size
+    _validate_layout(args, world_size)
+    _validate_run(args)
+    _validate_implementation(args)
+    _validate_data(args)
+    _validate_checkpointing(args, world_size)
+    _validate_load(args)
+    _validate_device(args, cuda)
+    try:
+        validate_moe(args, world_size, cuda)
+        validate_virtual_pipeline(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return args
+
+
+
+
+def _validate_layout(args, world_size: int) -> None:
+    """Sizes against the world size: TP x PP divides it, heads and layers split evenly, the batch adds up."""
+    _require(args, "num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size", "lr")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "train_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp) != 0:
+        raise ArgumentError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+                            f"pipeline-model-parallel-size {pp} = {tp * pp}")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_attention_heads % tp != 0:
+        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if args.group_query_attention and args.num_query_groups % tp != 0:
+        raise ArgumentError(f"--num-query-groups {args.num_query_groups} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                            f"{args.num_attention_heads} (pass --kv-channels)")
+    if args.num_layers % pp != 0:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
+                            f"--pipeline-model-parallel-size {pp}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                            f"{args.max_position_embeddings}")
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    if args.global_batch_size % (mbs * dp) != 0:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
+                            f"{mbs} x data-parallel size {dp} = {mbs * dp}")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+
+
+def _validate_run(args) -> None:
+    """The schedule, evaluation, exit conditions, metrics sinks and precision."""
+    from .schedules import validate_schedule
+    try:
+        validate_schedule(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    for flag in ("eval_iters", "tensorboard_log_interval", "tensorboard_queue_size"):
+        if getattr(args, flag) < 0 or (flag != "eval_iters" and getattr(args, flag) == 0):
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.eval_interval <= 0:
+        raise ArgumentError(f"--eval-interval must be positive, got {args.eval_interval}")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ArgumentError(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
+    _require_package(args.tensorboard_dir, "--tensorboard-dir", "tensorboard", "tensorboard")
+    _require_package(args.wandb_project, "--wandb-project", "wandb", "wandb")
+    if args.wandb_project and not (args.wandb_save_dir or args.save):
+        raise ArgumentError("--wandb-project needs --wandb-save-dir (or --save, whose wandb/ directory it uses)")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's own peak)")
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
+
+
+def _validate_checkpointing(args, world_size: int) -> None:
+    if args.ckpt_format in UPSTREAM_ONLY_FORMATS:
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: upstream's {args.ckpt_format} format is not built "
+                            f"here; formats: {', '.join(CKPT_FORMATS)} (tools/convert_checkpoint.py converts "
+                            "torch_dist checkpoints)")
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise ArgumentError(f"--save-interval must be positive, got {args.save_interval}")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval given without --save")
+    if args.ckpt_keep_last == "all":
+        args.ckpt_keep_last = None
+    else:
+        try:
+            args.ckpt_keep_last = int(args.ckpt_keep_last)
+        except ValueError:
+            raise ArgumentError(f"--ckpt-keep-last must be an integer or 'all', got {args.ckpt_keep_last!r}")
+        if args.ckpt_keep_last < 1:
+            raise ArgumentError("--ckpt-keep-last must be >= 1")
+    if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0 or \
+            (args.ckpt_read_threads is not None and args.ckpt_read_threads <= 0):
+        raise ArgumentError("--ckpt-host-buffer-gb, --ckpt-writer-threads and --ckpt-read-threads must be positive")
+    if args.async_ckpt and args.ckpt_format != "datastates":
+        raise ArgumentError(f"--async-ckpt is the datastates engine's lazy save; --ckpt-format {args.ckpt_format} "
+                            "selects another writer, which saves synchronously here: drop --ckpt-format (its "
+                            "checkpoints still load, whatever --ckpt-format says) or drop --async-ckpt")
+    if args.non_persistent_save_interval is not None:
+        if args.non_persistent_save_interval <= 0:
+            raise ArgumentError(f"--non-persistent-save-interval must be positive, got "
+                                f"{args.non_persistent_save_interval}")
+        if args.non_persistent_ckpt_type != "local":
+            raise ArgumentError(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type}: only 'local' "
+                                "(node-local memory) is available")
+        if args.ckpt_format != "datastates":
+            raise ArgumentError("--non-persistent-save-interval needs --ckpt-format datastates")
+    if args.replication:
+        if args.non_persistent_save_interval is None:
+            raise ArgumentError("--replication replicates the memory tier: it needs --non-persistent-save-interval")
+        if args.replication_factor < 2:
+            raise ArgumentError(f"--replication-factor must be >= 2 with --replication, got "
+                                f"{args.replication_factor}")
+        jump = args.replication_jump or 1
+        if jump <= 0 or world_size % (args.replication_factor * jump):
+            raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump "
+                                f"{args.replication_jump} must divide the world size {world_size}")
+    if args.save_after_load:
+        if args.save is None or args.load is None:
+            raise ArgumentError("--save-after-load needs both --load and --save")
+        if os.path.normpath(args.save) == os.path.normpath(args.load):
+            raise ArgumentError("--save-after-load: --save must be another directory than --load (the loaded "
+                                "iteration is saved again)")
+
+
+def _validate_load(args) -> None:
+    """--load points at something loadable, or is the fresh "resume if possible" --load equal to --save."""
+    if args.load is not None:
+        ok, why = _loadable(args.load)
+        fresh = (os.path.normpath(args.load) == os.path.normpath(args.save or "")
+                 and not os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt")))
+        if not ok and (args.exit_on_missing_checkpoint or not fresh):
+            # Megatron starts from scratch when --load equals --save and nothing was saved there yet (the usual
+            # "resume if possible" launch); anything else that points at nothing loadable is an error.
+            raise ArgumentError(why)
+        args.load_exists = ok
+    else:
+        args.load_exists = False
+
+
+def _validate_device(args, cuda: bool) -> None:
+    """The backend and implementation the device allows; on CPU ranks, GPU-only choices are refused."""
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if (cuda and _te_importable()) else "local"
+    if not cuda:
+        # megatron-core's own classes train on CPU ranks (cpu_shim adapts its CUDA sites); what needs CUDA
+        # streams or fp16 loss scaling on a GPU is refused here, before any work.
+        for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(args, flag):
+                raise ArgumentError(f"--{flag.replace('_', '-')} needs CUDA: megatron-core overlaps the "
+                                    "communication on a CUDA stream")
+        if args.transformer_impl == "transformer_engine":
+            raise ArgumentError("--transformer-impl transformer_engine needs CUDA")
+        if args.distributed_backend == "nccl":
+            raise ArgumentError("--distributed-backend nccl needs CUDA")
+        if args.empty_unused_memory_level:
+            raise ArgumentError("--empty-unused-memory-level empties the CUDA caching allocator; CPU ranks have "
+                                "none: drop it (or pass 0)")
+        if args.recompute_granularity is not None:
+            flag = ("--recompute-activations" if args.recompute_activations
+                    else f"--recompute-granularity {args.recompute_granularity}")
+            raise ArgumentError(f"{flag}: megatron-core's recompute saves and restores CUDA RNG states, which CPU "
+                                "ranks do not have; drop it (it trades memory for time, the math is the same)")
+        if args.profile and not args.use_pytorch_profiler:
+            raise ArgumentError("--profile without --use-pytorch-profiler drives nsys through CUDA's profiler API; "
+                                "on CPU ranks add --use-pytorch-profiler (torch.profiler traces)")
+    if args.apply_layernorm_1p and args.transformer_impl != "transformer_engine":
+        raise ArgumentError("--apply-layernorm-1p (a zero-centred norm gamma) needs Transformer Engine's norms; "
+                            "megatron-core's torch norms (--transformer-impl local, CPU ranks) refuse it")
+    if args.attention_backend in ("flash", "fused") and args.transformer_impl != "transformer_engine":
+        raise ArgumentError(f"--attention-backend {args.attention_backend} is Transformer Engine's CUDA attention; "
+                            "with --transformer-impl local (CPU ranks) use local, unfused or auto")
+    if args.use_distributed_optimizer and args.ckpt_format == "torch":
+        raise ArgumentError("--use-distributed-optimizer with --ckpt-format torch: the legacy format writes one file "
+                            "per (TP, PP) rank from DP rank 0, but the distributed optimizer's state is sharded "
+                            "across DP ranks; use --ckpt-format datastates or torch_dist")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False
+
+def _validate_implementation(args) -> None:
+    """Implementation choices that are the same math: the positions table, recompute, gradients, profiling."""
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # upstream's reading of --no-position-embedding
+    if args.context_parallel_size != 1:
+        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: context parallelism needs "
+                            "Transformer Engine's attention, not built here; use 1 (data or tensor parallelism)")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        raise ArgumentError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict: give one")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
+        raise ArgumentError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                            "--recompute-num-layers")
+    if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
+        raise ArgumentError("--recompute-method and --recompute-num-layers apply to --recompute-granularity full")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.profile and args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ArgumentError("--profile --use-pytorch-profiler writes its traces to --tensorboard-dir: give one")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be >= 0 and before "
+                            f"--profile-step-end {args.profile_step_end}")
+
+
+def _read_data_args(args) -> None:
+    """--data-args-path: the file holds --data-path's words; quotes a launch script left in --split go."""
+    if args.data_args_path is not None:
+        if args.data_path:
+            raise ArgumentError("--data-args-path and --data-path both give the data: give one")
+        try:
+            with open(args.data_args_path) as f:
+                args.data_path = f.read().split()
+        except OSError as e:
+            raise ArgumentError(f"--data-args-path {args.data_args_path!r}: {e.strerror}") from None
+        if not args.data_path:
+            raise ArgumentError(f"--data-args-path {args.data_args_path!r} is empty")
+    if args.split is not None:
+        args.split = args.split.strip("'\"")
+
+
+def _validate_data(args) -> None:
+    """Mock data or data paths (not both), --split only with --data-path, and the tokenizer's flags."""
+    _read_data_args(args)
+    if args.tokenizer_type is None:  # what upstream's GPT-3 script relies on: the BPE files name the tokenizer
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
+    from .tokenizer import TokenizerArgumentError, check_tokenizer_args
+    per_split = [p for p in (args.train_data_path, args.valid_data_path, args.test_data_path) if p]
+    if args.data_path and per_split:
+        raise ArgumentError("--data-path and --train/valid/test-data-path are exclusive: give one")
+    if per_split and not args.train_data_path:
+        raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (the data to train on)")
+    if per_split and args.split is not None:
+        raise ArgumentError("--split divides --data-path; with --train/valid/test-data-path each split has its "
+                            "own data: drop --split")
+    if args.mock_data and (args.data_path or per_split):
+        raise ArgumentError("--mock-data and a data path are mutually exclusive")
+    if not (args.data_path or per_split):
+        args.mock_data = True  # megatron-core's MockGPTDataset: it caches under --data-cache-path, splits 1,1,1
+        if args.vocab_size is None and args.tokenizer_type == "NullTokenizer":
+            args.vocab_size = 128
+    elif args.data_path and args.split is None:
+        args.split = DEFAULT_SPLIT
+    if args.num_workers < 0 or args.num_dataset_builder_threads < 1:
+        raise ArgumentError("--num-workers must be >= 0 and --num-dataset-builder-threads >= 1")
+    try:
+        check_tokenizer_args(args)
+    except TokenizerArgumentError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def _require_package(value, flag: str, module: str, package: str) -> None:
+    import importlib.util
+    if value and importlib.util.find_spec(module) is None:
+        raise ArgumentError(f"{flag} needs the {package!r} package, which is not installed: pip install {package}")
+
+
+def _te_importable() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None

@@ -236,7 +236,7 @@ class Run:
                           if args.log_validation_ppl_to_tensorboard else {}), every_iteration=True)
 
     def after_iteration(self, iteration: int) -> None:
-        self.profiler.step()
+        self.profiler.step(iteration)
         if self.args.manual_gc and self.args.manual_gc_interval and iteration % self.args.manual_gc_interval == 0:
             gc.collect()
 

@@ -16,6 +16,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "2", "--lr", "1e-3", "--seed", "1234", "--async-ckpt", "--no-ckpt-fsync"]
 LINE_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*learning rate: (\S+) \| "
                      r"global batch size:\s+(\d+) \| lm loss: (\S+) \|")
+OPTIONAL_FIGURES = ["--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
+                    "--log-memory-to-tensorboard"]
 VALID_RE = re.compile(r"validation loss at iteration (\d+) on (\w+) set \| lm loss value: (\S+) \|")
 DOCS = {"a": 40, "b": 60}
 
@@ -81,6 +83,11 @@ def check_evaluation_and_metrics(straight, logs, tb_straight, tb_resumed, wandb_
                                                                                     rel=1e-6)}
         assert tb["learning-rate"] == {i: pytest.approx(float(straight[i][1]), rel=1e-6) for i in straight}
         assert set(tb["grad-norm"]) == set(tb["iteration-time"]) == set(range(1, 9))
+    # the optional figures, in the straight run only: they change nothing its losses show (compared above)
+    assert {"throughput", "params-norm", "num-zeros", "forward-backward-time", "checkpoint-wait-time",
+            "optimizer-time", "mem-resident-bytes"} <= set(both[0]) and not set(both[1]) & {"throughput", "params-norm"}
+    assert all(v > 0 for v in both[0]["params-norm"].values()) and set(both[0]["throughput"]) == set(range(1, 9))
+    assert glob.glob(f"{tb_straight}/*.pt.trace.json")  # torch.profiler's trace of iteration 2
     # the stopped run's checkpoint at 4 and the resumed run's at 8: their stall and time to durable
     assert set(both[1]["checkpoint/stall-ms"]) == set(both[1]["checkpoint/durable-ms"]) == {4, 8}
     assert all(v > 0 for v in both[1]["checkpoint/durable-ms"].values())
@@ -133,7 +140,9 @@ def test_blended_corpus_resumes_at_the_next_sample(tmp_path):
     evaluation = ["--eval-interval", "2", "--eval-iters", "1"]
     straight, first, resumed, logs = straight_and_resumed(
         tmp_path, flags + evaluation, 4,
-        straight_flags=["--tensorboard-dir", tb_straight, "--wandb-project", "p", "--wandb-save-dir", wandb_dir],
+        straight_flags=["--tensorboard-dir", tb_straight, "--wandb-project", "p", "--wandb-save-dir", wandb_dir,
+                        *OPTIONAL_FIGURES, "--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                        "--profile-step-end", "2"],
         stopped_flags=["--tensorboard-dir", tb_resumed])
     assert sorted(straight) == list(range(1, 9)) and sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [5, 6, 7, 8]
     check_evaluation_and_metrics(straight, logs, tb_straight, tb_resumed, wandb_dir)

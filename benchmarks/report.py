@@ -190,7 +190,7 @@ def ratios(configs, probes, trainer, engine_budget_bytes):
         ov = {r["name"]: r["total_s"] - r.get("baseline_s", trainer.get("baseline_s"))
               for r in trainer["runs"] if r.get("total_s") and r.get("baseline_s", trainer.get("baseline_s"))}
         lazy = [n for n in ov if n.startswith("datastates") and "async" in n]
-        peers = [n for n in ov if not n.startswith(("datastates", "bf16"))]  # the fp32 group's peers
+        peers = [n for n in ov if not n.startswith("datastates") and ":" not in n]  # the fp32 group's peers
         if lazy and peers:
             bp = min(peers, key=ov.get)
             t.update({"trainer_overhead_s": ov[lazy[0]], "trainer_best_peer": bp,

@@ -35,6 +35,15 @@ BF16 = ["--bf16", "--use-distributed-optimizer"]
 BF16_RUNS = [("bf16 + distributed optimizer: no checkpoint", None),
              ("bf16 + distributed optimizer: datastates (lazy async)", ["--ckpt-format", "datastates", "--async-ckpt"]),
              ("bf16 + distributed optimizer: torch_dist (sync)", ["--ckpt-format", "torch_dist"])]
+# A Mixtral-style mixture of experts (SwiGLU experts, top-2 of 8, RMSNorm, RoPE) with megatron-core's chained
+# dense + expert distributed optimizer: the state MoE runs checkpoint, against its own no-checkpoint run.
+MOE = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+       "--untie-embeddings-and-output-weights", "--num-experts", "8", "--moe-router-topk", "2",
+       "--moe-ffn-hidden-size", "256", "--moe-aux-loss-coeff", "0.01", "--use-distributed-optimizer"]
+MOE_RUNS = [("MoE 8 experts top-2 + distributed optimizer: no checkpoint", None),
+            ("MoE 8 experts top-2 + distributed optimizer: datastates (lazy async)",
+             ["--ckpt-format", "datastates", "--async-ckpt"]),
+            ("MoE 8 experts top-2 + distributed optimizer: torch_dist (sync)", ["--ckpt-format", "torch_dist"])]
 
 
 def _one(name, extra, iters, ckpt, timeout=600, model_extra=()):
@@ -106,7 +115,7 @@ def _group(runs, iters, rounds, ckpt, model_extra=()):
     return base, out[1:]
 
 
-def run(out, required=False, iters=8, rounds=2, bf16_iters=3):
+def run(out, required=False, iters=8, rounds=2, bf16_iters=3, moe_iters=4):
     if not os.path.exists(os.path.join(ROOT, "pretrain_gpt.py")):
         if required:
             raise SystemExit("pretrain_gpt.py does not exist yet")
@@ -116,10 +125,15 @@ def run(out, required=False, iters=8, rounds=2, bf16_iters=3):
     base, runs = _group(RUNS, iters, rounds, ckpt)
     if bf16_iters:
         runs += _group(BF16_RUNS, bf16_iters, 1, ckpt, model_extra=BF16)[1]
+    if moe_iters:
+        runs += _group(MOE_RUNS, moe_iters, 1, ckpt, model_extra=MOE)[1]
     cb = next((r.get("ckpt_bytes") for r in runs if r.get("ckpt_bytes")), None)
     desc = (f"GPT 6 layers, hidden 512, vocab 8192 on 1 CPU process (1 thread), {iters} iterations, checkpoint every "
             f"iteration ({cb / 1e6:.0f} MB per checkpoint)" if cb else f"{iters} iterations, checkpoint every iteration")
     if bf16_iters:
         desc += f"; bf16 rows: {bf16_iters} iterations, 1 round, against their own no-checkpoint run"
+    if moe_iters:
+        desc += (f"; MoE rows (same sizes, SwiGLU experts with FFN 256, fp32): {moe_iters} iterations, 1 round, "
+                 "against their own no-checkpoint run")
     return {"description": desc + f"; median of {rounds} interleaved rounds", "short": f"({iters} it, ckpt every it)",
             "baseline_s": base, "runs": runs, "iters": iters}

@@ -72,13 +72,15 @@ class CheckpointManager:
         args = self.args
         world = torch.distributed.get_world_size()
         factor = args.replication_factor if args.replication else 1
-        # newest 2 kept + 1 being written, per copy, for every rank of the node: params, two fp32 Adam moments
+        # newest 2 kept + 1 being written + 1 retired but still written to storage from (at most one storage
+        # save is in flight on the tier's pages), per copy, for every rank of the node: params, two fp32 Adam moments
         # and, with 16-bit params, fp32 main params (an upper bound: the distributed optimizer shards them)
         params = [p for chunk in self.model for p in chunk.parameters()]
         per_copy = sum(p.numel() * p.element_size() for p in params)
         if not args.no_save_optim:
             per_copy += sum(p.numel() for p in params) * 4 * (3 if (args.bf16 or args.fp16) else 2)
-        check_fits(args.non_persistent_local_ckpt_dir, 3 * per_copy * factor * node_of(self.rank, world)[1])
+        copies = 4 if args.save and args.save_interval else 3
+        check_fits(args.non_persistent_local_ckpt_dir, copies * per_copy * factor * node_of(self.rank, world)[1])
         return LocalTier(args.non_persistent_local_ckpt_dir, job_id(args.save), self.rank, world,
                          list(current_layout()), keep=2, replication_factor=factor,
                          replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
@@ -107,6 +109,7 @@ class CheckpointManager:
         self.agree_on_failures(iteration)
         pages = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
         if self.tier is not None and self.saver.writes_from_pages:
+            self._one_storage_save_on_pages()
             pages = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
         started = self.saver.save(state, iteration, pages=pages)
         if isinstance(started, Written):
@@ -121,6 +124,16 @@ class CheckpointManager:
         if self.mode is SaveMode.SYNC:
             self.maybe_finalize()
             self.agree_on_failures(iteration)
+
+    def _one_storage_save_on_pages(self) -> None:
+        """At most one storage save holds memory-tier pages: a storage save slower than the save interval keeps
+        its part's pages alive after retention retires it, so waiting for it here (a stall only when storage
+        falls that far behind, as a full staging budget is without the tier) bounds the tier at 4 copies."""
+        previous = self._newest.get(STORAGE)
+        if previous is not None and not previous.done():
+            log.warning(f"storage is slower than --save-interval: waiting for the save of {previous.path} before "
+                        f"the next one (its memory-tier pages stay in use until it finishes)")
+            previous.join()
 
     def save_local(self, iteration: int, consumed: int) -> None:
         """A lazy checkpoint of this rank's part to the node-local memory tier (replicated in the background)."""

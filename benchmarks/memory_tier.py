@@ -11,7 +11,7 @@
 3. Save: one memory checkpoint of the same size in one process, the engine alone: staged into fresh files (the
    tier before the storage seam) against copied into the reused mapped pages of SharedMemoryStorage.
 
-    python benchmarks/memory_tier.py [--iters 12] [--rounds 2] [--out /tmp/memtier] [--only restart|loop|save]
+    python benchmarks/memory_tier.py [--iters 30] [--rounds 2] [--out /tmp/memtier] [--only restart|loop|save]
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="/tmp/datastates-memtier")
     ap.add_argument("--memory-dir", default="/dev/shm/datastates-bench",

@@ -41,6 +41,15 @@ def manifest_file(rank: int) -> str:
     return f"rank_{rank:05d}.manifest.json"
 
 
+def data_size_problem(path: str, size: int, expected: int) -> str | None:
+    """What is wrong with a data file of `size` bytes where the checkpoint's index records `expected`, if
+    anything (loads read a longer one, checks report it)."""
+    if size == expected:
+        return None
+    what = "truncated" if size < expected else "longer than recorded"
+    return f"data file {path!r} is {what}: {size} bytes, the checkpoint's index says {expected}"
+
+
 def _body_crc(body: dict) -> int:
     return _native.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 

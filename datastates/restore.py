@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import deque
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
@@ -24,20 +23,18 @@ from . import commit
 from . import format as fmt
 from .errors import CheckpointCorruptError, CheckpointError
 from .load_plan import BoxRead, Piece, plan_global, plan_whole
-from .plan import ALIGN
-from .providers import ProviderRegistry, unflatten
+from .problems import Problems
+from .providers import ProviderRegistry, default_registry, unflatten
+from .reads import Reads
 from .schema import Box, Item, RankPart, Shard, dtype_from_name, dtype_name, volume
-from .snapshot import CopyBackend
-from .staging import Slot, StagingPool
+from .snapshot import CopyBackend, HostCopyBackend
+from .staging import StagingPool
 
 
 # How a load reads the data files (see CheckpointReader). "stream" is the default: on this project's test VM
 # one buffered stream read a rank's file at 2.1-3.3 GB/s where O_DIRECT from 1, 4 or 8 threads reached
 # 1.1-1.9 GB/s (benchmarks/RESULTS.md, the raw reads of each configuration).
 READ_MODES = ("stream", "parallel")
-# A load reads at most this far ahead of its copies out: enough to keep 8 reads of 8 MiB in flight several times
-# over, little enough that the same few slots go round while their pages are hot.
-READ_AHEAD_BYTES = 256 << 20
 
 
 def check_read_mode(read_mode: str) -> None:
@@ -61,187 +58,12 @@ def resolve_checkpoint(path: str) -> str:
     raise CheckpointError(f"no checkpoint at {path!r}")
 
 
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes]
-
-
-class _Read(NamedTuple):
-    ticket: int
-    rank: int
-    item: Item
-    first: int  # chunks [first, first + len(crcs)) of the item
-    buffer: torch.Tensor
-    place: Callable[[torch.Tensor], None] | None  # what to do with the verified bytes
-    slot: Slot | None  # the staging slot the bytes landed in, if any
-    fresh: int  # bytes of a buffer allocated for this read alone
-
-
-class _Held:
-    """A buffer of its own (for a chunk larger than a slot) and the completions of the copies out of it: the
-    host copy threads read it after its read completed, so it must live until they have landed."""
-
-    __slots__ = ("buffer", "nbytes", "waits")
-
-    def __init__(self, buffer: torch.Tensor, nbytes: int):
-        self.buffer, self.nbytes, self.waits = buffer, nbytes, []
-
-
-class _Reads:
-    """One load's reads: submitted to the native pool as soon as known, completed oldest first (verified, then
-    placed), so reading, checksum verification (on the pool's threads) and placement all overlap.
-
-    Stream reads of whole items land straight in contiguous host targets. Every other read lands in the engine's
-    staging slots (pinned with CUDA), at most READ_AHEAD_BYTES ahead of the copies out of them; a slot goes back
-    to the pool once those copies have landed. Staged memory is the pool's budget at most, plus buffers of their
-    own for chunks larger than a slot, bounded by the same budget."""
-
-    def __init__(self, reader: "CheckpointReader"):
-        self.reader = reader
-        self.pool, self.backend = reader.pool, reader.backend
-        self.ordering = self.backend.begin()
-        self.window = max(self.pool.slot_bytes, min(self.pool.budget_bytes, READ_AHEAD_BYTES))
-        self.ahead = 0  # bytes of the pending reads into slots
-        self.pending: deque[_Read] = deque()
-        self.placed: list[Slot] = []  # slots whose copies out may still be landing
-        self.held: list[_Held] = []  # buffers of their own whose copies out may still be landing
-        self.fresh = 0  # bytes of the buffers of their own, pending or held
-
-    def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, place=None,
-                    slot: Slot | None = None, fresh: int = 0) -> None:
-        """Read chunks [first, last) of a stored item into the uint8 tensor `dst`, to be verified, then handed
-        to `place`. `dst` is `slot`'s memory, or `fresh` bytes of its own (see `buffer`)."""
-        try:
-            chunks = item.chunks()[first:last]
-            start = chunks[0][0]
-            nbytes = chunks[-1][0] + chunks[-1][1] - start
-            if nbytes > dst.numel() * dst.element_size():
-                raise CheckpointCorruptError(f"item {item.id!r} in {self.reader.data_path(rank)!r}: {nbytes} "
-                                             f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
-                                             f"destination")
-            segments = [(s - start, n) for s, n in chunks]
-            f = self.reader.data_file(rank)
-            ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
-        except BaseException:  # nothing was submitted: the memory goes back now
-            self.fresh -= fresh
-            if slot is not None:
-                self.pool.release(slot)
-            raise
-        self.pending.append(_Read(ticket, rank, item, first, dst, place, slot, fresh))
-        if slot is not None:
-            self.ahead += dst.numel()
-
-    def buffer(self, nbytes: int) -> tuple[torch.Tensor, Slot | None, int]:
-        """Memory for a staged read of `nbytes`: a slot when one is big enough, else a buffer of its own."""
-        if nbytes > self.pool.slot_bytes:
-            while self.fresh + nbytes > self.pool.budget_bytes and (self.pending or self.held):
-                if self.held:
-                    self.release_held()
-                else:
-                    self.complete_oldest()
-            self.fresh += nbytes
-            return _aligned_empty(nbytes), None, nbytes
-        if self.ahead + nbytes > self.window:  # never with nothing pending: a slot fits in the window
-            while self.pending and self.ahead + nbytes > self.window:
-                self.complete_oldest()
-            self.release_placed()  # the slots just read go round again while their pages are hot
-        while (slot := self.pool.acquire(block=False)) is None:
-            if self.placed:
-                self.release_placed()
-            elif any(r.slot is not None for r in self.pending):
-                self.complete_oldest()
-            else:  # every slot is held by saves in flight: their writers hand them back
-                slot = self.pool.acquire()
-                break
-        return slot.buffer[:nbytes], slot, 0
-
-    def place(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.backend.copy(dst, src, self.ordering)
-
-    def reads_into(self, dst: torch.Tensor) -> bool:
-        """Whether bytes for `dst` are read straight into it: a stream read copies out of the page cache
-        anyway, and into a contiguous host tensor that copy is the only one (a slot would add a second)."""
-        return self.reader.read_mode == "stream" and dst.device.type == "cpu" and dst.is_contiguous()
-
-    def complete_oldest(self) -> None:
-        read = self.pending.popleft()
-        if read.slot is not None:
-            self.ahead -= read.buffer.numel()
-            self.placed.append(read.slot)  # given back after the copies out of it, or after a failure
-        try:
-            crcs = self.reader.io.wait(read.ticket)
-        except OSError as e:
-            raise CheckpointCorruptError(f"reading item {read.item.id!r} from {self.reader.data_path(read.rank)!r} "
-                                         f"failed: {e.strerror or e}") from None
-        for index, crc in enumerate(crcs, read.first):
-            if crc != read.item.crcs[index]:
-                raise CheckpointCorruptError(
-                    f"checksum mismatch in {self.reader.data_path(read.rank)!r}: item {read.item.id!r} chunk "
-                    f"{index} (file offset {read.item.offset + read.item.chunks()[index][0]}) reads crc32c "
-                    f"{crc:#010x}, the index says {read.item.crcs[index]:#010x}")
-        if read.place is not None:
-            read.place(read.buffer)
-        if read.slot is not None:
-            self.backend.mark(read.slot)
-        elif read.fresh:  # the copies out of it may read it after this returns: it lives until they landed
-            held = _Held(read.buffer, read.fresh)
-            self.backend.mark(held)
-            self.held.append(held)
-
-    def release_held(self) -> None:
-        held, self.held = self.held, []
-        for buffer in held:
-            self.backend.ready(buffer)
-            self.fresh -= buffer.nbytes
-
-    def release_placed(self) -> None:
-        placed, self.placed = self.placed, []
-        for slot in placed:
-            self.backend.ready(slot)
-            self.pool.release(slot)
-
-    def __enter__(self) -> "_Reads":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
-            self.abort()
-
-    def finish(self) -> None:
-        """Complete every read and every copy out of the slots; on failure, wait out the rest, then raise."""
-        try:
-            while self.pending:
-                self.complete_oldest()
-            self.backend.finish()
-        except BaseException:
-            self.abort()
-            raise
-        self.release_placed()
-        self.held = []
-
-    def abort(self) -> None:
-        """Wait for whatever is still in flight (its memory must outlive it) and give every slot back."""
-        pending, self.pending = self.pending, deque()
-        for read in pending:
-            try:
-                self.reader.io.wait(read.ticket)
-            except OSError:
-                pass
-            if read.slot is not None:
-                self.placed.append(read.slot)
-        try:
-            self.backend.finish()
-        except BaseException:  # noqa: BLE001 - the failure being raised is the one to report
-            pass
-        for slot in self.placed:
-            self.pool.release(slot)
-        self.placed, self.held = [], []
-
-
 class CheckpointReader:
+    """The engine's reader of one published checkpoint: its index, verified reads, loads into any layout.
+
+    A load stops at the first problem. A check (`verify_all`, or `load` with a `Problems` to report to) goes on
+    and collects every one; `datastates.audit` adds the structural checks and is what the tools use."""
+
     def __init__(self, path: str, io: _native.IOPool, pool: StagingPool, backend: CopyBackend,
                  registry: ProviderRegistry, read_mode: str = "stream", direct_io: str = "auto"):
         """Reads go through `io`; those that cannot land in their target are staged in `pool`'s slots and copied
@@ -262,6 +84,28 @@ class CheckpointReader:
         self._parts: dict[int, RankPart] = {}
         self._files: dict[int, _native.File] = {}
         self._global: dict[str, list[Shard]] | None = None
+        self._owned: tuple = ()
+
+    @classmethod
+    def open(cls, path: str, threads: int = 4, staging_bytes: int = 256 << 20,
+             registry: ProviderRegistry | None = None) -> "CheckpointReader":
+        """A reader of its own, for a process that only reads (the tools): `threads` native readers, host
+        staging of `staging_bytes`; `close()` (or leaving a `with` block) frees them."""
+        io, backend = _native.IOPool(threads), HostCopyBackend()
+        pool = StagingPool(staging_bytes, threads)
+        try:
+            reader = cls(path, io, pool, backend, registry or default_registry)
+        except BaseException:
+            io.close(), backend.close(), pool.close()
+            raise
+        reader._owned = (io, backend, pool)
+        return reader
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ----- the index and the files -----
 
@@ -276,10 +120,13 @@ class CheckpointReader:
         return self.part(rank).items
 
     def close(self) -> None:
-        """Close the data files this reader opened."""
+        """Close the data files this reader opened (and the pools of a reader of its own)."""
         for f in self._files.values():
             f.close()
         self._files = {}
+        owned, self._owned = self._owned, ()
+        for resource in owned:
+            resource.close()
 
     def data_path(self, rank: int) -> str:
         return os.path.join(self.path, fmt.data_file(rank))
@@ -287,20 +134,29 @@ class CheckpointReader:
     def data_file(self, rank: int) -> _native.File:
         if rank not in self._files:
             self.items(rank)  # validated before anything is read
-            data = self.data_path(rank)
-            try:
-                f = (_native.File(data, "r", "off", stream=True) if self.read_mode == "stream"
-                     else _native.File(data, "r", self.direct_io))
-                size = f.size()
-            except OSError as e:
-                raise CheckpointError(f"cannot open {data!r}: {e.strerror or e}") from None
-            expected = self.part(rank).data_bytes
-            if size < expected:
-                f.close()
-                raise CheckpointCorruptError(f"data file {data!r} is truncated: {size} bytes, the checkpoint's "
-                                             f"index says {expected}")
-            self._files[rank] = f
+            self._open(rank, Problems.stop())
         return self._files[rank]
+
+    def _open(self, rank: int, problems: Problems) -> int:
+        """Open the rank's data file; its size. A file shorter than the index says is a problem: a load stops,
+        a check reads what lies within it."""
+        data = self.data_path(rank)
+        try:
+            f = (_native.File(data, "r", "off", stream=True) if self.read_mode == "stream"
+                 else _native.File(data, "r", self.direct_io))
+            size = f.size()
+        except OSError as e:
+            raise CheckpointError(f"cannot open {data!r}: {e.strerror or e}") from None
+        expected = self.part(rank).data_bytes
+        if size < expected:
+            try:
+                problems.add(data, fmt.data_size_problem(data, size, expected), CheckpointCorruptError, rank=rank,
+                             offset=size)
+            except CheckpointError:
+                f.close()
+                raise
+        self._files[rank] = f
+        return size
 
     def global_index(self) -> dict[str, list[Shard]]:
         """Every written global item by name, from the raw index: O(items) lookups, no parsing; the shards a
@@ -320,7 +176,9 @@ class CheckpointReader:
     # ----- load -----
 
     @torch.no_grad()
-    def load(self, rank: int, template: Any = None) -> Any:
+    def load(self, rank: int, template: Any = None, problems: Problems | None = None) -> Any:
+        """The state `rank` saved, or `template` filled in place from any layout. With `problems`, a damaged
+        read is reported there and the load goes on: its target keeps what it held (an object is None)."""
         # a rank beyond the saved world (loading into more ranks) can still fill global items
         own = self.items(rank) if template is None or rank < self.world_size else {}
         if template is None:
@@ -331,7 +189,7 @@ class CheckpointReader:
             skeleton, entries = self.registry.flatten(template)
             wanted = [(e.item, _writable(e.source) if e.item.kind == "tensor" else None) for e in entries]
         values: dict[str, Any] = {}
-        with _Reads(self) as reads:
+        with Reads(self, problems) as reads:
             for target, dst in wanted:
                 if target.kind == "object":
                     self._queue_object(*self._saved_object(target, own, rank), reads,
@@ -342,7 +200,7 @@ class CheckpointReader:
                     self._read_global(target, dst, reads)
                 else:
                     self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
-        return unflatten(skeleton, values.__getitem__)
+        return unflatten(skeleton, values.__getitem__ if problems is None else values.get)
 
     def _item(self, items: dict[str, Item], key: str, rank: int) -> Item:
         if rank >= self.world_size:
@@ -379,7 +237,7 @@ class CheckpointReader:
         if item.kind == "object":
             return self._read_object(rank, item)
         dst = torch.empty(item.shape, dtype=dtype_from_name(item.dtype))
-        with _Reads(self) as reads:
+        with Reads(self) as reads:
             self._read_whole(rank, item, dst, reads)
         return dst
 
@@ -388,20 +246,56 @@ class CheckpointReader:
         for item in self.items(rank).values():
             self.read_item(rank, item)
 
+    @torch.no_grad()
+    def verify_all(self, problems: Problems, ranks=None, progress: Callable[[int], None] | None = None) -> dict:
+        """Read every written item of `ranks` (default all) and check every chunk's crc32c, reporting each bad
+        chunk, failed read and short file to `problems` and going on; nothing is kept. The structure is
+        `datastates.audit`'s: a rank without a valid part and an item that does not validate are skipped here.
+        `progress` receives the bytes of each read as it is submitted. Returns {"bytes_read", "chunks"}."""
+        stats = {"bytes_read": 0, "chunks": 0}
+        with Reads(self, problems) as reads:
+            for rank in range(self.world_size) if ranks is None else ranks:
+                for item in self._readable_items(rank, problems):
+                    for first, last, nbytes in _chunk_groups(item, reads.pool.slot_bytes):
+                        buf, slot, fresh = reads.buffer(nbytes)
+                        reads.read_chunks(rank, item, first, last, buf, None, slot, fresh)
+                        stats["bytes_read"] += nbytes
+                        stats["chunks"] += last - first
+                        if progress is not None:
+                            progress(nbytes)
+        return stats
+
+    def _readable_items(self, rank: int, problems: Problems) -> list[Item]:
+        """The valid written items of `rank` that lie within its data file, which is opened here."""
+        try:
+            items, _ = self.part(rank).checked_items()
+            size = self._open(rank, problems) if rank not in self._files else self._files[rank].size()
+        except CheckpointError as e:
+            problems.add(self.data_path(rank), str(e), rank=rank)
+            return []
+        return [it for it in items.values() if it.write and it.nbytes and it.offset + it.nbytes <= size]
+
     def _read_object(self, rank: int, item: Item) -> Any:
         out = []
-        with _Reads(self) as reads:
+        with Reads(self) as reads:
             self._queue_object(rank, item, reads, out.append)
         return out[0]
 
-    def _queue_object(self, rank: int, item: Item, reads: _Reads, then: Callable[[Any], None]) -> None:
+    def _queue_object(self, rank: int, item: Item, reads: Reads, then: Callable[[Any], None]) -> None:
         """Read a pickled object in the load's batch; `then` receives it once its bytes are verified."""
-        where = f"{item.id!r} in {self.data_path(rank)!r}"
-        buf, slot, fresh = reads.buffer(item.nbytes)
-        reads.read_chunks(rank, item, 0, len(item.chunks()), buf,
-                          lambda b: then(fmt.loads(b.numpy().tobytes(), where)), slot, fresh)
+        path = self.data_path(rank)
 
-    def _read_global(self, target: Item, dst: torch.Tensor, reads: _Reads) -> None:
+        def unpickle(buffer: torch.Tensor) -> None:
+            try:
+                value = fmt.loads(buffer.numpy().tobytes(), f"{item.id!r} in {path!r}")
+            except CheckpointError as e:
+                reads.problems.add(path, str(e), type(e), rank=rank, item=item.id, offset=item.offset)
+                return
+            then(value)
+        buf, slot, fresh = reads.buffer(item.nbytes)
+        reads.read_chunks(rank, item, 0, len(item.chunks()), buf, unpickle, slot, fresh)
+
+    def _read_global(self, target: Item, dst: torch.Tensor, reads: Reads) -> None:
         """Fill the target shard `dst` (box target.global_offset + dst.shape) from every saved shard it overlaps."""
         box = Box(tuple(target.global_offset), tuple(dst.shape))
         plan = plan_global(f"checkpoint {self.path!r}", target.name, box, tuple(target.global_shape),
@@ -409,15 +303,15 @@ class CheckpointReader:
         for read in plan:
             self._execute(read, dst, reads)
 
-    def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: _Reads) -> None:
+    def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: Reads) -> None:
         """Fill `dst` (of the saved shape) with the whole saved item."""
         for read in plan_whole(rank, saved):
             self._execute(read, dst, reads)
 
-    def _execute(self, read: BoxRead, dst: torch.Tensor, reads: _Reads) -> None:
+    def _execute(self, read: BoxRead, dst: torch.Tensor, reads: Reads) -> None:
         """Submit one box read of the load plan into `dst`.
 
-        A whole saved item bound for a contiguous host view is streamed straight into it (`_Reads.reads_into`).
+        A whole saved item bound for a contiguous host view is streamed straight into it (`Reads.reads_into`).
         Otherwise the read goes in pieces through the slots, and each piece's part of the box is copied out. In
         read mode "parallel" even a whole tensor into a contiguous host target goes through the slots: O_DIRECT
         into the same few hot slots, then a memcpy on the copy threads, loaded 1 GB in 0.68 s against 1.01 s for
@@ -433,12 +327,24 @@ class CheckpointReader:
                               functools.partial(_place, reads, piece, dst), slot, fresh)
 
 
-def _place(reads: _Reads, piece: Piece, dst: torch.Tensor, buf: torch.Tensor) -> None:
+def _place(reads: Reads, piece: Piece, dst: torch.Tensor, buf: torch.Tensor) -> None:
     """Copy a verified piece's elements out into the target."""
     src = buf[:piece.stop - piece.start].view(dst.dtype)
     for copy in piece.copies:
         run = src[copy.start:copy.start + volume(copy.run)].view(copy.run)
         reads.place(dst[copy.dst], run[copy.src])
+
+
+def _chunk_groups(item: Item, max_bytes: int):
+    """(first, last, nbytes) of runs of whole checksum chunks of `item`, each at most `max_bytes` (or one chunk)."""
+    chunks = item.chunks()
+    first = 0
+    while first < len(chunks):
+        last, start = first + 1, chunks[first][0]
+        while last < len(chunks) and chunks[last][0] + chunks[last][1] - start <= max_bytes:
+            last += 1
+        yield first, last, chunks[last - 1][0] + chunks[last - 1][1] - start
+        first = last
 
 
 def _writable(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,219 @@
+"""One load's reads: the read pipeline every load, check and tool goes through (`restore.CheckpointReader`).
+
+Reads are submitted to the native pool as soon as they are known and completed oldest first: verified (each
+chunk's crc32c, computed on the pool's threads), then placed, so reading, verification and placement overlap.
+What a damaged chunk does is the reads' `Problems` policy: a load stops at the first (the default), a check
+records every one and goes on, leaving that piece's target unwritten.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+import torch
+
+from .errors import CheckpointCorruptError
+from .plan import ALIGN
+from .problems import Problems
+from .schema import Item
+from .staging import Slot
+
+if TYPE_CHECKING:
+    from .restore import CheckpointReader
+
+# A load reads at most this far ahead of its copies out: enough to keep 8 reads of 8 MiB in flight several times
+# over, little enough that the same few slots go round while their pages are hot.
+READ_AHEAD_BYTES = 256 << 20
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+class _Read(NamedTuple):
+    ticket: int
+    rank: int
+    item: Item
+    first: int  # chunks [first, first + len(crcs)) of the item
+    buffer: torch.Tensor
+    place: Callable[[torch.Tensor], None] | None  # what to do with the verified bytes
+    slot: Slot | None  # the staging slot the bytes landed in, if any
+    fresh: int  # bytes of a buffer allocated for this read alone
+
+
+class _Held:
+    """A buffer of its own (for a chunk larger than a slot) and the completions of the copies out of it: the
+    host copy threads read it after its read completed, so it must live until they have landed."""
+
+    __slots__ = ("buffer", "nbytes", "waits")
+
+    def __init__(self, buffer: torch.Tensor, nbytes: int):
+        self.buffer, self.nbytes, self.waits = buffer, nbytes, []
+
+
+class Reads:
+    """One load's reads: submitted to the native pool as soon as known, completed oldest first (verified, then
+    placed), so reading, checksum verification (on the pool's threads) and placement all overlap.
+
+    Stream reads of whole items land straight in contiguous host targets. Every other read lands in the engine's
+    staging slots (pinned with CUDA), at most READ_AHEAD_BYTES ahead of the copies out of them; a slot goes back
+    to the pool once those copies have landed. Staged memory is the pool's budget at most, plus buffers of their
+    own for chunks larger than a slot, bounded by the same budget."""
+
+    def __init__(self, reader: "CheckpointReader", problems: Problems | None = None):
+        """`problems`: where a damaged read is reported; by default the load stops at the first."""
+        self.reader = reader
+        self.problems = problems if problems is not None else Problems.stop()
+        self.pool, self.backend = reader.pool, reader.backend
+        self.ordering = self.backend.begin()
+        self.window = max(self.pool.slot_bytes, min(self.pool.budget_bytes, READ_AHEAD_BYTES))
+        self.ahead = 0  # bytes of the pending reads into slots
+        self.pending: deque[_Read] = deque()
+        self.placed: list[Slot] = []  # slots whose copies out may still be landing
+        self.held: list[_Held] = []  # buffers of their own whose copies out may still be landing
+        self.fresh = 0  # bytes of the buffers of their own, pending or held
+
+    def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, place=None,
+                    slot: Slot | None = None, fresh: int = 0) -> None:
+        """Read chunks [first, last) of a stored item into the uint8 tensor `dst`, to be verified, then handed
+        to `place`. `dst` is `slot`'s memory, or `fresh` bytes of its own (see `buffer`)."""
+        try:
+            chunks = item.chunks()[first:last]
+            start = chunks[0][0]
+            nbytes = chunks[-1][0] + chunks[-1][1] - start
+            if nbytes > dst.numel() * dst.element_size():
+                raise CheckpointCorruptError(f"item {item.id!r} in {self.reader.data_path(rank)!r}: {nbytes} "
+                                             f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
+                                             f"destination")
+            segments = [(s - start, n) for s, n in chunks]
+            f = self.reader.data_file(rank)
+            ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
+        except BaseException:  # nothing was submitted: the memory goes back now
+            self.fresh -= fresh
+            if slot is not None:
+                self.pool.release(slot)
+            raise
+        self.pending.append(_Read(ticket, rank, item, first, dst, place, slot, fresh))
+        if slot is not None:
+            self.ahead += dst.numel()
+
+    def buffer(self, nbytes: int) -> tuple[torch.Tensor, Slot | None, int]:
+        """Memory for a staged read of `nbytes`: a slot when one is big enough, else a buffer of its own."""
+        if nbytes > self.pool.slot_bytes:
+            while self.fresh + nbytes > self.pool.budget_bytes and (self.pending or self.held):
+                if self.held:
+                    self.release_held()
+                else:
+                    self.complete_oldest()
+            self.fresh += nbytes
+            return _aligned_empty(nbytes), None, nbytes
+        if self.ahead + nbytes > self.window:  # never with nothing pending: a slot fits in the window
+            while self.pending and self.ahead + nbytes > self.window:
+                self.complete_oldest()
+            self.release_placed()  # the slots just read go round again while their pages are hot
+        while (slot := self.pool.acquire(block=False)) is None:
+            if self.placed:
+                self.release_placed()
+            elif any(r.slot is not None for r in self.pending):
+                self.complete_oldest()
+            else:  # every slot is held by saves in flight: their writers hand them back
+                slot = self.pool.acquire()
+                break
+        return slot.buffer[:nbytes], slot, 0
+
+    def place(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.backend.copy(dst, src, self.ordering)
+
+    def reads_into(self, dst: torch.Tensor) -> bool:
+        """Whether bytes for `dst` are read straight into it: a stream read copies out of the page cache
+        anyway, and into a contiguous host tensor that copy is the only one (a slot would add a second)."""
+        return self.reader.read_mode == "stream" and dst.device.type == "cpu" and dst.is_contiguous()
+
+    def complete_oldest(self) -> None:
+        read = self.pending.popleft()
+        if read.slot is not None:
+            self.ahead -= read.buffer.numel()
+            self.placed.append(read.slot)  # given back after the copies out of it, or after a failure
+        if self._verified(read) and read.place is not None:
+            read.place(read.buffer)
+        if read.slot is not None:
+            self.backend.mark(read.slot)
+        elif read.fresh:  # the copies out of it may read it after this returns: it lives until they landed
+            held = _Held(read.buffer, read.fresh)
+            self.backend.mark(held)
+            self.held.append(held)
+
+    def _verified(self, read: _Read) -> bool:
+        """Whether the read's bytes arrived and match the index; each problem goes to the policy."""
+        item = read.item
+        try:
+            crcs = self.reader.io.wait(read.ticket)
+        except OSError as e:
+            path = self.reader.data_path(read.rank)
+            self.problems.add(path, f"reading item {item.id!r} from {path!r} failed: {e.strerror or e}",
+                              offset=item.offset + item.chunks()[read.first][0], rank=read.rank, item=item.id,
+                              error=CheckpointCorruptError)
+            return False
+        good = True
+        for index, crc in enumerate(crcs, read.first):
+            if crc != item.crcs[index]:
+                path, offset = self.reader.data_path(read.rank), item.offset + item.chunks()[index][0]
+                self.problems.add(path, f"checksum mismatch in {path!r}: item {item.id!r} chunk {index} (file "
+                                        f"offset {offset}) reads crc32c {crc:#010x}, the index says "
+                                        f"{item.crcs[index]:#010x}", offset=offset, rank=read.rank,
+                                  item=item.id, error=CheckpointCorruptError)
+                good = False
+        return good
+
+    def release_held(self) -> None:
+        held, self.held = self.held, []
+        for buffer in held:
+            self.backend.ready(buffer)
+            self.fresh -= buffer.nbytes
+
+    def release_placed(self) -> None:
+        placed, self.placed = self.placed, []
+        for slot in placed:
+            self.backend.ready(slot)
+            self.pool.release(slot)
+
+    def __enter__(self) -> "Reads":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+    def finish(self) -> None:
+        """Complete every read and every copy out of the slots; on failure, wait out the rest, then raise."""
+        try:
+            while self.pending:
+                self.complete_oldest()
+            self.backend.finish()
+        except BaseException:
+            self.abort()
+            raise
+        self.release_placed()
+        self.held = []
+
+    def abort(self) -> None:
+        """Wait for whatever is still in flight (its memory must outlive it) and give every slot back."""
+        pending, self.pending = self.pending, deque()
+        for read in pending:
+            try:
+                self.reader.io.wait(read.ticket)
+            except OSError:
+                pass
+            if read.slot is not None:
+                self.placed.append(read.slot)
+        try:
+            self.backend.finish()
+        except BaseException:  # noqa: BLE001 - the failure being raised is the one to report
+            pass
+        for slot in self.placed:
+            self.pool.release(slot)
+        self.placed, self.held = [], []

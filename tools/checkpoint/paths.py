@@ -1,0 +1,50 @@
+"""Where a conversion reads from and writes to, checked before anything is read or written."""
+from __future__ import annotations
+
+import os
+
+from datastates import commit
+from datastates import format as fmt
+
+
+class ConvertError(Exception):
+    """The input cannot be converted (exit status 1); the message names the path and the problem."""
+
+
+def resolve_input(path: str, iteration: int | None, what: str) -> str:
+    """The iteration directory to convert: `path` itself, its iteration `iteration`, or its latest published."""
+    path = os.path.normpath(path)
+    if not os.path.exists(path):
+        raise ConvertError(f"input {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ConvertError(f"input {path!r} is not a directory ({what} checkpoints are directories)")
+    if path.endswith(commit.PARTIAL):
+        raise ConvertError(f"input {path!r} is not published: a '.partial' directory is an unfinished or failed save")
+    if iteration is not None:
+        cand = commit.checkpoint_dir(path, iteration)
+        if not os.path.isdir(cand):
+            if os.path.isdir(commit.partial_dir(cand)):
+                raise ConvertError(f"iteration {iteration} under {path!r} is not published "
+                                   f"({commit.partial_dir(cand)!r} is an unfinished or failed save)")
+            raise ConvertError(f"input {path!r} has no iteration {iteration} ({cand!r} does not exist)")
+        return cand
+    if os.path.isfile(os.path.join(path, fmt.METADATA)) or commit.iteration_of(path) is not None:
+        return path
+    latest = commit.find_latest(path)
+    if latest.path is None:
+        raise ConvertError(f"input {path!r} is not a {what} checkpoint directory (no metadata.json) nor a save root "
+                           f"holding a published one: {latest.why_none()}")
+    return latest.path
+
+
+def resolve_output(path: str, iteration) -> tuple[str, str | None]:
+    """(checkpoint directory, save root whose tracker to update or None)."""
+    path = os.path.normpath(path)
+    if commit.iteration_of(path) is not None:
+        out, root = path, os.path.dirname(path) or "."
+    else:
+        it = iteration if isinstance(iteration, int) else 0
+        out, root = commit.checkpoint_dir(path, it), path
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConvertError(f"output {out!r} already exists and is not empty: refusing to overwrite it")
+    return out, root

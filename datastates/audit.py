@@ -253,14 +253,15 @@ class Audit:
     # ----- every byte -----
 
     def verify(self, threads: int = 4, progress: Callable[[int], None] | None = None) -> None:
-        """Read every written byte of every rank whose data file exists, through the engine's reader, and record
-        each bad chunk (a published checkpoint only: an unpublished one is already a problem)."""
+        """Read every written byte of every rank whose data file exists (its manifest need not), through the
+        engine's reader, and record each bad chunk (a published checkpoint only: an unpublished one is already a
+        problem)."""
         if self.index is None:
             return
         t0 = time.perf_counter()
+        ranks = [r for r in range(self.world_size) if os.path.exists(os.path.join(self.path, fmt.data_file(r)))]
         try:
             with CheckpointReader.open(self.path, threads=threads) as reader:
-                ranks = [r for r in range(self.world_size) if self.ranks.get(r, {}).get("data_size") is not None]
                 self.stats = reader.verify_all(self.problems, ranks, progress)
         except CheckpointError as e:
             self.problems.add(self.path, str(e))

@@ -3,7 +3,8 @@
 Reads are submitted to the native pool as soon as they are known and completed oldest first: verified (each
 chunk's crc32c, computed on the pool's threads), then placed, so reading, verification and placement overlap.
 What a damaged chunk does is the reads' `Problems` policy: a load stops at the first (the default), a check
-records every one and goes on, leaving that piece's target unwritten.
+records every one and goes on (a damaged piece is not copied out of its slot; the part of a target it was read
+straight into is undefined).
 """
 from __future__ import annotations
 

@@ -178,7 +178,8 @@ class CheckpointReader:
     @torch.no_grad()
     def load(self, rank: int, template: Any = None, problems: Problems | None = None) -> Any:
         """The state `rank` saved, or `template` filled in place from any layout. With `problems`, a damaged
-        read is reported there and the load goes on: its target keeps what it held (an object is None)."""
+        read is reported there and the load goes on: the damaged part of its target is undefined (an object
+        is None)."""
         # a rank beyond the saved world (loading into more ranks) can still fill global items
         own = self.items(rank) if template is None or rank < self.world_size else {}
         if template is None:

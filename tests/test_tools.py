@@ -186,6 +186,33 @@ def test_verify_fails_on_a_flipped_byte(ckpt, tmp_path, capsys):
     assert "rank_00001.data" in err and "checksum mismatch" in err and item["id"] in err
 
 
+def _flip_first_byte(it, rank):
+    """Damage the first written tensor of `rank` (its first chunk); (item id, the chunk's file offset)."""
+    item = _first_item(os.path.join(it, f"rank_{rank:05d}.manifest.json"))
+    with open(os.path.join(it, f"rank_{rank:05d}.data"), "r+b") as f:
+        f.seek(item["offset"])
+        b = f.read(1)
+        f.seek(item["offset"])
+        f.write(bytes([b[0] ^ 0x01]))
+    return item["id"], item["offset"]
+
+
+def test_verify_reports_every_problem_in_one_run(ckpt, tmp_path, capsys):
+    """Two ranks' bad chunks and a third problem (a short file) in one --verify: each named with rank, item and
+    file offset (the engine's collecting read, datastates.audit)."""
+    from tools.inspect_checkpoint import main
+    _, it = copy_iter(ckpt, tmp_path)
+    bad = {r: _flip_first_byte(it, r) for r in (0, 1)}
+    data = os.path.join(it, "rank_00001.data")
+    os.truncate(data, os.path.getsize(data) - 1)
+    rc, out, _ = run_here(main, [it, "--verify", "--json"], capsys)
+    assert rc == 1
+    problems = json.loads(out)["problems"]
+    found = {(p["rank"], p["item"], p["offset"]) for p in problems if "checksum mismatch" in p["problem"]}
+    assert found == {(r, item, offset) for r, (item, offset) in bad.items()}
+    assert [p["rank"] for p in problems if "truncated" in p["problem"]] == [1]
+
+
 def test_inspect_reports_every_malformed_item_of_a_manifest(ckpt, tmp_path, capsys):
     """inspect validates manifests as a load does (datastates.schema), and lists every problem, not the first."""
     from tools.inspect_checkpoint import main
@@ -351,6 +378,17 @@ def test_convert_refuses_unpublished(ckpt, tmp_path):
     assert main(["--from", "datastates", "--to", "safetensors", "--input", it,
                  "--output", str(tmp_path / "b.safetensors")]) == 1
     assert not (tmp_path / "b.safetensors").exists()
+
+
+def test_convert_refuses_a_damaged_input_naming_every_bad_chunk(ckpt, tmp_path, capsys):
+    from tools.convert_checkpoint import main
+    _, it = copy_iter(ckpt, tmp_path)
+    bad = [_flip_first_byte(it, r)[0] for r in (0, 1)]
+    out = tmp_path / "e.safetensors"
+    assert main(["--from", "datastates", "--to", "safetensors", "--input", it, "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "2 problem(s)" in err and all(f"item {b!r}" in err for b in bad), err
+    assert not out.exists()
 
 
 def test_convert_refuses_missing_rank_files(ckpt, tmp_path, capsys):

@@ -10,15 +10,22 @@ fully_reshardable layout, is the reference loss curve and the source checkpoint 
 - resharding across expert parallelism: the iteration-N checkpoint converted (--save-after-load) onto 1 rank
   (EP1: the experts join the dense optimizer, the chain of two becomes one) and onto EP1 x TP2 (experts split
   by TP), and the 1-rank one back onto EP2 x DP2: every tensor, fp32 main params and both Adam moments of every
-  expert included, bit-equal to the source, and the Adam step and the scheduler carried over.
+  expert included, bit-equal to the source, and the Adam step and the scheduler carried over;
+- the tools: inspect shows the experts (count, EP layout) and the chained dense + expert optimizer, in both
+  layouts; convert carries the iteration-N checkpoint to torch_dist, which megatron-core's own loader resumes
+  with the reference's losses, and back with no byte of any tensor changed.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from megatron_helpers import convert, iter_dir, losses, saving_run, torchrun
+from megatron_helpers import ROOT, convert, iter_dir, losses, saving_run, torchrun
 from test_reshard import assert_same_tensors, read_full
 
 N = 4
@@ -139,3 +146,59 @@ def test_expert_bias_and_shared_expert_resume_exactly(tmp_path):
     for name in final:
         assert torch.equal(final[name], resumed[name]), name
     assert not torch.equal(final[BIAS], at_n[BIAS])  # it moved on after the resume, as in the straight run
+
+
+# ----- the tools on a MoE checkpoint (the reference's iteration N: EP2 x DP2, distributed optimizer) -----
+
+def _tool(*args) -> str:
+    """A tool of tools/ run as a user runs it; its stdout."""
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def _experts_and_chain(ckpt: str) -> tuple[dict, dict]:
+    """inspect_checkpoint's view of `ckpt`: (its experts, its optimizer)."""
+    rep = json.loads(_tool("tools/inspect_checkpoint.py", ckpt, "--json"))["checkpoint"]
+    return rep["experts"], rep["optimizer"]
+
+
+@pytest.mark.parametrize("which", ["reference", "stopped"])
+def test_inspect_shows_the_experts_and_the_chained_optimizer(request, which):
+    """4 experts per MoE layer, 2 MoE layers, EP2: two blocks of 2 experts, each written by one rank and held by
+    its expert-DP replica too; the optimizer a chain of 2 (dense, then the experts'), both holding Adam state,
+    model-shaped (fully_reshardable) or in flat buckets under `chained_<i>.` (dp_reshardable)."""
+    ckpt = iter_dir(request.getfixturevalue(which)[0], N)
+    experts, optimizer = _experts_and_chain(ckpt)
+    assert (experts["experts"], experts["moe_layers"], experts["expert_parallel"]) == (4, 2, 2), experts
+    assert [b["experts"] for b in experts["placement"]] == [[0, 2], [2, 4]]
+    for block in experts["placement"]:
+        assert len(block["written_by"]) == 1 and len(block["held_by"]) == 2, block
+    assert set(experts["placement"][0]["held_by"]).isdisjoint(experts["placement"][1]["held_by"])
+    assert optimizer["chain"]["parts"] == 2, optimizer
+    parts = optimizer["chain"]["bytes_by_part"]
+    assert len(parts) == 2 and any(p.startswith("expert") for p in parts) and any(p.startswith("dense") for p in parts)
+    for by_kind in parts.values():
+        assert by_kind["exp_avg"] > 0 and by_kind["exp_avg_sq"] > 0, parts
+    assert ("dp_reshardable" if which == "stopped" else "model-shaped") in optimizer["layout"]
+
+
+def test_convert_carries_a_moe_checkpoint_through_stock_megatron_core(tmp_path, reference):
+    """datastates -> torch_dist; megatron-core's own dist_checkpointing.load, with the model's and the
+    DistributedOptimizer's sharded state dicts (the trainer's --ckpt-format torch_dist), resumes it on EP2 x DP2
+    with the reference's losses; torch_dist -> datastates changes no byte of any tensor, nor any object."""
+    root, ref = reference
+    src, td, back = iter_dir(root, N), str(tmp_path / "td"), str(tmp_path / "back")
+    _tool("tools/convert_checkpoint.py", "--from", "datastates", "--to", "torch_dist", "--input", src, "--output", td)
+    _, log = torchrun(4, EP2DP2 + FULLY + ["--load", td, "--ckpt-format", "torch_dist",
+                                           "--save", str(tmp_path / "td_out"), "--dist-ckpt-strictness", "log_all"])
+    assert f"(torch_dist) at iteration {N}" in log, log[-3000:]
+    assert losses(log) == {i: ref[i] for i in range(N + 1, 2 * N + 1)}, log[-3000:]
+    _tool("tools/convert_checkpoint.py", "--from", "torch_dist", "--to", "datastates", "--input", td, "--output", back)
+    (before, before_objects), (after, after_objects) = read_full(src), read_full(iter_dir(back, N))
+    assert sorted(before) == sorted(after) and any(".experts.experts." in k for k in before)
+    for name, t in before.items():
+        assert t.dtype == after[name].dtype and t.shape == after[name].shape, name
+        assert torch.equal(t.contiguous().view(torch.uint8), after[name].contiguous().view(torch.uint8)), name
+    assert {k: repr(v) for k, v in before_objects.items()} == {k: repr(v) for k, v in after_objects.items()}

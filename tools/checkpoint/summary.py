@@ -4,7 +4,8 @@
   parameter, with the bytes of each kind (main params, moments); a MoE model's chained optimizer (a dense and
   an expert optimizer, megatron-core's order: experts last) part by part;
 - the experts of a MoE model: how many per MoE layer, how many MoE layers, and which ranks write and hold which
-  experts (the expert-parallel layout).
+  experts (the expert-parallel layout). megatron-core keys every expert of a layer alike,
+  `...mlp.experts.experts.linear_fc1.weight`, with the expert index as an axis prepended after the layer axes.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import re
 
 # names of layer-stacked tensors: a prepended axis per such segment not followed by an index (megatron-core)
 STACK_SEGMENTS = ("layers", "local_experts")
-EXPERT_SEGMENT = "local_experts"
+EXPERT_SEGMENT = "experts"
 _CHAIN = re.compile(r"^chained_(\d+)\.(.+)$")
 _DIST_OPT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.*\.bucket_idx_\d+\.(\w+)$")
 _MODEL_SPACE = re.compile(r"^optimizer\.state\.(\w+)\.(.+)$")
@@ -29,10 +30,13 @@ def stack_slots(parts: list[str]) -> list[int]:
                                                                           parts[i + 1].isdigit())]
 
 
-def stack_axes(key: str) -> list[str]:
-    """The segments of `key` that each prepend an axis to its tensor, in axis order."""
+def expert_axis(key: str) -> int | None:
+    """The axis of a MoE expert tensor that indexes its experts (after the layer axes before it), or None."""
     parts = key.split(".")
-    return [parts[i] for i in stack_slots(parts)]
+    if EXPERT_SEGMENT not in parts:
+        return None
+    at = parts.index(EXPERT_SEGMENT)
+    return sum(1 for i in stack_slots(parts) if i < at)
 
 
 def _written_bytes(t: dict) -> int:
@@ -101,11 +105,9 @@ def experts_summary(tensors: dict[str, dict]) -> dict | None:
         return None
     moe_layers, placement, ep, count = 0, None, None, None
     for name, t in sorted(expert.items()):
-        axes = stack_axes(name)
-        if EXPERT_SEGMENT not in axes:
+        axis, shape = expert_axis(name), t["global_shape"]
+        if axis >= len(shape):
             continue
-        axis = axes.index(EXPERT_SEGMENT)
-        shape = t["global_shape"]
         if name.endswith("linear_fc1.weight"):
             moe_layers += math.prod(shape[:axis])
         if placement is None:

@@ -32,12 +32,11 @@ import sys
 if __package__ in (None, ""):  # run as `python tools/inspect_checkpoint.py`: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datastates import commit  # noqa: E402
+from datastates import Audit, Problems, commit  # noqa: E402
 from datastates import format as fmt  # noqa: E402
-from datastates.audit import RANK_FILE_RE, Audit  # noqa: E402
+from datastates.audit import RANK_FILE_RE  # noqa: E402
 from datastates.audit import NotACheckpointError as UsageError  # noqa: E402  (exit status 2)
 from datastates.logs import setup_logging  # noqa: E402
-from datastates.problems import Problems  # noqa: E402
 from tools.checkpoint.report import iteration_report, scan_root  # noqa: E402
 from tools.checkpoint.text import print_iteration, print_root, progress  # noqa: E402
 

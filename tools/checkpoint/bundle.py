@@ -11,13 +11,11 @@ import re
 
 import torch
 
+from datastates import Audit, CheckpointError, CheckpointReader, Problems, audit_checkpoint
 from datastates import format as fmt
-from datastates.audit import Audit, NotACheckpointError, audit_checkpoint
-from datastates.errors import CheckpointError
-from datastates.problems import Problems
+from datastates.audit import NotACheckpointError
 from datastates.providers import (ContainerProvider, ItemRef, ObjectProvider, ProviderRegistry, StateProvider,
                                   TensorProvider)
-from datastates.restore import CheckpointReader
 from datastates.schema import dtype_from_name
 
 from .paths import ConvertError, resolve_input

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import os
 
-from datastates import commit
+from datastates import Audit, CheckpointError, Problems, commit
 from datastates import format as fmt
-from datastates.audit import RANK_FILE_RE, Audit
-from datastates.errors import CheckpointError
-from datastates.problems import Problems
+from datastates.audit import RANK_FILE_RE
 
 from .summary import experts_summary, optimizer_summary
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from datastates import CheckpointEngine
-from datastates.errors import CheckpointError
+from datastates import CheckpointEngine, CheckpointError
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_output

@@ -158,19 +158,22 @@ def _tool(*args) -> str:
     return p.stdout
 
 
-def _experts_and_chain(ckpt: str) -> tuple[dict, dict]:
-    """inspect_checkpoint's view of `ckpt`: (its experts, its optimizer)."""
-    rep = json.loads(_tool("tools/inspect_checkpoint.py", ckpt, "--json"))["checkpoint"]
+def _experts_and_chain(ckpt: str, capsys) -> tuple[dict, dict]:
+    """inspect_checkpoint's view of `ckpt` (its CLI, in this process): (its experts, its optimizer)."""
+    from tools.inspect_checkpoint import main
+    capsys.readouterr()
+    assert main([ckpt, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)["checkpoint"]
     return rep["experts"], rep["optimizer"]
 
 
 @pytest.mark.parametrize("which", ["reference", "stopped"])
-def test_inspect_shows_the_experts_and_the_chained_optimizer(request, which):
+def test_inspect_shows_the_experts_and_the_chained_optimizer(request, capsys, which):
     """4 experts per MoE layer, 2 MoE layers, EP2: two blocks of 2 experts, each written by one rank and held by
     its expert-DP replica too; the optimizer a chain of 2 (dense, then the experts'), both holding Adam state,
     model-shaped (fully_reshardable) or in flat buckets under `chained_<i>.` (dp_reshardable)."""
     ckpt = iter_dir(request.getfixturevalue(which)[0], N)
-    experts, optimizer = _experts_and_chain(ckpt)
+    experts, optimizer = _experts_and_chain(ckpt, capsys)
     assert (experts["experts"], experts["moe_layers"], experts["expert_parallel"]) == (4, 2, 2), experts
     assert [b["experts"] for b in experts["placement"]] == [[0, 2], [2, 4]]
     for block in experts["placement"]:
@@ -192,7 +195,7 @@ def test_convert_carries_a_moe_checkpoint_through_stock_megatron_core(tmp_path, 
     src, td, back = iter_dir(root, N), str(tmp_path / "td"), str(tmp_path / "back")
     _tool("tools/convert_checkpoint.py", "--from", "datastates", "--to", "torch_dist", "--input", src, "--output", td)
     _, log = torchrun(4, EP2DP2 + FULLY + ["--load", td, "--ckpt-format", "torch_dist",
-                                           "--save", str(tmp_path / "td_out"), "--dist-ckpt-strictness", "log_all"])
+                                           "--save", str(tmp_path / "td_out")])
     assert f"(torch_dist) at iteration {N}" in log, log[-3000:]
     assert losses(log) == {i: ref[i] for i in range(N + 1, 2 * N + 1)}, log[-3000:]
     _tool("tools/convert_checkpoint.py", "--from", "torch_dist", "--to", "datastates", "--input", td, "--output", back)

@@ -9,7 +9,8 @@
 
 For an iteration directory it shows the ranks (data bytes, items), every logical (global) tensor with its global
 shape and which rank holds which global box (and the replicas a rank holds but does not write), rank-local
-tensors, and objects with their sizes.
+tensors, and objects with their sizes; the optimizer state's layout (a MoE model's chained dense + expert
+optimizer part by part) and a MoE model's experts (how many, which ranks write and hold which: the EP layout).
 
 The structural checks always run: metadata.json present and listing every rank, each manifest intact (its own
 crc32c, and the one metadata.json published for it), data files at their recorded size, item extents inside

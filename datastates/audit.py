@@ -257,8 +257,8 @@ class Audit:
         engine's reader, and record each bad chunk (a published checkpoint only: an unpublished one is already a
         problem)."""
         if self.index is None:
-            self.problems.warn(self.path, "data not verified: without a valid index (metadata.json) there is "
-                                          "nothing to check the bytes against")
+            self.problems.warn(self.path, "data not verified: the engine's reader reads published checkpoints "
+                                          "(this one has no valid metadata.json)")
             return
         t0 = time.perf_counter()
         ranks = [r for r in range(self.world_size) if os.path.exists(os.path.join(self.path, fmt.data_file(r)))]

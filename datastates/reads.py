@@ -89,7 +89,7 @@ class Reads:
                                              f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
                                              f"destination")
             segments = [(s - start, n) for s, n in chunks]
-            f = self.reader.data_file(rank)
+            f = self.reader.data_file(rank, self.problems)
             ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
         except BaseException:  # nothing was submitted: the memory goes back now
             self.fresh -= fresh

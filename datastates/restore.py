@@ -131,10 +131,12 @@ class CheckpointReader:
     def data_path(self, rank: int) -> str:
         return os.path.join(self.path, fmt.data_file(rank))
 
-    def data_file(self, rank: int) -> _native.File:
+    def data_file(self, rank: int, problems: Problems | None = None) -> _native.File:
+        """The rank's data file, open (its items validated first); a short one stops the read unless `problems`
+        collects."""
         if rank not in self._files:
             self.items(rank)  # validated before anything is read
-            self._open(rank, Problems.stop())
+            self._open(rank, problems if problems is not None else Problems.stop())
         return self._files[rank]
 
     def _open(self, rank: int, problems: Problems) -> int:

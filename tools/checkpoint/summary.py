@@ -118,13 +118,22 @@ def experts_summary(tensors: dict[str, dict]) -> dict | None:
 
 
 def _placement(t: dict, axis: int) -> list[dict]:
-    """Blocks of experts [first, last) along `axis`, each with the ranks that write and that hold it."""
-    blocks: dict[tuple, dict] = {}
+    """Blocks of experts [first, last) along `axis` held by the same ranks (one block per expert-parallel rank),
+    each with the ranks that hold it (its expert data-parallel replicas) and that write it (any layer)."""
+    held: dict[int, set] = {}
+    written: dict[int, set] = {}
     for s in t["shards"]:
         lo = s["offset"][axis]
-        block = blocks.setdefault((lo, lo + s["shape"][axis]), {"written_by": set(), "held_by": set()})
-        block["held_by"].add(s["rank"])
-        if s["write"]:
-            block["written_by"].add(s["rank"])
-    return [{"experts": list(k), "written_by": sorted(v["written_by"]), "held_by": sorted(v["held_by"])}
-            for k, v in sorted(blocks.items())]
+        for e in range(lo, lo + s["shape"][axis]):
+            held.setdefault(e, set()).add(s["rank"])
+            if s["write"]:
+                written.setdefault(e, set()).add(s["rank"])
+    blocks: list[dict] = []
+    for e in sorted(held):
+        if blocks and blocks[-1]["held_by"] == sorted(held[e]) and blocks[-1]["experts"][1] == e:
+            blocks[-1]["experts"][1] = e + 1
+            blocks[-1]["written_by"] = sorted(set(blocks[-1]["written_by"]) | written.get(e, set()))
+        else:
+            blocks.append({"experts": [e, e + 1], "written_by": sorted(written.get(e, set())),
+                           "held_by": sorted(held[e])})
+    return blocks

@@ -47,7 +47,7 @@ def test_safe_path_from_another_directory(elsewhere):
     out = _run([sys.executable, "-P", os.path.join(ROOT, "pretrain_gpt.py"), *RUN, "--save", save,
                 "--save-interval", "1"], elsewhere)
     assert "training done at iteration 1" in out, out[-3000:]
-    # a tool started the same way uses this repository's trainer too (cpu_shim, for megatron-core's torch_dist)
+    # a tool started the same way finds this repository's packages too (datastates, tools.checkpoint)
     out = _run([sys.executable, "-P", os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", "datastates",
                 "--to", "torch_dist", "--input", save, "--output", str(elsewhere / "td")], elsewhere)
     assert os.path.exists(os.path.join(elsewhere, "td", "iter_0000001", "metadata.json")), out

@@ -16,7 +16,7 @@ ROPE_BASE = 10000.0  # megatron-core's RotaryEmbedding default; this trainer has
 @dataclass(frozen=True)
 class Geometry:
     """The sizes every name mapping and tensor split needs."""
-    arch: str  # "llama" or "gpt2"
+    arch: str  # "llama", "mixtral" or "gpt2"
     layers: int
     hidden: int
     ffn: int
@@ -28,6 +28,9 @@ class Geometry:
     tied: bool  # output layer shares the word embedding
     max_positions: int
     norm_eps: float
+    experts: int = 0  # routed experts per layer (Mixtral); 0: dense MLPs
+    topk: int = 0  # experts per token
+    aux_loss: float = 0.0  # weight of the load-balancing loss (a training choice both sides carry)
 
 
 # ----- export: saved flags -> geometry -----
@@ -62,10 +65,34 @@ def _gpt2_differences(args) -> list[str]:
     return diffs
 
 
+# MoE flags whose values transformers' Mixtral computes (anything else is refused, by name): its router takes the
+# softmax of the top-k logits (a softmax over all then the top k, renormalised: the same), every layer MoE.
+MIXTRAL_MOE = {"--moe-router-score-function": ("moe_router_score_function", "softmax"),
+               "--moe-router-pre-softmax": ("moe_router_pre_softmax", False),
+               "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", None),
+               "--moe-router-enable-expert-bias (aux-loss-free balancing)": ("moe_router_enable_expert_bias", False),
+               "--moe-router-num-groups": ("moe_router_num_groups", None),
+               "--moe-router-group-topk": ("moe_router_group_topk", None),
+               "--moe-router-topk-scaling-factor": ("moe_router_topk_scaling_factor", None),
+               "--moe-expert-capacity-factor": ("moe_expert_capacity_factor", None),
+               "--moe-input-jitter-eps": ("moe_input_jitter_eps", None),
+               "--disable-bias-linear (Mixtral has no biases)": ("disable_bias_linear", True)}
+
+
+def _mixtral_differences(args) -> list[str]:
+    diffs = _llama_differences(args) + _differences(args, MIXTRAL_MOE)
+    freq = _get(args, "moe_layer_freq", 1)
+    if freq != 1 and not (isinstance(freq, list) and all(v == 1 for v in freq)):
+        diffs.append(f"--moe-layer-freq is {freq!r} (Mixtral has experts in every layer: needs 1)")
+    if _get(args, "moe_router_load_balancing_type") == "sinkhorn":
+        diffs.append("--moe-router-load-balancing-type is 'sinkhorn' (it routes by Sinkhorn in training and by "
+                     "sigmoid scores for top-1; Mixtral routes by the softmax of the top-k logits)")
+    return diffs
+
+
 def _refuse_unsupported(args, where: str) -> None:
     """Flags of features no exported architecture has (future flags of this trainer included)."""
-    for flag, attr in (("--num-experts", "num_experts"), ("--qk-layernorm", "qk_layernorm"),
-                       ("--rotary-base", "rotary_base")):
+    for flag, attr in (("--qk-layernorm", "qk_layernorm"), ("--rotary-base", "rotary_base")):
         value = _get(args, attr)
         if value not in (None, False) and not (attr == "rotary_base" and value == ROPE_BASE):
             raise HFError(f"{where}: {flag} {value!r} has no exact transformers equivalent in this converter "
@@ -78,24 +105,41 @@ def geometry_from_args(args, shapes: dict[str, tuple], where: str) -> Geometry:
         raise HFError(f"{where} has no saved `args` (a model-only checkpoint?): its architecture cannot be read "
                       f"from it; convert a checkpoint written by pretrain_gpt.py or by --from hf")
     _refuse_unsupported(args, where)
+    if _get(args, "num_experts"):
+        return _mixtral_geometry(args, shapes, where)
     llama, gpt2 = _llama_differences(args), _gpt2_differences(args)
     if llama and gpt2:
         raise HFError(f"{where}: no transformers architecture computes this model exactly.\n"
                       f"  Llama (LlamaForCausalLM) differs: {'; '.join(llama)}\n"
                       f"  GPT-2 (GPT2LMHeadModel) differs: {'; '.join(gpt2)}")
+    return _geometry("llama" if not llama else "gpt2", args, shapes, "decoder.layers.mlp.linear_fc2.weight", where)
+
+
+def _mixtral_geometry(args, shapes: dict, where: str) -> Geometry:
+    diffs = _mixtral_differences(args)
+    if diffs:
+        raise HFError(f"{where}: this mixture-of-experts model has no exact transformers equivalent; Mixtral "
+                      f"(MixtralForCausalLM) differs: {'; '.join(diffs)}")
+    return _geometry("mixtral", args, shapes, "decoder.layers.mlp.experts.linear_fc2.weight", where,
+                     experts=_get(args, "num_experts"), topk=_get(args, "moe_router_topk"),
+                     aux_loss=float(_get(args, "moe_aux_loss_coeff") or 0.0))
+
+
+def _geometry(arch: str, args, shapes: dict, fc2_key: str, where: str, **moe) -> Geometry:
+    """The sizes from the saved flags; the MLP's hidden size from the tensor `fc2_key` (its last axis)."""
     heads = _get(args, "num_attention_heads")
     groups = _get(args, "num_query_groups") if _get(args, "group_query_attention") else heads
     hidden = _get(args, "hidden_size")
-    fc2 = shapes.get("decoder.layers.mlp.linear_fc2.weight")
+    fc2 = shapes.get(fc2_key)
     if fc2 is None or "embedding.word_embeddings.weight" not in shapes:
-        raise HFError(f"{where} lacks the model weights decoder.layers.mlp.linear_fc2.weight / "
-                      f"embedding.word_embeddings.weight (stacked over layers, as megatron-core saves them)")
-    geo = Geometry(arch="llama" if not llama else "gpt2", layers=_get(args, "num_layers"), hidden=hidden,
-                   ffn=fc2[-1], heads=heads, groups=groups, head_dim=_get(args, "kv_channels") or hidden // heads,
+        raise HFError(f"{where} lacks the model weights {fc2_key} / embedding.word_embeddings.weight (stacked over "
+                      f"layers, as megatron-core saves them)")
+    geo = Geometry(arch=arch, layers=_get(args, "num_layers"), hidden=hidden, ffn=fc2[-1], heads=heads,
+                   groups=groups, head_dim=_get(args, "kv_channels") or hidden // heads,
                    vocab=_get(args, "vocab_size"), bias=not _get(args, "disable_bias_linear"),
                    tied=not _get(args, "untie_embeddings_and_output_weights"),
                    max_positions=_get(args, "max_position_embeddings") or _get(args, "seq_length"),
-                   norm_eps=_get(args, "norm_epsilon"))
+                   norm_eps=_get(args, "norm_epsilon"), **moe)
     _check_shapes(geo, shapes, where)
     return geo
 
@@ -106,6 +150,10 @@ def _check_shapes(geo: Geometry, shapes: dict, where: str) -> None:
     if qkv != want:
         raise HFError(f"{where}: decoder.layers.self_attention.linear_qkv.weight has shape {qkv}, but the saved "
                       f"flags (layers, heads, query groups, kv channels, hidden size) make it {want}")
+    router = shapes.get("decoder.layers.mlp.router.weight")
+    if geo.experts and router != (geo.layers, geo.experts, geo.hidden):
+        raise HFError(f"{where}: decoder.layers.mlp.router.weight has shape {router}, but the saved flags (layers, "
+                      f"--num-experts, hidden size) make it {(geo.layers, geo.experts, geo.hidden)}")
     if shapes["embedding.word_embeddings.weight"][0] < geo.vocab:
         raise HFError(f"{where}: the word embedding has fewer rows than --vocab-size {geo.vocab}")
 
@@ -115,15 +163,19 @@ def _check_shapes(geo: Geometry, shapes: dict, where: str) -> None:
 def hf_config(geo: Geometry, dtype: str) -> dict:
     """config.json of the transformers model that computes what megatron-core computed."""
     common = {"vocab_size": geo.vocab, "tie_word_embeddings": geo.tied, "dtype": dtype, "torch_dtype": dtype}
+    llama_family = {**common, "hidden_size": geo.hidden, "intermediate_size": geo.ffn,
+                    "num_hidden_layers": geo.layers, "num_attention_heads": geo.heads,
+                    "num_key_value_heads": geo.groups, "head_dim": geo.head_dim, "hidden_act": "silu",
+                    "max_position_embeddings": geo.max_positions, "rms_norm_eps": geo.norm_eps,
+                    "rope_theta": ROPE_BASE, "rope_scaling": None,  # transformers 4; 5 reads rope_parameters
+                    "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_BASE}, "attention_dropout": 0.0}
     if geo.arch == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-                "hidden_size": geo.hidden, "intermediate_size": geo.ffn, "num_hidden_layers": geo.layers,
-                "num_attention_heads": geo.heads, "num_key_value_heads": geo.groups, "head_dim": geo.head_dim,
-                "hidden_act": "silu", "max_position_embeddings": geo.max_positions, "rms_norm_eps": geo.norm_eps,
-                "rope_theta": ROPE_BASE, "rope_scaling": None,  # transformers 4; 5 reads rope_parameters
-                "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_BASE},
-                "attention_bias": geo.bias, "mlp_bias": geo.bias,
-                "attention_dropout": 0.0}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_family,
+                "attention_bias": geo.bias, "mlp_bias": geo.bias}
+    if geo.arch == "mixtral":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **llama_family,
+                "num_local_experts": geo.experts, "num_experts_per_tok": geo.topk, "sliding_window": None,
+                "router_jitter_noise": 0.0, "router_aux_loss_coef": geo.aux_loss, "output_router_logits": False}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
             "n_embd": geo.hidden, "n_inner": geo.ffn, "n_layer": geo.layers, "n_head": geo.heads,
             "n_positions": geo.max_positions, "layer_norm_epsilon": geo.norm_eps, "activation_function": "gelu",
@@ -148,23 +200,37 @@ def _rope_theta(config: dict) -> float:
     return float(params.get("rope_theta") or config.get("rope_theta") or ROPE_BASE) if kind == "default" else kind
 
 
+def _llama_family_geometry(config: dict, where: str, checks: dict, **moe) -> Geometry:
+    _require(config, where, {"hidden_act": ("silu", "silu"), "partial_rotary_factor": (1.0, 1.0), **checks})
+    if _rope_theta(config) != ROPE_BASE:
+        raise HFError(f"{where}: RoPE {_rope_theta(config)!r} (theta or scaling): pretrain_gpt.py only has "
+                      f"megatron-core's default RoPE, theta {ROPE_BASE:g} without scaling (no --rotary-base)")
+    if config.get("attention_bias", False) != config.get("mlp_bias", False):
+        raise HFError(f"{where}: attention_bias {config.get('attention_bias')} and mlp_bias "
+                      f"{config.get('mlp_bias')} differ; --disable-bias-linear sets both at once")
+    h, n = config["hidden_size"], config["num_attention_heads"]
+    return Geometry(config["model_type"], config["num_hidden_layers"], h, config["intermediate_size"], n,
+                    config.get("num_key_value_heads") or n, config.get("head_dim") or h // n,
+                    config["vocab_size"], bool(config.get("attention_bias", False)),
+                    bool(config.get("tie_word_embeddings", False)), config["max_position_embeddings"],
+                    float(config.get("rms_norm_eps", 1e-6)), **moe)
+
+
+def _mixtral_geometry_from_config(config: dict, where: str) -> Geometry:
+    if config.get("num_experts_per_tok", 2) == 1:
+        raise HFError(f"{where}: num_experts_per_tok 1: Mixtral then weighs the chosen expert by 1, megatron-core's "
+                      f"top-1 softmax router needs --moe-router-pre-softmax, which weighs it by its probability")
+    return _llama_family_geometry(config, where, {"sliding_window": (None, None), "router_jitter_noise": (0.0, 0.0)},
+                                  experts=config.get("num_local_experts", 8), topk=config.get("num_experts_per_tok", 2),
+                                  aux_loss=float(config.get("router_aux_loss_coef", 0.001)))
+
+
 def geometry_from_config(config: dict, where: str) -> Geometry:
     kind = config.get("model_type")
     if kind == "llama":
-        _require(config, where, {"hidden_act": ("silu", "silu"), "pretraining_tp": (1, 1),
-                                 "partial_rotary_factor": (1.0, 1.0)})
-        if _rope_theta(config) != ROPE_BASE:
-            raise HFError(f"{where}: RoPE {_rope_theta(config)!r} (theta or scaling): pretrain_gpt.py only has "
-                          f"megatron-core's default RoPE, theta {ROPE_BASE:g} without scaling (no --rotary-base)")
-        if config.get("attention_bias", False) != config.get("mlp_bias", False):
-            raise HFError(f"{where}: attention_bias {config.get('attention_bias')} and mlp_bias "
-                          f"{config.get('mlp_bias')} differ; --disable-bias-linear sets both at once")
-        h, n = config["hidden_size"], config["num_attention_heads"]
-        return Geometry("llama", config["num_hidden_layers"], h, config["intermediate_size"], n,
-                        config.get("num_key_value_heads") or n, config.get("head_dim") or h // n,
-                        config["vocab_size"], bool(config.get("attention_bias", False)),
-                        bool(config.get("tie_word_embeddings", False)), config["max_position_embeddings"],
-                        float(config.get("rms_norm_eps", 1e-6)))
+        return _llama_family_geometry(config, where, {"pretraining_tp": (1, 1)})
+    if kind == "mixtral":
+        return _mixtral_geometry_from_config(config, where)
     if kind == "gpt2":
         _require(config, where, {"activation_function": ("gelu_new", "gelu"),
                                  "scale_attn_by_inverse_layer_idx": (False, False),
@@ -174,7 +240,8 @@ def geometry_from_config(config: dict, where: str) -> Geometry:
                         config["n_head"], h // config["n_head"], config["vocab_size"], True,
                         bool(config.get("tie_word_embeddings", True)), config["n_positions"],
                         float(config.get("layer_norm_epsilon", 1e-5)))
-    raise HFError(f"{where}: model_type {kind!r} is not supported (llama and gpt2 are; see docs/huggingface.md)")
+    raise HFError(f"{where}: model_type {kind!r} is not supported (llama, mixtral and gpt2 are; see "
+                  f"docs/huggingface.md)")
 
 
 def megatron_flags(geo: Geometry, divisible_by: int) -> list[str]:
@@ -187,8 +254,11 @@ def megatron_flags(geo: Geometry, divisible_by: int) -> list[str]:
         flags += ["--group-query-attention", "--num-query-groups", geo.groups]
     if geo.head_dim * geo.heads != geo.hidden:
         flags += ["--kv-channels", geo.head_dim]
-    if geo.arch == "llama":
+    if geo.arch in ("llama", "mixtral"):
         flags += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]
+    if geo.experts:
+        flags += ["--num-experts", geo.experts, "--moe-router-topk", geo.topk, "--moe-ffn-hidden-size", geo.ffn,
+                  "--moe-aux-loss-coeff", geo.aux_loss]
     if not geo.bias:
         flags.append("--disable-bias-linear")
     if not geo.tied:

@@ -1,6 +1,6 @@
 """A datastates or torch_dist checkpoint -> a directory transformers' from_pretrained loads as it is.
 
-Streamed: one megatron-core tensor (one layer of a layer-stacked one) is read, split into its transformers
+Streamed: one megatron-core tensor (one layer, or one layer's expert, of a stacked one) is read, split into its transformers
 tensors and written before the next is read, so host memory holds about twice the largest such tensor plus the
 reader's staging budget (STAGING_BYTES, or 4 x the largest saved chunk when that is more), never the model.
 The directory is written under a temporary name and renamed when complete; a failure removes it.
@@ -14,7 +14,7 @@ import torch
 
 from . import HFError
 from .arch import geometry_from_args, hf_config
-from .mapping import Rule, rules_for
+from .mapping import Rule, rules_for, unit_indices
 from .source import open_source
 from .writer import OutputDirectory, Planned, ShardedWriter, plan_shards
 
@@ -42,22 +42,22 @@ def _check_names(rules: list[Rule], present: set[str], where: str, arch: str) ->
         raise HFError(f"{where}: the {arch} mapping needs tensors this checkpoint lacks: {', '.join(missing)}")
 
 
-def _units(rules: list[Rule], layers: int):
-    """(rule, layer or None) in the order tensors are read and written."""
+def _units(rules: list[Rule], geo):
+    """(rule, unit index) in the order tensors are read and written."""
     for rule in rules:
-        for layer in (range(layers) if rule.layered else [None]):
-            yield rule, layer
+        for index in unit_indices(rule, geo):
+            yield rule, index
 
 
 def _plan(rules: list[Rule], tensors: dict, geo) -> list[Planned]:
     """Each output tensor's name, shape and dtype, from the splits applied to shape-only (meta) tensors."""
     out = []
-    for rule, layer in _units(rules, geo.layers):
+    for rule, index in _units(rules, geo):
         shape, dtype = tensors[rule.megatron]
-        meta = torch.empty(shape[1:] if layer is not None else shape, dtype=dtype, device="meta")
+        meta = torch.empty(shape[len(index):], dtype=dtype, device="meta")
         if rule.vocab:
             meta = meta[:geo.vocab]
-        out += [Planned(n, tuple(p.shape), dtype) for n, p in zip(rule.names(layer), rule.split(meta))]
+        out += [Planned(n, tuple(p.shape), dtype) for n, p in zip(rule.names(index), rule.split(meta))]
     return out
 
 
@@ -78,7 +78,7 @@ def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
     try:
         tensors = source.tensors
         geo = geometry_from_args(source.args(), {n: s for n, (s, _) in tensors.items()}, source.path)
-        rules = rules_for(geo)
+        rules = [r.with_key(tensors) for r in rules_for(geo)]
         _check_names(rules, model_tensors(tensors), source.path, geo.arch)
         dtype = tensors["embedding.word_embeddings.weight"][1]
         planned = _plan(rules, tensors, geo)
@@ -103,11 +103,11 @@ def _write_tensors(source, rules, geo, planned, directory: str, max_shard_bytes:
               disable=None) as bar:
         writer = ShardedWriter(directory, shards, bar)
         try:
-            for rule, layer in _units(rules, geo.layers):
-                t = source.read(rule.megatron, layer)
+            for rule, index in _units(rules, geo):
+                t = source.read(rule.megatron, index)
                 if rule.vocab:
                     t = t[:geo.vocab]
-                for name, piece in zip(rule.names(layer), rule.split(t)):
+                for name, piece in zip(rule.names(index), rule.split(t)):
                     writer.write(name, piece)
                 del t
         except BaseException:

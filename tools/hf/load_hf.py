@@ -7,6 +7,7 @@ anything is written); the values of each layer of each megatron-core tensor are 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import torch
 
 from . import HFError
 from .arch import Geometry, geometry_from_config, megatron_flags
-from .mapping import extra_state_keys, pad_rows, padded_vocab, rules_for
+from .mapping import extra_state_objects, pad_rows, padded_vocab, rules_for, unit_indices
 from .lazy import LazyTensors
 from .writer import SAFETENSORS_DTYPES
 
@@ -116,13 +117,13 @@ def _converted(rule, pieces: list[torch.Tensor], geo: Geometry, rows: int) -> to
 
 
 def _planned(rule, weights: _Weights, geo: Geometry, rows: int) -> torch.Tensor:
-    """The shape-only megatron-core tensor of `rule`, every layer's pieces checked against the config."""
-    layers = range(geo.layers) if rule.layered else [None]
-    metas = [_converted(rule, [weights.meta(n) for n in rule.names(i)], geo, rows) for i in layers]
+    """The shape-only megatron-core tensor of `rule`, every unit's pieces checked against the config."""
+    units = unit_indices(rule, geo)
+    metas = [_converted(rule, [weights.meta(n) for n in rule.names(i)], geo, rows) for i in units]
     if any(m.shape != metas[0].shape for m in metas):
-        raise HFError(f"{', '.join(rule.hf)}: the layers' shapes differ")
-    meta = metas[0]
-    return meta.expand(geo.layers, *meta.shape).contiguous() if rule.layered else meta
+        raise HFError(f"{', '.join(rule.hf)}: the layers' (or experts') shapes differ")
+    lead = (geo.layers, geo.experts)[:rule.lead]
+    return metas[0].expand(*lead, *metas[0].shape).contiguous()
 
 
 def plan_import(directory: str, geo: Geometry, rows: int) -> LazyTensors:
@@ -138,9 +139,9 @@ def plan_import(directory: str, geo: Geometry, rows: int) -> LazyTensors:
         except HFError as e:
             raise HFError(f"{directory}: {e}") from None
 
-        def build(layer, rule=rule):
-            return _converted(rule, [weights.get(n) for n in rule.names(layer)], geo, rows)
-        lazy.add(rule.megatron, meta, build, rule.layered)
+        def build(index, rule=rule):
+            return _converted(rule, [weights.get(n) for n in rule.names(index)], geo, rows)
+        lazy.add(rule.megatron, meta, build, rule.lead)
     left = weights.untaken()
     if left:
         raise HFError(f"{directory}: tensors with no megatron-core equivalent (refused rather than dropped): "
@@ -156,8 +157,9 @@ def read_hf(directory: str, divisible_by: int, tensor_parallel: int):
     geo = geometry_from_config(_read_config(directory), directory)
     rows = padded_vocab(geo.vocab, divisible_by, tensor_parallel)
     lazy = plan_import(directory, geo, rows)
-    objects = {(key, (i,)): None for key in extra_state_keys() for i in range(geo.layers)}
-    shapes = {key: (geo.layers,) for key in extra_state_keys()}
+    shapes = extra_state_objects(geo)
+    objects = {(key, tuple(at)): None for key, grid in shapes.items()
+               for at in itertools.product(*(range(n) for n in grid))}
     flags = megatron_flags(geo, divisible_by)
     dtype = lazy.tensors["embedding.word_embeddings.weight"].dtype
     flags += {torch.bfloat16: ["--bf16"], torch.float16: ["--fp16"]}.get(dtype, [])

@@ -1,14 +1,16 @@
 """megatron-core sharded keys <-> transformers tensor names, per architecture.
 
 Keys are megatron-core's global (TP/PP-independent) sharded keys; a key under `decoder.layers.` holds every layer
-stacked on a first axis, and maps to one transformers name per layer (`{i}`). Two tensors are fused in
-megatron-core and split here:
+stacked on a first axis, and maps to one transformers name per layer (`{i}`); an expert's key also stacks the
+experts on a second axis (`{e}`: one name per layer and expert). Two tensors are fused in megatron-core and split
+here:
 - linear_qkv: the rows of each query group in turn, [its query heads, its key head, its value head];
 - linear_fc1 with SwiGLU: [gate; up] (megatron-core applies silu to the first half).
 transformers' GPT-2 stores linear layers transposed (Conv1D, in x out) and its c_attn as [all q; all k; all v].
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,7 +18,7 @@ import torch
 
 from .arch import Geometry
 
-LAYER = "{i}"
+LAYER, EXPERT = "{i}", "{e}"
 
 
 def _whole(t: torch.Tensor) -> list[torch.Tensor]:
@@ -35,13 +37,28 @@ class Rule:
     split: Callable[[torch.Tensor], list[torch.Tensor]] = _whole
     merge: Callable[[list[torch.Tensor]], torch.Tensor] = _only
     vocab: bool = False  # rows are the (padded) vocabulary
+    also: str | None = None  # another key megatron-core gives the same tensor in another layer spec
 
     @property
-    def layered(self) -> bool:
-        return LAYER in self.hf[0]
+    def lead(self) -> int:
+        """How many leading axes are indexed (0: none, 1: layers, 2: layers and experts)."""
+        return (LAYER in self.hf[0]) + (EXPERT in self.hf[0])
 
-    def names(self, layer: int | None) -> list[str]:
-        return [n.replace(LAYER, str(layer)) for n in self.hf] if self.layered else list(self.hf)
+    def names(self, index: tuple[int, ...]) -> list[str]:
+        """The transformers names of one unit: `index` gives the layer (and expert) when `lead` says so."""
+        values = dict(zip((LAYER, EXPERT), map(str, index)))
+        out = []
+        for name in self.hf:
+            for key, value in values.items():
+                name = name.replace(key, value)
+            out.append(name)
+        return out
+
+    def with_key(self, present) -> "Rule":
+        """This rule under the key the checkpoint has, where megatron-core has two for it."""
+        if self.also is not None and self.megatron not in present and self.also in present:
+            return Rule(self.also, self.hf, self.split, self.merge, self.vocab)
+        return self
 
 
 def _qkv(geo: Geometry) -> tuple[Callable, Callable]:
@@ -92,26 +109,45 @@ def _gpt2_qkv(geo: Geometry, weight: bool) -> tuple[Callable, Callable]:
     return split, merge
 
 
-def llama_rules(geo: Geometry) -> list[Rule]:
-    att, mlp, hf = "decoder.layers.self_attention.", "decoder.layers.mlp.", "model.layers.{i}."
+def _llama_family_rules(geo: Geometry) -> list[Rule]:
+    """Everything but the MLP, shared by Llama and Mixtral."""
+    att, hf = "decoder.layers.self_attention.", "model.layers.{i}."
     qkv_split, qkv_merge = _qkv(geo)
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True),
-             Rule(att + "linear_qkv.layer_norm_weight", (hf + "input_layernorm.weight",)),
+             Rule(att + "linear_qkv.layer_norm_weight", (hf + "input_layernorm.weight",),
+                  also="decoder.layers.input_layernorm.weight"),
              Rule(att + "linear_proj.weight", (hf + "self_attn.o_proj.weight",)),
-             Rule(mlp + "linear_fc1.layer_norm_weight", (hf + "post_attention_layernorm.weight",)),
-             Rule(mlp + "linear_fc2.weight", (hf + "mlp.down_proj.weight",)),
+             Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", (hf + "post_attention_layernorm.weight",),
+                  also="decoder.layers.pre_mlp_layernorm.weight"),
              Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
     for kind in ("weight", "bias") if geo.bias else ("weight",):
-        rules += [Rule(att + f"linear_qkv.{kind}", tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"),
-                       qkv_split, qkv_merge),
-                  Rule(mlp + f"linear_fc1.{kind}", (f"{hf}mlp.gate_proj.{kind}", f"{hf}mlp.up_proj.{kind}"),
-                       _halves, _cat)]
+        rules.append(Rule(att + f"linear_qkv.{kind}", tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"),
+                          qkv_split, qkv_merge))
     if geo.bias:
-        rules += [Rule(att + "linear_proj.bias", (hf + "self_attn.o_proj.bias",)),
-                  Rule(mlp + "linear_fc2.bias", (hf + "mlp.down_proj.bias",))]
+        rules.append(Rule(att + "linear_proj.bias", (hf + "self_attn.o_proj.bias",)))
     if not geo.tied:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), vocab=True))
     return rules
+
+
+def llama_rules(geo: Geometry) -> list[Rule]:
+    mlp, hf = "decoder.layers.mlp.", "model.layers.{i}.mlp."
+    rules = _llama_family_rules(geo)
+    for kind in ("weight", "bias") if geo.bias else ("weight",):
+        rules += [Rule(mlp + f"linear_fc1.{kind}", (f"{hf}gate_proj.{kind}", f"{hf}up_proj.{kind}"), _halves, _cat),
+                  Rule(mlp + f"linear_fc2.{kind}", (f"{hf}down_proj.{kind}",))]
+    return rules
+
+
+def mixtral_rules(geo: Geometry) -> list[Rule]:
+    """Mixtral's names as its released checkpoints have them (and transformers 5 still saves them): per expert
+    w1 (gate), w3 (up), w2 (down); megatron-core's SequentialMLP saves every expert's fc1 as [gate; up]."""
+    moe, hf = "decoder.layers.mlp.", "model.layers.{i}.block_sparse_moe."
+    return _llama_family_rules(geo) + [
+        Rule(moe + "router.weight", (hf + "gate.weight",)),
+        Rule(moe + "experts.linear_fc1.weight", (hf + "experts.{e}.w1.weight", hf + "experts.{e}.w3.weight"),
+             _halves, _cat),
+        Rule(moe + "experts.linear_fc2.weight", (hf + "experts.{e}.w2.weight",))]
 
 
 def gpt2_rules(geo: Geometry) -> list[Rule]:
@@ -136,14 +172,24 @@ def gpt2_rules(geo: Geometry) -> list[Rule]:
 
 
 def rules_for(geo: Geometry) -> list[Rule]:
-    return llama_rules(geo) if geo.arch == "llama" else gpt2_rules(geo)
+    return {"llama": llama_rules, "mixtral": mixtral_rules, "gpt2": gpt2_rules}[geo.arch](geo)
 
 
-def extra_state_keys() -> list[str]:
-    """The per-layer `_extra_state` objects of megatron-core's linear layers, which its model state dict holds
-    (None for the local implementation) and a load into the model expects."""
-    return [f"decoder.layers.{m}._extra_state" for m in ("self_attention.linear_qkv", "self_attention.linear_proj",
-                                                          "mlp.linear_fc1", "mlp.linear_fc2")]
+def unit_indices(rule: Rule, geo: Geometry) -> list[tuple[int, ...]]:
+    """Every unit of a rule's tensor: () for a whole one, (layer,) or (layer, expert) for stacked ones."""
+    sizes = (geo.layers, geo.experts)[:rule.lead]
+    return [tuple(i) for i in itertools.product(*(range(n) for n in sizes))]
+
+
+def extra_state_objects(geo: Geometry) -> dict[str, tuple[int, ...]]:
+    """The `_extra_state` objects of megatron-core's linear layers (None for the local implementation), which its
+    model state dict holds and a load into the model expects: key -> its grid (one per layer, or per layer and
+    expert)."""
+    mlp = ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2") if geo.experts else ("mlp.linear_fc1", "mlp.linear_fc2")
+    grid = (geo.layers, geo.experts) if geo.experts else (geo.layers,)
+    out = {f"decoder.layers.self_attention.{m}._extra_state": (geo.layers,) for m in ("linear_qkv", "linear_proj")}
+    out.update({f"decoder.layers.{m}._extra_state": grid for m in mlp})
+    return out
 
 
 def padded_vocab(vocab: int, divisible_by: int, tensor_parallel: int) -> int:

@@ -80,24 +80,26 @@ class DatastatesSource:
                                        world_size=1, registry=registry, read_threads=2)
         self.reader = self.engine.reader(self.path)
         self._objects = set(scan.objects()["global"])
-        self._layer_buffer = None
+        self._unit_buffer = None
 
     def args(self):
         if ARGS_OBJECT not in self._objects:
             return None
         return self._load({"a": _Box(ARGS_OBJECT)})["a"]
 
-    def read(self, name: str, layer: int | None = None) -> torch.Tensor:
-        """The whole tensor, or layer `layer` of a tensor stacked over layers (first axis). The layers of one
-        tensor are read into the same buffer: a layer is valid until the next read."""
+    def read(self, name: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """The whole tensor, or the unit `index` of a stacked one (a layer, or a layer's expert: its leading
+        axes). The units of one tensor are read into the same buffer: a unit is valid until the next read."""
         shape, dtype = self.tensors[name]
-        if layer is None:
+        if not index:
             return self._load({"t": _Box(name, torch.empty(shape, dtype=dtype), shape, (0,) * len(shape))})["t"]
-        if self._layer_buffer is None or self._layer_buffer[0] != name:
-            self._layer_buffer = None  # freed before the next is allocated
-            self._layer_buffer = (name, torch.empty((1, *shape[1:]), dtype=dtype))
-        dst = self._layer_buffer[1]
-        return self._load({"t": _Box(name, dst, shape, (layer,) + (0,) * (len(shape) - 1))})["t"][0]
+        unit = (1,) * len(index) + tuple(shape[len(index):])
+        if self._unit_buffer is None or self._unit_buffer[0] != name:
+            self._unit_buffer = None  # freed before the next is allocated
+            self._unit_buffer = (name, torch.empty(unit, dtype=dtype))
+        dst = self._unit_buffer[1]
+        offset = tuple(index) + (0,) * (len(shape) - len(index))
+        return self._load({"t": _Box(name, dst, shape, offset)})["t"].reshape(shape[len(index):])
 
     def _load(self, template):
         try:
@@ -142,8 +144,8 @@ class TorchDistSource:
     def args(self):
         return self._common.get("args") if isinstance(self._common, dict) else None
 
-    def read(self, name: str, layer: int | None = None) -> torch.Tensor:
-        """As DatastatesSource.read, but a layer-stacked tensor is read whole (once, kept for its next layers):
+    def read(self, name: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """As DatastatesSource.read, but a stacked tensor is read whole (once, kept for its next layers):
         megatron-core's torch_dist load of one layer's box of it, in a world of one process, fails building
         PyTorch's sharded-tensor metadata (it counts every layer's fragment as this rank's)."""
         from megatron.core import dist_checkpointing
@@ -157,7 +159,7 @@ class TorchDistSource:
                                                              validate_access_integrity=False)["t"])
             except Exception as e:  # noqa: BLE001 (as above)
                 raise HFError(f"reading {name!r} from {self.path!r} failed: {type(e).__name__}: {e}") from None
-        return self._whole[1] if layer is None else self._whole[1][layer]
+        return self._whole[1][tuple(index)]
 
     def close(self) -> None:
         pass

@@ -1,0 +1,89 @@
+"""Shared by the Hugging Face tests (test_hf.py, test_hf_moe.py): run the converter and tests/hf_reference.py,
+load what they write with transformers, compare tensors bit for bit, and the trainer's first global batch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from megatron_helpers import ROOT, free_port
+
+TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data", "--seed", "1234",
+         "--train-iters", "2"]
+
+
+def run_script(script: str, *args: str, check: bool = True) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT,
+               MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert not check or p.returncode == 0, out[-4000:]
+    return p.returncode, out
+
+
+def convert(*args: str, check: bool = True) -> tuple[int, str]:
+    return run_script("tools/convert_checkpoint.py", *args, check=check)
+
+
+def reference(ckpt: str, out: str, flags: list[str]) -> dict:
+    """megatron-core's tokens, labels, logits and per-token losses on the first micro-batch (hf_reference.py)."""
+    run_script("tests/hf_reference.py", ckpt, out, *flags)
+    return torch.load(out)
+
+
+def finetune_flags(convert_output: str) -> list[str]:
+    """The `pretrain_gpt.py --finetune --load CKPT <model flags>` line `--from hf` printed, without the script."""
+    flags = convert_output.split("fine-tune with: ", 1)[1].split("\n", 1)[0].split()
+    assert flags[:3] == ["pretrain_gpt.py", "--finetune", "--load"], flags
+    return flags[1:]
+
+
+def hf_model(directory: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def hf_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        logits = model(tokens).logits
+    return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def hf_tensors(directory: str) -> dict[str, torch.Tensor]:
+    index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(load_file(os.path.join(directory, file)))
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+def no_leftovers(parent: str) -> bool:
+    return not [n for n in os.listdir(parent) if ".partial" in n]
+
+
+def first_global_batch(flags: list[str], micro_batches: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) of a run's first global batch of `micro_batches` micro-batches, from the trainer's own
+    data set built on one rank (`flags` without a parallel layout)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.validation import validate_args
+    from megatron.training.data import MicroBatches, build_train_valid_test_datasets
+    from megatron.training.initialize import setup_data_and_schedule
+    args = validate_args(parse_args(argv=flags), 1)
+    tokenizer = setup_data_and_schedule(args, 0)
+    batches = MicroBatches(build_train_valid_test_datasets(args, tokenizer)[0], 0, args.micro_batch_size, 0, 1,
+                           vocab_size=vocab)
+    first = [next(batches) for _ in range(micro_batches)]
+    return torch.cat([b["tokens"] for b in first]), torch.cat([b["labels"] for b in first])

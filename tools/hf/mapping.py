@@ -114,8 +114,7 @@ def _llama_family_rules(geo: Geometry) -> list[Rule]:
     att, hf = "decoder.layers.self_attention.", "model.layers.{i}."
     qkv_split, qkv_merge = _qkv(geo)
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True),
-             Rule(att + "linear_qkv.layer_norm_weight", (hf + "input_layernorm.weight",),
-                  also="decoder.layers.input_layernorm.weight"),
+             Rule(att + "linear_qkv.layer_norm_weight", (hf + "input_layernorm.weight",)),
              Rule(att + "linear_proj.weight", (hf + "self_attn.o_proj.weight",)),
              Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", (hf + "post_attention_layernorm.weight",),
                   also="decoder.layers.pre_mlp_layernorm.weight"),

@@ -1,9 +1,9 @@
-"""A checkpoint's model tensors, read one tensor (or one layer of a layer-stacked tensor) at a time.
+"""A checkpoint's model tensors, read one tensor (or one unit of a stacked one: a layer, a layer's expert) at a time.
 
 datastates checkpoints are checked as the other tools check them (inspect_checkpoint's Scan: published, every
 rank's files, every tensor covered) and read through the engine's public reader, which verifies every chunk's
 crc32c and assembles a box of a global tensor from whichever ranks' shards hold it, within the engine's staging
-budget. torch_dist checkpoints are read through megatron-core's own dist_checkpointing.load, box by box.
+budget. torch_dist checkpoints are read box by box through PyTorch DCP, the format under megatron-core's torch_dist.
 """
 from __future__ import annotations
 
@@ -123,8 +123,29 @@ def torch_dist_directory(path: str) -> str:
                   f"root whose {commit.TRACKER} names one")
 
 
+def _box_planner(name: str, offset: tuple[int, ...]):
+    """A PyTorch DCP load planner that reads one box (at `offset`, the size of the state's tensor) of the saved
+    tensor `name`: DCP reads only the saved chunks the box overlaps, each chunk whole, and copies their overlap."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class BoxPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            box = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=self.state_dict[name].size())
+            return LoadPlan(create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name], [box]))
+
+        def lookup_tensor(self, index):
+            return self.state_dict[index.fqn]  # the box itself (DCP's default wants a box at the origin)
+    return BoxPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
 class TorchDistSource:
-    """The same interface over a torch_dist checkpoint (megatron-core's reader; needs a process group)."""
+    """The same interface over a torch_dist checkpoint: megatron-core reads its tensor list and common state, and
+    PyTorch DCP (the format under megatron-core's) reads each box. megatron-core's own load of one layer's box, in
+    a world of one process, fails building PyTorch's sharded-tensor metadata (it places every other layer's
+    fragment on this rank); a DCP read of a box holds the saved chunks it overlaps, one at a time."""
 
     def __init__(self, path: str, init_distributed):
         self.path = torch_dist_directory(path)
@@ -139,27 +160,21 @@ class TorchDistSource:
             raise HFError(f"reading torch_dist checkpoint {self.path!r} failed: {type(e).__name__}: {e}") from None
         self.tensors = {sh.key: (tuple(sh.global_shape), sh.dtype) for sh in meta.values()
                         if isinstance(sh, ShardedTensor)}
-        self._whole = None
 
     def args(self):
         return self._common.get("args") if isinstance(self._common, dict) else None
 
     def read(self, name: str, index: tuple[int, ...] = ()) -> torch.Tensor:
-        """As DatastatesSource.read, but a stacked tensor is read whole (once, kept for its next layers):
-        megatron-core's torch_dist load of one layer's box of it, in a world of one process, fails building
-        PyTorch's sharded-tensor metadata (it counts every layer's fragment as this rank's)."""
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        if self._whole is None or self._whole[0] != name:
-            self._whole = None  # freed before the next is read
-            shape, dtype = self.tensors[name]
-            sh = ShardedTensor.from_rank_offsets(name, torch.empty(shape, dtype=dtype), replica_id=0)
-            try:
-                self._whole = (name, dist_checkpointing.load({"t": sh}, self.path,
-                                                             validate_access_integrity=False)["t"])
-            except Exception as e:  # noqa: BLE001 (as above)
-                raise HFError(f"reading {name!r} from {self.path!r} failed: {type(e).__name__}: {e}") from None
-        return self._whole[1][tuple(index)]
+        """As DatastatesSource.read (a fresh buffer each time)."""
+        from torch.distributed import checkpoint as dcp
+        shape, dtype = self.tensors[name]
+        box = torch.empty((1,) * len(index) + tuple(shape[len(index):]), dtype=dtype)
+        try:
+            dcp.load({name: box}, storage_reader=dcp.FileSystemReader(self.path),
+                     planner=_box_planner(name, tuple(index) + (0,) * (len(shape) - len(index))))
+        except Exception as e:  # noqa: BLE001 (DCP wraps reader errors in CheckpointException, among others)
+            raise HFError(f"reading {name!r} from {self.path!r} failed: {type(e).__name__}: {e}") from None
+        return box.reshape(shape[len(index):])
 
     def close(self) -> None:
         pass

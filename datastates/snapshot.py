@@ -14,6 +14,9 @@ ready before the slot takes the next read, finish before the loaded state is han
 `HostCopyBackend` (CPU) copies host tensors on native threads without the GIL; `CudaCopyBackend` adds device
 tensors, copied on a side stream of the engine's device, ordered after the compute stream by an event, into
 pinned slots. Tests prove the protocol with a backend that completes copies late and out of order.
+
+`built_on_copy` makes a tensor too large to hold saveable: a shape-only tensor whose values a callable gives,
+range by range, as the copier reaches them (a converter streams a model through the engine with it).
 """
 from __future__ import annotations
 
@@ -27,6 +30,26 @@ from .errors import CheckpointError
 from .plan import align_up
 from .schema import Item
 from .staging import Slot, StagingPool
+
+
+# (first element, count) -> those elements of a tensor's row-major contents, on the host
+Values = Callable[[int, int], torch.Tensor]
+_VALUES = "_datastates_values"
+
+
+def built_on_copy(shape, dtype: torch.dtype, values: Values) -> torch.Tensor:
+    """A shape-only (meta) tensor that saves like a real one: for each range of it the copier stages, it calls
+    `values(first, count)` and copies the result into the slot at once, on the copier's thread, so a save holds at
+    most one range's values (a staging slot's worth, or what `values` keeps) beyond its staging. Contiguous
+    views of it (slices along the first axis) save alike. It is for saving only: a load into it fails."""
+    tensor = torch.empty(shape, dtype=dtype, device="meta")
+    setattr(tensor, _VALUES, values)
+    return tensor
+
+
+def _values_of(tensor: torch.Tensor) -> Values | None:
+    root = tensor if tensor._base is None else tensor._base
+    return getattr(root, _VALUES, None)
 
 
 def default_copy_threads() -> int:
@@ -45,6 +68,13 @@ class CopyBackend:
 
     def check(self, tensor: torch.Tensor, where: str) -> None:
         """Refuse, before anything is copied, a tensor this backend cannot copy."""
+        if _values_of(tensor) is None:
+            self._check_device(tensor, where)
+        elif not tensor.is_contiguous():
+            raise CheckpointError(f"{where}: a non-contiguous view of a built_on_copy tensor (its ranges are "
+                                  f"asked for in row-major order)")
+
+    def _check_device(self, tensor: torch.Tensor, where: str) -> None:
         if tensor.device.type != "cpu":
             raise CheckpointError(f"{where}: tensor on {tensor.device}, but this engine copies host memory only")
 
@@ -115,7 +145,7 @@ class CudaCopyBackend(HostCopyBackend):
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def check(self, tensor, where):
+    def _check_device(self, tensor, where):
         if tensor.device.type == "cuda" and tensor.device != self.device:
             raise CheckpointError(f"{where}: tensor on {tensor.device}, but this engine copies from {self.device} "
                                   f"(one engine per device)")
@@ -185,6 +215,10 @@ def copy_tensor_bytes(dst: torch.Tensor, src: torch.Tensor, start: int, nbytes: 
     """Copy bytes [start, start+nbytes) of `src`'s logical contents into the uint8 tensor `dst`."""
     esize = src.element_size()
     out = dst[:nbytes].view(src.dtype)
+    values = _values_of(src)
+    if values is not None:  # synchronously: the values may be freed once this returns
+        out.copy_(values(src.storage_offset() + start // esize, nbytes // esize).reshape(-1))
+        return
     pos = 0
     for view in _flat_views(src, start // esize, (start + nbytes) // esize):
         n = view.numel()

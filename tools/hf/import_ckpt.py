@@ -1,8 +1,9 @@
 """Write an imported transformers model as a datastates checkpoint, layer by layer, within a stated budget.
 
-The engine's writer gets the model's meta tensors and a copy backend that builds each layer as the copier
-reaches it (tools/hf/lazy.py): host memory holds the engine's staging budget (STAGING_BYTES) plus one layer of
-one megatron-core tensor and the transformers tensors it is made of, never the model. The engine writes
+The engine's writer gets the model's tensors as the engine's `built_on_copy` tensors, each unit (a layer, a layer's
+expert) built as the copier reaches it (tools/hf/lazy.py): host memory holds the engine's staging budget
+(STAGING_BYTES) plus one unit of one megatron-core tensor and the transformers tensors it is made of, never the
+model. The engine writes
 `<iteration>.partial`, fsyncs it and publishes it by rename; a failed save removes it.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from datastates import CheckpointEngine
 from datastates.errors import CheckpointError
 
 from . import HFError
-from .lazy import BuildingCopyBackend, LazyTensors
+from .lazy import LazyTensors
 
 STAGING_BYTES = 32 << 20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -43,9 +44,10 @@ def save_datastates(lazy: LazyTensors, objects: dict, object_shapes: dict, commo
                     for (k, o), v in objects.items()}}
     _return_large_frees_to_the_system()
     with tqdm(total=lazy.nbytes(), unit="B", unit_scale=True, desc="import", disable=None) as bar:
-        try:  # the engine closes its copy backend
+        try:
+            lazy.progress = bar
             with CheckpointEngine(host_buffer_bytes=STAGING_BYTES, writer_threads=threads, rank=0, world_size=1,
-                                  registry=make_registry(), copy_backend=BuildingCopyBackend(lazy, bar)) as engine:
+                                  registry=make_registry()) as engine:
                 save_sharded(engine, state, out)
                 engine.wait()
         except CheckpointError as e:

@@ -1,8 +1,9 @@
 """A datastates or torch_dist checkpoint -> a directory transformers' from_pretrained loads as it is.
 
-Streamed: one megatron-core tensor (one layer, or one layer's expert, of a stacked one) is read, split into its transformers
-tensors and written before the next is read, so host memory holds about twice the largest such tensor plus the
-reader's staging budget (STAGING_BYTES, or 4 x the largest saved chunk when that is more), never the model.
+Streamed: one megatron-core tensor (one layer, or one layer's expert, of a stacked one) is read, split into its
+transformers tensors and written before the next is read, so host memory holds about twice the largest such
+tensor plus the reader's staging budget (STAGING_BYTES, or 4 x the largest saved chunk when that is more), never
+the model.
 The directory is written under a temporary name and renamed when complete; a failure removes it.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ transformers' GPT-2 stores linear layers transposed (Conv1D, in x out) and its c
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -57,7 +57,7 @@ class Rule:
     def with_key(self, present) -> "Rule":
         """This rule under the key the checkpoint has, where megatron-core has two for it."""
         if self.also is not None and self.megatron not in present and self.also in present:
-            return Rule(self.also, self.hf, self.split, self.merge, self.vocab)
+            return replace(self, megatron=self.also, also=None)
         return self
 
 

@@ -120,7 +120,7 @@ def _mixtral_geometry(args, shapes: dict, where: str) -> Geometry:
     if diffs:
         raise HFError(f"{where}: this mixture-of-experts model has no exact transformers equivalent; Mixtral "
                       f"(MixtralForCausalLM) differs: {'; '.join(diffs)}")
-    return _geometry("mixtral", args, shapes, "decoder.layers.mlp.experts.linear_fc2.weight", where,
+    return _geometry("mixtral", args, shapes, "decoder.layers.mlp.experts.experts.linear_fc2.weight", where,
                      experts=_get(args, "num_experts"), topk=_get(args, "moe_router_topk"),
                      aux_loss=float(_get(args, "moe_aux_loss_coeff") or 0.0))
 

@@ -144,9 +144,9 @@ def mixtral_rules(geo: Geometry) -> list[Rule]:
     moe, hf = "decoder.layers.mlp.", "model.layers.{i}.block_sparse_moe."
     return _llama_family_rules(geo) + [
         Rule(moe + "router.weight", (hf + "gate.weight",)),
-        Rule(moe + "experts.linear_fc1.weight", (hf + "experts.{e}.w1.weight", hf + "experts.{e}.w3.weight"),
+        Rule(moe + "experts.experts.linear_fc1.weight", (hf + "experts.{e}.w1.weight", hf + "experts.{e}.w3.weight"),
              _halves, _cat),
-        Rule(moe + "experts.linear_fc2.weight", (hf + "experts.{e}.w2.weight",))]
+        Rule(moe + "experts.experts.linear_fc2.weight", (hf + "experts.{e}.w2.weight",))]
 
 
 def gpt2_rules(geo: Geometry) -> list[Rule]:
@@ -184,7 +184,8 @@ def extra_state_objects(geo: Geometry) -> dict[str, tuple[int, ...]]:
     """The `_extra_state` objects of megatron-core's linear layers (None for the local implementation), which its
     model state dict holds and a load into the model expects: key -> its grid (one per layer, or per layer and
     expert)."""
-    mlp = ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2") if geo.experts else ("mlp.linear_fc1", "mlp.linear_fc2")
+    mlp = (("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2") if geo.experts
+           else ("mlp.linear_fc1", "mlp.linear_fc2"))
     grid = (geo.layers, geo.experts) if geo.experts else (geo.layers,)
     out = {f"decoder.layers.self_attention.{m}._extra_state": (geo.layers,) for m in ("linear_qkv", "linear_proj")}
     out.update({f"decoder.layers.{m}._extra_state": grid for m in mlp})

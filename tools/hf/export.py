@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import torch
 
@@ -23,13 +24,15 @@ STAGING_BYTES = 32 << 20
 DEFAULT_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "vocab.txt", "chat_template.jinja")
-NOT_MODEL = ("optimizer.",)  # where megatron-core and this trainer put optimizer state
+# where megatron-core puts optimizer state: `optimizer.`, or `chained_<k>.optimizer.` for the ChainedOptimizer of a
+# mixture of experts (a dense and an expert optimizer)
+NOT_MODEL = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 log = logging.getLogger("tools.hf.export")
 
 
 def model_tensors(tensors: dict) -> set[str]:
-    return {n for n in tensors if not n.startswith(NOT_MODEL) and not n.endswith("|flat")}
+    return {n for n in tensors if not NOT_MODEL.match(n) and not n.endswith("|flat")}
 
 
 def _check_names(rules: list[Rule], present: set[str], where: str, arch: str) -> None:

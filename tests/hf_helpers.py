@@ -3,6 +3,7 @@ load what they write with transformers, compare tensors bit for bit, and the tra
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -87,3 +88,34 @@ def first_global_batch(flags: list[str], micro_batches: int, vocab: int) -> tupl
                            vocab_size=vocab)
     first = [next(batches) for _ in range(micro_batches)]
     return torch.cat([b["tokens"] for b in first]), torch.cat([b["labels"] for b in first])
+
+
+def assert_round_trip(source: str, work: str, vocab: int) -> dict[str, torch.Tensor]:
+    """The transformers model at `source` imported into `work`/ckpt and exported back to `work`/back: every tensor
+    bit-equal and the same logits (token ids below `vocab`); the source's tensors."""
+    ckpt, back = os.path.join(work, "ckpt"), os.path.join(work, "back")
+    convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt)
+    convert("--from", "datastates", "--to", "hf", "--input", ckpt, "--output", back)
+    original = load_file(os.path.join(source, "model.safetensors"))
+    assert_bit_equal(original, hf_tensors(back))
+    tokens = torch.arange(64).reshape(2, 32) % vocab
+    assert torch.equal(hf_loss(hf_model(source), tokens, tokens)[0], hf_loss(hf_model(back), tokens, tokens)[0])
+    return original
+
+
+def assert_import_refused(source: str, work: str, message: str) -> None:
+    """`--from hf` of `source` exits 1 saying `message`, and writes nothing at `work`/ckpt."""
+    ckpt = os.path.join(work, "ckpt")
+    rc, log = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt, check=False)
+    assert rc == 1 and message in log, log[-3000:]
+    assert not os.path.exists(ckpt)
+
+
+def assert_computes_as_megatron_core(model, ref: dict) -> None:
+    """The transformers `model`'s logits and loss on `reference`'s micro-batch (2 x 32 tokens, vocabulary 128)
+    equal megatron-core's in fp32: logits within 1e-4 of their largest magnitude, the loss within 1e-4."""
+    logits, loss = hf_loss(model, ref["tokens"], ref["labels"])
+    megatron_logits = ref["logits"][..., :logits.shape[-1]]
+    assert logits.shape == megatron_logits.shape == (2, 32, 128)
+    assert (logits - megatron_logits).abs().max() <= 1e-4 * megatron_logits.abs().max()
+    assert math.isclose(loss.item(), ref["losses"].mean().item(), rel_tol=1e-4)

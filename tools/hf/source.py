@@ -1,7 +1,7 @@
 """A checkpoint's model tensors, read one tensor (or one unit of a stacked one: a layer, a layer's expert) at a time.
 
-datastates checkpoints are checked as the other tools check them (inspect_checkpoint's Scan: published, every
-rank's files, every tensor covered) and read through the engine's public reader, which verifies every chunk's
+datastates checkpoints are checked as the other tools check them (the engine's Audit: published, every rank's
+files, every tensor covered) and read through the engine's public reader, which verifies every chunk's
 crc32c and assembles a box of a global tensor from whichever ranks' shards hold it, within the engine's staging
 budget. torch_dist checkpoints are read box by box through PyTorch DCP, the format under megatron-core's torch_dist.
 """
@@ -11,8 +11,9 @@ import os
 
 import torch
 
-from datastates import CheckpointEngine, commit
+from datastates import Audit, CheckpointEngine, commit
 from datastates import format as fmt
+from datastates.audit import NotACheckpointError
 from datastates.errors import CheckpointError
 from datastates.plan import ALIGN
 from datastates.schema import dtype_from_name
@@ -20,11 +21,6 @@ from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegi
 from datastates.restore import resolve_checkpoint
 
 from . import HFError
-
-try:
-    from tools.inspect_checkpoint import Problems, Scan, UsageError
-except ImportError:  # run as a script: tools/ is on sys.path
-    from inspect_checkpoint import Problems, Scan, UsageError
 
 ARGS_OBJECT = "common:args"
 
@@ -47,11 +43,11 @@ class _BoxProvider(StateProvider):
                               global_offset=value.offset)
 
 
-def _staging_for(scan: Scan, at_least: int) -> int:
+def _staging_for(audit: Audit, at_least: int) -> int:
     """A staging budget whose slots (a quarter of it, with one writer thread) hold the largest saved chunk: the
     reader stages a box read chunk by chunk, and a chunk larger than a slot would take a buffer of its own,
     whose release the reader does not order after the copies out of it (see docs/huggingface.md)."""
-    chunk = max((it.chunk_bytes for info in scan.ranks.values() for it in info["items"]), default=0)
+    chunk = max((it.chunk_bytes for info in audit.ranks.values() for it in info["items"]), default=0)
     return max(at_least, 4 * (-(-chunk // ALIGN) * ALIGN))
 
 
@@ -63,23 +59,20 @@ class DatastatesSource:
             self.path = resolve_checkpoint(path)
         except CheckpointError as e:
             raise HFError(f"input {path!r}: {e}") from None
-        problems = Problems()
         try:
-            scan = Scan(self.path, problems)
-        except UsageError as e:
+            audit = Audit(self.path)
+        except NotACheckpointError as e:
             raise HFError(str(e)) from None
-        tensors = scan.global_tensors()
-        scan.check_coverage(tensors)
-        if problems:
-            raise HFError(f"input checkpoint {self.path!r} is unusable:\n" +
-                          "\n".join(f"  {p['file']}: {p['problem']}" for p in problems.items))
+        if audit.problems:
+            raise HFError(f"input checkpoint {self.path!r} is unusable:\n{audit.problems.summary()}")
+        tensors = audit.global_tensors()
         self.tensors = {n: (t["global_shape"], dtype_from_name(t["dtype"])) for n, t in tensors.items()}
         registry = ProviderRegistry([_BoxProvider(), ContainerProvider(), TensorProvider(), ObjectProvider()])
-        self.staging_bytes = _staging_for(scan, min_staging_bytes)
+        self.staging_bytes = _staging_for(audit, min_staging_bytes)
         self.engine = CheckpointEngine(host_buffer_bytes=self.staging_bytes, writer_threads=1, rank=0,
                                        world_size=1, registry=registry, read_threads=2)
         self.reader = self.engine.reader(self.path)
-        self._objects = set(scan.objects()["global"])
+        self._objects = set(audit.objects()["global"])
         self._unit_buffer = None
 
     def args(self):

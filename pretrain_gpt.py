@@ -25,14 +25,16 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     """Build the GPT model of this rank's pipeline stage (`vp_stage`: its virtual stage, with virtual pipelines)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     from megatron.training import get_args
+    from megatron.training.latent_attention import mla_config_kwargs
     from megatron.training.moe import moe_config_kwargs
+    from megatron.training.multi_token import mtp_block_spec, mtp_config_kwargs
 
     args = get_args()
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    config = TransformerConfig(
+    config = (MLATransformerConfig if args.multi_latent_attention else TransformerConfig)(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -52,9 +54,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         calculate_per_token_loss=args.calculate_per_token_loss,
         batch_p2p_comm=cuda,  # gloo has no coalesced send/recv: pairs of isend/irecv instead
         qk_layernorm=args.qk_layernorm,
-        **moe_config_kwargs(args))
-    return GPTModel(config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage),
-                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        **moe_config_kwargs(args), **mla_config_kwargs(args), **mtp_config_kwargs(args))
+    spec = _layer_spec(args, config, vp_stage)
+    return GPTModel(config=config, transformer_layer_spec=spec,
+                    mtp_block_spec=mtp_block_spec(args, config, spec, vp_stage), vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
@@ -77,8 +81,10 @@ def _layer_spec(args, config, vp_stage):
             block.layer_norm = marked[0].layer_norm
         return block
     if te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    spec = specs.get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm,
+                                                                multi_latent_attention=args.multi_latent_attention)
+    spec = specs.get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+                                          multi_latent_attention=args.multi_latent_attention)
     if args.sequence_parallel and cpu_shim.installed():
         spec = cpu_shim.sequence_parallel_local_spec(spec, config)
     return spec
@@ -98,9 +104,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """One micro-batch: (output tensor, loss function), as megatron-core's schedules expect."""
+    """One micro-batch: (output tensor, loss function), as megatron-core's schedules expect. The loss mask goes
+    into the model too: its multi-token prediction layers (--mtp-num-layers) mask their own losses with it."""
     batch = next(data_iterator)
-    output_tensor = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    output_tensor = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                          loss_mask=batch["loss_mask"])
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
 

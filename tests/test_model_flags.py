@@ -1,5 +1,6 @@
-"""The mixture-of-experts and virtual-pipeline flags: accepted where megatron-core runs them on CPU ranks, refused
-before any work, naming the flag and why, where it does not or where they disagree (in-process, cheap)."""
+"""The mixture-of-experts, virtual-pipeline, multi-latent attention and multi-token prediction flags: accepted where
+megatron-core runs them on CPU ranks, refused before any work, naming the flag and why, where it does not or where
+they disagree (in-process, cheap)."""
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args
@@ -77,13 +78,41 @@ def test_virtual_pipeline_refusals(extra, message):
         check(extra, world=2)
 
 
-def test_mtp_and_mla_refused_with_the_reason():
-    with pytest.raises(ArgumentError) as refused:
-        parse_args(argv=BASE + ["--mtp-num-layers", "1", "--multi-latent-attention", "--kv-lora-rank", "32"])
-    message = str(refused.value)
-    assert "--mtp-num-layers: multi-token prediction is not built here yet" in message, message
-    assert "--multi-latent-attention: multi-latent attention is not built here yet" in message
-    assert "--kv-lora-rank" in message and "unrecognized" not in message
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
+
+
+def test_mla_and_mtp_defaults():
+    args = check(MLA + ["--mtp-num-layers", "1"])
+    assert args.rope_type == "yarn" and args.kv_channels == 16  # upstream's MLA rotary; heads v-head-dim wide
+    assert args.mtp_num_layers == 1 and args.mtp_loss_scaling_factor == 0.1
+    assert check(["--rope-type", "rope"]).rope_type == "rope"  # what standard attention runs
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--kv-lora-rank", "16"], "^--kv-lora-rank applies to multi-latent attention: it needs --multi-latent-attention"),
+    (["--rope-type", "yarn"], "^--rope-type applies to multi-latent attention"),
+    (["--mscale-all-dim", "1.0"], "^--mscale-all-dim applies to multi-latent attention"),
+    (MLA + ["--group-query-attention", "--num-query-groups", "2"], "^--group-query-attention and "
+                                                                    "--multi-latent-attention exclude each other"),
+    (MLA + ["--kv-channels", "32"], "^--kv-channels 32: with --multi-latent-attention each head's output is "
+                                    "--v-head-dim 16 wide"),
+    (MLA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "^--sequence-parallel with "
+                                                                         "--multi-latent-attention on CPU ranks"),
+    (["--mtp-loss-scaling-factor", "0.3"], "^--mtp-loss-scaling-factor applies to multi-token prediction"),
+    (["--mtp-num-layers", "0"], "^--mtp-num-layers must be positive"),
+    (["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "^--sequence-parallel with --mtp-num-layers on CPU ranks"),
+])
+def test_mla_and_mtp_refusals(extra, message):
+    with pytest.raises(ArgumentError, match=message):
+        check(extra)
+
+
+def test_mla_and_mtp_with_sequence_parallel_on_cuda_ranks():
+    args = check(MLA + ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 cuda=True)
+    assert args.sequence_parallel and args.multi_latent_attention
 
 
 def test_use_checkpoint_args_takes_the_experts_not_their_layout():
@@ -91,5 +120,5 @@ def test_use_checkpoint_args_takes_the_experts_not_their_layout():
     from megatron.training.checkpoint_args import architecture_flags
     flags = architecture_flags(build_parser())
     assert {"num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_enable_expert_bias", "qk_layernorm",
-            "rotary_base"} <= set(flags)
+            "rotary_base", "multi_latent_attention", "kv_lora_rank", "v_head_dim", "mtp_num_layers"} <= set(flags)
     assert not {"expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type"} & set(flags)

@@ -13,7 +13,8 @@ fully_reshardable layout, is the reference loss curve and the source checkpoint 
   expert included, bit-equal to the source, and the Adam step and the scheduler carried over;
 - the tools: inspect shows the experts (count, EP layout) and the chained dense + expert optimizer, in both
   layouts; convert carries the iteration-N checkpoint to torch_dist, which megatron-core's own loader resumes
-  with the reference's losses, and back with no byte of any tensor changed.
+  with the reference's losses, and back with no byte of any tensor changed;
+- fp16's dynamic loss scale carried across a change of the chain's length (EP2 -> EP1).
 """
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ def assert_same_moe_state(src: str, dst: str) -> None:
         assert st[experts[0]].shape[:2] == (2, 4)  # (layers, experts): the experts' global offsets
     for name in ("common:iteration", "common:train_state", "common:opt_param_scheduler"):
         assert so[name] == do[name], name
-    assert _adam_steps(so) == _adam_steps(do) == {float(N)}
+    assert adam_steps(so) == adam_steps(do) == {float(N)}
 
 
-def _adam_steps(objects: dict) -> set:
+def adam_steps(objects: dict) -> set:
     return {g["step"] for name, value in objects.items() if name.startswith("common:optimizer/")
             and name.endswith("optimizer") for g in value["param_groups"]}
 
@@ -208,3 +209,17 @@ def test_convert_carries_a_moe_checkpoint_through_stock_megatron_core(tmp_path, 
     # and, by design, every level of the common state as its own object too (docs: convert_checkpoint.py)
     extra = set(after_objects) - set(before_objects)
     assert all(any(k.startswith(b + "/") or b.startswith(k + "/") for b in before_objects) for k in extra), extra
+
+
+def test_fp16_loss_scale_survives_a_change_of_chain_length(tmp_path):
+    """fp16 (megatron-core's dynamic loss scaler) on EP2, fully_reshardable, converted onto 1 rank (EP1: the chain of
+    two optimizers becomes one): the loss scale and its trackers after the load are the saved ones."""
+    fp16 = ["--fp16" if f == "--bf16" else f for f in MIXTRAL] + FULLY
+    fp16[fp16.index("--train-iters") + 1] = str(N)
+    root = str(tmp_path / "ep2")
+    saving_run(2, fp16 + ["--expert-model-parallel-size", "2"], root, N, N)
+    src = iter_dir(root, N)
+    saved = read_full(src)[1]["common:optimizer/0/grad_scaler"]
+    assert saved["scale"] < 2.0 ** 32, saved  # it moved from megatron-core's initial scale (overflowing steps)
+    dst = convert(1, fp16, src, str(tmp_path / "ep1"), N)
+    assert read_full(dst)[1]["common:optimizer/grad_scaler"] == saved

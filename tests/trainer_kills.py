@@ -1,5 +1,6 @@
-"""Whole-job kills of the real trainer: pretrain_gpt.py, 4 ranks (TP2 x DP2, gloo) under torchrun, lazy async
-checkpoints every iteration with retention, SIGKILLed as a whole at random moments, checked, and resumed.
+"""Whole-job kills of the real trainer: pretrain_gpt.py, 4 ranks (TP2 x DP2, or with --moe a mixture of experts on
+EP2 x DP2; gloo) under torchrun, lazy async checkpoints every iteration with retention, SIGKILLed as a whole at
+random moments, checked, and resumed.
 
 A whole-job kill must reach every process: torchrun starts its workers in sessions of their own, so a process
 group kill misses them. The launcher's tree is walked through /proc, stopped (SIGSTOP: nothing forks or reacts
@@ -13,8 +14,8 @@ After each kill:
     deterministic: a resume that is not exact shows as a different loss);
 When a run reaches the last iteration the save directory starts over ("cycles").
 
-    python tests/trainer_kills.py --kills 200 [--seed 0] [--dir /tmp/kills]
-    (tests/test_trainer_kills.py runs 2 kills)
+    python tests/trainer_kills.py --kills 200 [--seed 0] [--dir /tmp/kills] [--moe]
+    (tests/test_trainer_kills.py runs one kill of each model)
 """
 from __future__ import annotations
 
@@ -44,10 +45,15 @@ LOADED_RE = re.compile(r"successfully loaded checkpoint from .* at iteration (\d
 FIRST_ITERATION_RE = re.compile(r"iteration\s+\d+/")
 
 
-def trainer_args(save: str, train_iters: int) -> list[str]:
-    return TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters",
-                   str(train_iters), "--save", save, "--load", save, "--save-interval", "1", "--async-ckpt",
-                   "--ckpt-keep-last", str(KEEP_LAST)]
+DENSE = ["--tensor-model-parallel-size", "2"]  # TP2 x DP2
+# EP2 x DP2: megatron-core's MoE layers and its chain of a dense and an expert distributed optimizer
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--disable-bias-linear",
+       "--use-distributed-optimizer"]
+
+
+def trainer_args(save: str, train_iters: int, model: list[str]) -> list[str]:
+    return TINY + model + ["--global-batch-size", "8", "--train-iters", str(train_iters), "--save", save, "--load",
+                           save, "--save-interval", "1", "--async-ckpt", "--ckpt-keep-last", str(KEEP_LAST)]
 
 
 # -------------------------------------------------------------------------------------------- process trees
@@ -126,8 +132,9 @@ class Run:
 
 class Campaign:
     def __init__(self, workdir: str, seed: int = 0, train_iters: int = 30, max_delay: float = 3.0,
-                 verbose: bool = False):
+                 verbose: bool = False, model: list[str] = DENSE):
         self.workdir, self.train_iters, self.max_delay, self.verbose = workdir, train_iters, max_delay, verbose
+        self.model = model
         self.rng = random.Random(seed)
         self.save = os.path.join(workdir, "ckpt")
         self.losses: dict[int, str] = {}  # iteration -> the loss every run must print for it
@@ -141,7 +148,8 @@ class Campaign:
         self.runs += 1
         log = os.path.join(self.workdir, f"run{self.runs:04d}.log")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_port",
-               str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *trainer_args(self.save, self.train_iters)]
+               str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
+               *trainer_args(self.save, self.train_iters, self.model)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -266,13 +274,14 @@ def main() -> None:
     p.add_argument("--train-iters", type=int, default=30)
     p.add_argument("--max-delay", type=float, default=3.0, help="seconds of training before a kill, at most")
     p.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one)")
+    p.add_argument("--moe", action="store_true", help="kill a mixture-of-experts run (EP2 x DP2) instead")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
     workdir = a.dir or tempfile.mkdtemp(prefix="trainer_kills_")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.monotonic()
     c = run_campaign(a.kills, workdir, seed=a.seed, verbose=a.verbose, train_iters=a.train_iters,
-                     max_delay=a.max_delay)
+                     max_delay=a.max_delay, model=MOE if a.moe else DENSE)
     print(c.table())
     for v in c.violations:
         print("VIOLATION:", v)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+from .latent_attention import add_mla_args
 from .moe import add_moe_args
+from .multi_token import add_mtp_args
 from .virtual_pipeline import add_virtual_pipeline_args
 
 
@@ -299,6 +301,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_logging_args(p)
     _add_checkpoint_args(p)
     add_moe_args(p)
+    add_mla_args(p)
+    add_mtp_args(p)
     add_virtual_pipeline_args(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p)

@@ -12,17 +12,19 @@ from __future__ import annotations
 import argparse
 
 from .arguments import ArgumentError, build_parser
+from .latent_attention import ARCHITECTURE as MLA_ARCHITECTURE
 from .moe import ARCHITECTURE as MOE_ARCHITECTURE
+from .multi_token import ARCHITECTURE as MTP_ARCHITECTURE
 
 TRAINING_CHOICES = {"hidden_dropout", "attention_dropout", "init_method_std", "fp16", "bf16", "transformer_impl"}
 
 
 def architecture_flags(parser: argparse.ArgumentParser) -> list[str]:
-    """The dests of the parser's model group that shape the weights, the mixture of experts', and the tokenizer
-    type."""
+    """The dests of the parser's model group that shape the weights, those of the mixture of experts, multi-latent
+    attention and multi-token prediction, and the tokenizer type."""
     group = next(g for g in parser._action_groups if g.title == "model")
     return ([a.dest for a in group._group_actions if a.dest not in TRAINING_CHOICES] + list(MOE_ARCHITECTURE)
-            + ["tokenizer_type"])
+            + list(MLA_ARCHITECTURE) + list(MTP_ARCHITECTURE) + ["tokenizer_type"])
 
 
 def saved_args(load_dir: str) -> tuple[argparse.Namespace, str]:

@@ -20,10 +20,6 @@ _NCCL_UB = "NCCL user buffers belong to Megatron-FSDP on NCCL; not built here (d
 _GPT_OSS = ("GPT-OSS's architecture (sliding-window attention, a learnable softmax offset, clamped quick-GeGLU, "
             "YaRN) is not built here yet; Llama- and Mixtral-style models are")
 _MODELOPT = "belongs to upstream's post-training (nvidia-modelopt) arguments, not to pretrain_gpt.py's"
-_MTP = ("multi-token prediction is not built here yet (issue 24): megatron-core's MTP block needs the loss mask "
-        "passed into the model and its own loss logging; train without it")
-_MLA = ("multi-latent attention is not built here yet (issue 24): it needs megatron-core's MLATransformerConfig "
-        "and its rotary variants; Llama-, Mixtral- and DeepSeek-style MoE models with standard attention are")
 
 REFUSED = {
     "--fp8-format": _FP8, "--fp8-recipe": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
@@ -46,8 +42,6 @@ REFUSED = {
     "--step-batch-size-schedule": "a stepwise batch-size schedule is not built here: use --rampup-batch-size "
                                   "START INCREMENT SAMPLES with --train-samples",
     "--use-torch-fsdp2": _FSDP,
-    "--mtp-num-layers": _MTP, "--mtp-loss-scaling-factor": _MTP,
-    "--rotary-scaling-factor": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA, "--rope-type": _MLA,
     "--moe-permute-fusion": "asks for Transformer Engine's fused token permutation (a CUDA kernel); the "
                             "unfused permutation runs on every device here (drop the flag)",
     "--moe-flex-dispatcher-backend": "belongs to the flex token dispatcher (DeepEP/HybridEP on CUDA); use "
@@ -55,8 +49,6 @@ REFUSED = {
     "--moe-router-force-load-balancing": "a benchmarking aid that routes tokens uniformly instead of by the "
                                          "router; not built here (drop the flag)",
     "--moe-per-layer-logging": "per-layer MoE loss logging is not built here; the total loss is logged",
-    "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
-    "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA,
 }
 
 

@@ -202,13 +202,17 @@ def _template_for_chain(optimizer, sd: dict, saved_chain: int, common) -> dict:
 
     A MoE model's experts have an optimizer of their own only with expert parallelism (EP > 1), so EP2 -> EP1 turns
     a chain of two into one. fully_reshardable tensors are keyed by parameter, not by part: this run's tensors
-    load as they are (kept under RUN_PARTS); the hyper-parameters and step of each saved part are read where
-    they were saved, and `_regrouped` gives them to this run's parts."""
+    load as they are (kept under RUN_PARTS); the hyper-parameters and step of each saved part (and fp16's loss
+    scale) are read where they were saved, and `_regrouped` gives them to this run's parts."""
+    run_parts = _with_state_dicts(optimizer, sd)
+    fp16 = any(part_sd.get("grad_scaler") for _, part_sd in run_parts)
+
     def part():
-        return {"optimizer": common(None), "param_state_sharding_type": common(None)}
+        return {"optimizer": common(None), "param_state_sharding_type": common(None),
+                **({"grad_scaler": common(None)} if fp16 else {})}
 
     template = {i: part() for i in range(saved_chain)} if saved_chain > 1 else part()
-    template[RUN_PARTS] = [part_sd["param_state"] for _, part_sd in _with_state_dicts(optimizer, sd)]
+    template[RUN_PARTS] = [part_sd["param_state"] for _, part_sd in run_parts]
     return template
 
 
@@ -218,11 +222,14 @@ RUN_PARTS = "this_run_parts"  # in a `_template_for_chain` template: this run's 
 def _regrouped(optimizer, loaded: dict) -> dict:
     """A `_template_for_chain` load as this run's chained optimizer state: each of this run's param groups takes
     the hyper-parameters and step of the saved group with the same identity (megatron-core's
-    `param_group_identifier_keys`), whichever part of the saved chain it was in."""
+    `param_group_identifier_keys`), whichever part of the saved chain it was in; every part takes the saved
+    chain's loss scale (fp16: one scale for the whole chain, which steps only when no part overflowed)."""
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
-    saved_parts = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(k for k in loaded if k != RUN_PARTS)]
+    saved_parts = ([loaded] if "optimizer" in loaded
+                   else [loaded[k] for k in sorted(k for k in loaded if k != RUN_PARTS)])
     saved_groups = [g for part in saved_parts for g in part["optimizer"]["param_groups"]]
     keys = [k for k in param_group_identifier_keys if k != "is_expert_parallel"]
+    scale = {"grad_scaler": saved_parts[0]["grad_scaler"]} if saved_parts[0].get("grad_scaler") else {}
     regrouped = []
     for part, param_state in zip(_parts(optimizer), loaded[RUN_PARTS]):
         groups = []
@@ -234,7 +241,7 @@ def _regrouped(optimizer, loaded: dict) -> dict:
             same.sort(key=lambda g: g.get("is_expert_parallel") != group.get("is_expert_parallel"))
             groups.append({**same[0], "is_expert_parallel": group.get("is_expert_parallel")})
         regrouped.append({"optimizer": {"param_groups": groups}, "param_state": param_state,
-                          "param_state_sharding_type": "fully_reshardable"})
+                          "param_state_sharding_type": "fully_reshardable", **scale})
     return regrouped[0] if len(regrouped) == 1 else dict(enumerate(regrouped))
 
 

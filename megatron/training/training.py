@@ -36,6 +36,7 @@ from .global_vars import get_tokenizer
 from .initialize import initialize_megatron, shutdown_distributed
 from .measures import flops_per_iteration, memory, params_norm
 from .metrics import Metrics
+from .multi_token import take_mtp_losses
 from .profiling import Profiler
 from .schedules import batch_at, scheduler_steps
 from .utils import print_rank_0, print_rank_last
@@ -168,8 +169,10 @@ def train_step(args, model, optimizer, forward_step_func, batches, num_microbatc
         torch.cuda.empty_cache()
     times = {"forward-backward-time": t1 - t0, "checkpoint-wait-time": t2 - t1,
              "optimizer-time": time.perf_counter() - t2}
-    return Step(_reduce_losses(args, reported if ps.is_pipeline_last_stage() else []), ok, grad_norm or 0.0,
-                num_zeros, times)
+    losses = _reduce_losses(args, reported if ps.is_pipeline_last_stage() else [])
+    if args.mtp_num_layers is not None and ps.is_pipeline_last_stage():
+        losses.update(take_mtp_losses(num_microbatches, ps.get_data_parallel_group(), args.data_parallel_size))
+    return Step(losses, ok, grad_norm or 0.0, num_zeros, times)
 
 
 # ----- loop -----

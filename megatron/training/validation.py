@@ -8,7 +8,9 @@ import argparse
 import os
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
+from .latent_attention import validate_mla
 from .moe import validate_moe
+from .multi_token import validate_mtp
 from .virtual_pipeline import validate_virtual_pipeline
 
 
@@ -45,6 +47,8 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     _validate_device(args, cuda)
     try:
         validate_moe(args, world_size, cuda)
+        validate_mla(args, cuda)
+        validate_mtp(args, cuda)
         validate_virtual_pipeline(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None

@@ -66,7 +66,19 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
 
 
 def _layer_spec(args, config, vp_stage):
-    """megatron-core's layer spec: its decoder block spec (dense and MoE layers) with experts, else one layer's."""
+    """megatron-core's layer spec, adapted on CPU ranks (cpu_shim: multi-latent attention's core attention)."""
+    from megatron.training import cpu_shim
+    from megatron.training.latent_attention import mark_missing_te
+    spec = _megatron_core_spec(args, config, vp_stage)
+    if args.multi_latent_attention:
+        mark_missing_te()
+        if cpu_shim.installed():
+            spec = cpu_shim.latent_attention_local_spec(spec)
+    return spec
+
+
+def _megatron_core_spec(args, config, vp_stage):
+    """megatron-core's decoder block spec (dense and MoE layers) with experts, else one layer's."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.training import cpu_shim
     te = args.transformer_impl == "transformer_engine"

@@ -24,7 +24,9 @@ Two adaptations, both inactive when `torch.cuda.is_available()` is True (then `i
 
 Without apex or Transformer Engine, megatron-core's local layer spec builds torch norms, which refuse sequence
 parallelism only because they do not mark their weights; `sequence_parallel_local_spec()` marks them, and
-megatron-core's `finalize_model_grads` then all-reduces their gradients over TP as it does apex's.
+megatron-core's `finalize_model_grads` then all-reduces their gradients over TP as it does apex's. Its multi-latent
+attention passes its query/key and value head widths to the core attention, which only Transformer Engine's
+takes; `latent_attention_local_spec()` gives it megatron-core's local DotProductAttention, which needs neither.
 
 Before anything is adapted, `check_sites()` reads each known site's source in the installed megatron-core. A
 version that moved or rewrote a site fails with `ShimError` naming it: better than a silent half-adaptation.
@@ -67,6 +69,7 @@ _MODE_TYPE = "cuda_free(): Tensor.type() -> CUDA type name"
 _MODE_DOT_CUDA = "cuda_free(): Tensor.cuda() -> the tensor"
 _SP_NORM = "sequence_parallel_local_spec(): torch norms with their weights marked sequence_parallel"
 _STREAM = "install(): torch.cuda.current_stream() -> the CPU stream"
+_MLA_CORE = "latent_attention_local_spec(): MLA's core attention -> the local DotProductAttention"
 
 SITES = (
     Site("distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__",
@@ -95,6 +98,8 @@ SITES = (
          'getattr(param, "sequence_parallel", False)', _SP_NORM),
     Site("pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
          "device=torch.cuda.current_device()", _DEVICE),
+    Site("transformer.multi_latent_attention", "MultiLatentAttention.__init__", "v_channels=self.config.v_head_dim",
+         _MLA_CORE),
 )
 # Sites of one megatron-core release only, keyed by the first version that has them.
 SITES_SINCE = {
@@ -310,3 +315,27 @@ def sequence_parallel_local_spec(layer_spec, config):
     layer_spec.submodules.pre_mlp_layernorm = _SequenceParallelNorm
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
                                       layer_norm=_SequenceParallelNorm)
+
+
+class _LatentCoreAttention:
+    """megatron-core's local DotProductAttention as multi-latent attention's core attention. MLA builds it with
+    k_channels and v_channels, which only Transformer Engine's attention takes; the local one reads queries and
+    keys at the width they come in, scales by the softmax_scale MLA passes, and shapes its output by kv_channels,
+    which the trainer sets to --v-head-dim. A class, as `_SequenceParallelNorm`."""
+
+    def __new__(cls, config, *args, k_channels=None, v_channels=None, **kwargs):
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ShimError(f"multi-latent attention's value heads are {v_channels} wide but kv_channels is "
+                            f"{config.kv_channels}: the local attention would shape its output wrongly")
+        return DotProductAttention(config, *args, **kwargs)
+
+
+def latent_attention_local_spec(spec):
+    """A copy of megatron-core's local layer spec, or of a block spec of them, whose multi-latent attention has
+    `_LatentCoreAttention` as its core attention."""
+    import copy
+    spec = copy.deepcopy(spec)
+    for layer_spec in getattr(spec, "layer_specs", [spec]):
+        layer_spec.submodules.self_attention.submodules.core_attention = _LatentCoreAttention
+    return spec

@@ -50,6 +50,10 @@ def validate_mla(args, cuda: bool) -> None:
         raise ValueError(f"--kv-channels {args.kv_channels}: with --multi-latent-attention each head's output is "
                          f"--v-head-dim {args.v_head_dim} wide (megatron-core's local attention shapes it by "
                          "kv_channels): give the same value or drop it")
+    if cuda and args.transformer_impl != "transformer_engine":
+        raise ValueError("--multi-latent-attention with --transformer-impl local on CUDA ranks: megatron-core's MLA "
+                         "passes its head widths to the core attention, which only Transformer Engine's takes (CPU "
+                         "ranks adapt the local one); use --transformer-impl transformer_engine")
     if args.sequence_parallel and not cuda:
         raise ValueError("--sequence-parallel with --multi-latent-attention on CPU ranks: megatron-core's torch norms "
                          "of the query and key/value latents refuse sequence parallelism (they need apex or "
@@ -68,3 +72,13 @@ def mla_config_kwargs(args) -> dict:
                 v_head_dim=args.v_head_dim, rope_type=args.rope_type, rotary_base=args.rotary_base,
                 rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
                 mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
+
+
+def mark_missing_te() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: `multi_latent_attention` sets HAVE_TE from an import that
+    succeeds without TE (its TE names are placeholders, not classes), so building MLA fails in `isinstance(...,
+    TELinear)`. 0.19 takes HAVE_TE from its TE extension; this sets it False where TELinear is no class (nothing
+    changes where TE is installed)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+    if not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False

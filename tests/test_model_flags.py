@@ -109,9 +109,11 @@ def test_mla_and_mtp_refusals(extra, message):
         check(extra)
 
 
-def test_mla_and_mtp_with_sequence_parallel_on_cuda_ranks():
-    args = check(MLA + ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                 cuda=True)
+def test_mla_on_cuda_ranks_takes_transformer_engine_and_sequence_parallel():
+    with pytest.raises(ArgumentError, match="^--multi-latent-attention with --transformer-impl local on CUDA"):
+        check(MLA + ["--transformer-impl", "local"], cuda=True)
+    args = check(MLA + ["--mtp-num-layers", "1", "--transformer-impl", "transformer_engine",
+                        "--tensor-model-parallel-size", "2", "--sequence-parallel"], cuda=True)
     assert args.sequence_parallel and args.multi_latent_attention
 
 

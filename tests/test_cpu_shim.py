@@ -74,6 +74,9 @@ def test_nothing_changes_when_cuda_is_present(monkeypatch):
         assert cpu_shim.install() is False
         assert not cpu_shim.installed()
         assert {n: getattr(torch.cuda, n) for n in originals} == originals
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+        assert token_dispatcher.maybe_move_tensor_to_cpu is moe_utils.maybe_move_tensor_to_cpu
+        assert token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None
         ctx = cpu_shim.cuda_free()
         assert not isinstance(ctx, torch.overrides.TorchFunctionMode)
         with ctx:
@@ -82,6 +85,20 @@ def test_nothing_changes_when_cuda_is_present(monkeypatch):
         monkeypatch.undo()
         if was:
             cpu_shim.install()
+
+
+def test_the_alltoall_dispatchers_side_stream_and_host_copies_on_cpu(shim):
+    """Its side stream is a CPU stream whose recorded events are done; its split sizes come back as numpy arrays,
+    as from a CUDA device (what all_to_all_single takes); other tensors pass as they are."""
+    from megatron.core.transformer.moe import token_dispatcher
+    stream = token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+    with torch.cuda.stream(stream):
+        assert torch.cuda.current_stream() is stream
+    stream.record_event().synchronize()
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+    assert type(splits).__module__ == "numpy" and splits.tolist() == [3, 5]
+    counts = torch.tensor([3, 5])
+    assert token_dispatcher.maybe_move_tensor_to_cpu(counts) is counts
 
 
 def test_an_unadapted_torch_cuda_call_on_the_training_thread_names_its_caller(shim):

@@ -14,8 +14,7 @@ REFUSED_ON_CPU = {
     "llama3_8b_fp8": {"--attention-backend", "--apply-layernorm-1p", "--cross-entropy-loss-fusion",
                       "--empty-unused-memory-level", "--overlap-grad-reduce", "--overlap-param-gather", "--profile",
                       "--vocab-size"},  # its real-data branch passes one with a tokenizer that has its own
-    "mixtral_8x7b": {"--moe-grouped-gemm", "--moe-token-dispatcher-type", "--overlap-grad-reduce",
-                     "--overlap-param-gather"},
+    "mixtral_8x7b": {"--moe-grouped-gemm", "--overlap-grad-reduce", "--overlap-param-gather"},
 }
 
 

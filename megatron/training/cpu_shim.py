@@ -11,13 +11,17 @@ Two adaptations, both inactive when `torch.cuda.is_available()` is True (then `i
 
 - `install()` answers `torch.cuda`'s device functions on CPU: `current_device()` returns ``"cpu"`` (so
   ``device=torch.cuda.current_device()`` allocates on the CPU), `synchronize()` and `set_device()` do nothing,
-  `device_count()` returns 0, `current_stream()` is the CPU stream (its waits do nothing) and
-  `is_current_stream_capturing()` is False. Every other public `torch.cuda` function (and `Stream`/`Event`),
-  called on the thread that installed the shim (the training thread), raises `ShimError` naming the calling
-  file and line: a megatron-core release that adds a CUDA call fails there, in a test, not with "Found no
-  NVIDIA driver" deep in a user's run. Queries that never touch a device (`is_available`, `is_initialized`,
-  seeding, which CUDA queues until it starts) pass through; other threads (the checkpoint engine's) see torch's
-  own functions.
+  `device_count()` returns 0, `current_stream()` is the CPU stream (its waits do nothing), `stream(s)` selects a
+  CPU stream, and `is_current_stream_capturing()` is False. The all-to-all token dispatcher's device-to-host
+  side stream, which megatron-core creates once per process, is given a CPU stream instead: CPU work is
+  synchronous, so its waits do nothing and its events are done when recorded; and its device-to-host copy of
+  the split sizes, which only converts CUDA tensors, turns CPU tensors into the same numpy arrays (what
+  `all_to_all_single` takes). Every other public `torch.cuda`
+  function (and `Stream`/`Event`), called on the thread that installed the shim (the training thread), raises
+  `ShimError` naming the calling file and line: a megatron-core release that adds a CUDA call fails there, in a
+  test, not with "Found no NVIDIA driver" deep in a user's run. Queries that never touch a device
+  (`is_available`, `is_initialized`, seeding, which CUDA queues until it starts) pass through; other threads (the
+  checkpoint engine's) see torch's own functions.
 - `cuda_free()` is a `TorchFunctionMode`, active on the calling thread only (the checkpoint engine's threads
   never see it), under which ``device='cuda'`` becomes the CPU, ``Tensor.cuda()`` returns the tensor, and
   ``Tensor.type()`` without arguments answers with the CUDA type name that megatron-core compares against.
@@ -70,6 +74,9 @@ _MODE_DOT_CUDA = "cuda_free(): Tensor.cuda() -> the tensor"
 _SP_NORM = "sequence_parallel_local_spec(): torch norms with their weights marked sequence_parallel"
 _STREAM = "install(): torch.cuda.current_stream() -> the CPU stream"
 _MLA_CORE = "latent_attention_local_spec(): MLA's core attention -> the local DotProductAttention"
+_DTOH_NUMPY = "install(): the dispatcher's maybe_move_tensor_to_cpu(as_numpy=True) -> numpy for CPU tensors too"
+_DTOH_STREAM = ("install(): the all-to-all dispatcher's device-to-host stream -> a CPU stream; torch.cuda.stream() "
+                "-> CPU's")
 
 SITES = (
     Site("distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__",
@@ -100,6 +107,14 @@ SITES = (
          "device=torch.cuda.current_device()", _DEVICE),
     Site("transformer.multi_latent_attention", "MultiLatentAttention.__init__", "v_channels=self.config.v_head_dim",
          _MLA_CORE),
+    Site("transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.__init__",
+         "if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:", _DTOH_STREAM),
+    Site("transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+         "with torch.cuda.stream(self.cuda_dtoh_stream):", _DTOH_STREAM),
+    Site("transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+         "self.input_splits, as_numpy=True", _DTOH_NUMPY),
+    Site("transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", "if torch.is_tensor(tensor) and tensor.is_cuda:",
+         _DTOH_NUMPY),
 )
 # Sites of one megatron-core release only, keyed by the first version that has them.
 SITES_SINCE = {
@@ -178,6 +193,44 @@ def _is_current_stream_capturing():
     return False
 
 
+def _stream(stream):
+    return torch.cpu.stream(stream)
+
+
+class _CpuSideStream(torch.cpu.Stream):
+    """A side stream of a CPU rank: its work is synchronous, so an event recorded on it is done already."""
+
+    def record_event(self, event=None):
+        return torch.cpu.Event()
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's maybe_move_tensor_to_cpu, which on CUDA gives the split sizes as numpy arrays, doing the
+    same for tensors already on the CPU."""
+    if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+        return tensor.numpy()
+    return _ORIGINAL_TO_HOST[0](tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+
+_ORIGINAL_TO_HOST: list = []
+
+
+def _adapt_alltoall_dispatcher(install: bool) -> None:
+    """The all-to-all dispatcher's side stream and device-to-host copies, adapted (or restored)."""
+    from megatron.core.transformer.moe import token_dispatcher
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if install:
+        if dispatcher.cuda_dtoh_stream is None:  # megatron-core makes it once, a torch.cuda.Stream, if unset
+            dispatcher.cuda_dtoh_stream = _CpuSideStream()
+        _ORIGINAL_TO_HOST[:] = [token_dispatcher.maybe_move_tensor_to_cpu]
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+        return
+    if isinstance(dispatcher.cuda_dtoh_stream, _CpuSideStream):
+        dispatcher.cuda_dtoh_stream = None
+    if _ORIGINAL_TO_HOST:
+        token_dispatcher.maybe_move_tensor_to_cpu = _ORIGINAL_TO_HOST.pop()
+
+
 # What install() answers on CPU, by torch.cuda name (one function each: torch._dynamo's trace rules refuse one
 # function object under two torch names).
 _ANSWERS = {
@@ -186,6 +239,7 @@ _ANSWERS = {
     "set_device": _set_device,
     "device_count": _device_count,
     "current_stream": _current_stream,
+    "stream": _stream,
     "is_current_stream_capturing": _is_current_stream_capturing,
 }
 # Public torch.cuda functions that never touch a device: they keep torch's own behaviour.
@@ -257,10 +311,13 @@ def install() -> bool:
         _ORIGINALS[name] = getattr(torch.cuda, name)
         setattr(torch.cuda, name, repl)
     _training_thread[:] = [threading.get_ident()]
+    _adapt_alltoall_dispatcher(True)
     return True
 
 
 def uninstall() -> None:
+    if _ORIGINALS:
+        _adapt_alltoall_dispatcher(False)
     for name, orig in _ORIGINALS.items():
         setattr(torch.cuda, name, orig)
     _ORIGINALS.clear()

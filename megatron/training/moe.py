@@ -120,10 +120,6 @@ def validate_moe(args, world_size: int, cuda: bool) -> None:
                          "expert TP 1; pass --disable-bias-linear")
     if args.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex needs DeepEP on CUDA; use allgather or alltoall")
-    if args.moe_token_dispatcher_type == "alltoall" and not cuda:
-        raise ValueError("--moe-token-dispatcher-type alltoall needs CUDA: megatron-core's all-to-all dispatcher "
-                         "syncs its token counts on a CUDA stream; on CPU use allgather (the same experts, the "
-                         "same checkpoint)")
     if args.moe_grouped_gemm and not cuda:
         raise ValueError("--moe-grouped-gemm needs CUDA: megatron-core's grouped-GEMM experts (the grouped_gemm "
                          "package, Transformer Engine) have no CPU kernels; without the flag the same experts run "

@@ -149,6 +149,32 @@ def test_expert_bias_and_shared_expert_resume_exactly(tmp_path):
     assert not torch.equal(final[BIAS], at_n[BIAS])  # it moved on after the resume, as in the straight run
 
 
+def test_fp16_loss_scale_survives_a_change_of_chain_length(tmp_path):
+    """fp16 (megatron-core's dynamic loss scaler) on EP2, fully_reshardable, converted onto 1 rank (EP1: the chain of
+    two optimizers becomes one): the loss scale and its trackers after the load are the saved ones."""
+    fp16 = ["--fp16" if f == "--bf16" else f for f in MIXTRAL] + FULLY
+    fp16[fp16.index("--train-iters") + 1] = str(N)
+    root = str(tmp_path / "ep2")
+    saving_run(2, fp16 + ["--expert-model-parallel-size", "2"], root, N, N)
+    src = iter_dir(root, N)
+    saved = read_full(src)[1]["common:optimizer/0/grad_scaler"]
+    assert saved["scale"] < 2.0 ** 32, saved  # it moved from megatron-core's initial scale (overflowing steps)
+    dst = convert(1, fp16, src, str(tmp_path / "ep1"), N)
+    assert read_full(dst)[1]["common:optimizer/grad_scaler"] == saved
+
+
+def test_alltoall_dispatcher_resumes_exactly(tmp_path):
+    """megatron-core's all-to-all token dispatcher on EP2 (2 ranks, two local experts each; its device-to-host
+    stream adapted by cpu_shim): 2N iterations straight equal N stopped by --exit-interval plus a resume."""
+    flags = MIXTRAL + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    _, log = torchrun(2, flags)
+    ref = losses(log)
+    ck = str(tmp_path / "ck")
+    _, first = torchrun(2, flags + ["--save", ck, "--async-ckpt", "--exit-interval", str(N)])
+    _, second = torchrun(2, flags + ["--load", ck, "--save", ck, "--async-ckpt"])
+    assert sorted(ref) == list(range(1, 2 * N + 1)) and {**losses(first), **losses(second)} == ref, second[-3000:]
+
+
 # ----- the tools on a MoE checkpoint (the reference's iteration N: EP2 x DP2, distributed optimizer) -----
 
 def _tool(*args) -> str:
@@ -209,29 +235,3 @@ def test_convert_carries_a_moe_checkpoint_through_stock_megatron_core(tmp_path, 
     # and, by design, every level of the common state as its own object too (docs: convert_checkpoint.py)
     extra = set(after_objects) - set(before_objects)
     assert all(any(k.startswith(b + "/") or b.startswith(k + "/") for b in before_objects) for k in extra), extra
-
-
-def test_fp16_loss_scale_survives_a_change_of_chain_length(tmp_path):
-    """fp16 (megatron-core's dynamic loss scaler) on EP2, fully_reshardable, converted onto 1 rank (EP1: the chain of
-    two optimizers becomes one): the loss scale and its trackers after the load are the saved ones."""
-    fp16 = ["--fp16" if f == "--bf16" else f for f in MIXTRAL] + FULLY
-    fp16[fp16.index("--train-iters") + 1] = str(N)
-    root = str(tmp_path / "ep2")
-    saving_run(2, fp16 + ["--expert-model-parallel-size", "2"], root, N, N)
-    src = iter_dir(root, N)
-    saved = read_full(src)[1]["common:optimizer/0/grad_scaler"]
-    assert saved["scale"] < 2.0 ** 32, saved  # it moved from megatron-core's initial scale (overflowing steps)
-    dst = convert(1, fp16, src, str(tmp_path / "ep1"), N)
-    assert read_full(dst)[1]["common:optimizer/grad_scaler"] == saved
-
-
-def test_alltoall_dispatcher_resumes_exactly(tmp_path):
-    """megatron-core's all-to-all token dispatcher on EP2 (2 ranks, two local experts each; its device-to-host
-    stream adapted by cpu_shim): 2N iterations straight equal N stopped by --exit-interval plus a resume."""
-    flags = MIXTRAL + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    _, log = torchrun(2, flags)
-    ref = losses(log)
-    ck = str(tmp_path / "ck")
-    _, first = torchrun(2, flags + ["--save", ck, "--async-ckpt", "--exit-interval", str(N)])
-    _, second = torchrun(2, flags + ["--load", ck, "--save", ck, "--async-ckpt"])
-    assert sorted(ref) == list(range(1, 2 * N + 1)) and {**losses(first), **losses(second)} == ref, second[-3000:]

@@ -24,23 +24,30 @@ def _common_paths(common: dict, prefix: str = "") -> dict:
     return out
 
 
+def save_whole(state: dict, tensors: dict, objects: dict, object_shapes: dict, out: str, host_buffer_bytes: int,
+               threads: int) -> None:
+    """Save a checkpoint of world size 1 to `out` through the engine: `state` (its common entries) and every
+    tensor and object whole, as megatron-core's sharded tensors and objects. Raises CheckpointError."""
+    from datastates.megatron import make_registry, save_sharded
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    state[sharded_key(state)] = {
+        "tensors": {name: ShardedTensor.from_rank_offsets(name, t, replica_id=0) for name, t in tensors.items()},
+        "objects": {f"{k}@{o}": ShardedObject(k, v, object_shapes[k], o, replica_id=0)
+                    for (k, o), v in objects.items()}}
+    with CheckpointEngine(host_buffer_bytes=host_buffer_bytes, writer_threads=threads, rank=0, world_size=1,
+                          registry=make_registry()) as engine:
+        save_sharded(engine, state, out)
+        engine.wait()
+
+
 def write_datastates(bundle: Bundle, output: str, threads: int = 4) -> str:
     out, _ = resolve_output(output, bundle.iteration)
-    from datastates.megatron import Common, make_registry, save_sharded
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from datastates.megatron import Common
     state = {path: Common(v) for path, v in _common_paths(bundle.common).items()}
-    state[sharded_key(state)] = {
-        "tensors": {name: ShardedTensor.from_rank_offsets(name, t.contiguous(), replica_id=0)
-                    for name, t in bundle.tensors.items()},
-        "objects": {f"{k}@{o}": ShardedObject(k, v, bundle.object_shapes[k], o, replica_id=0)
-                    for (k, o), v in bundle.objects.items()}}
     largest = max((t.numel() * t.element_size() for t in bundle.tensors.values()), default=0)
-    budget = max(64 << 20, min(1 << 30, largest))
     try:
-        with CheckpointEngine(host_buffer_bytes=budget, writer_threads=threads, rank=0, world_size=1,
-                              registry=make_registry()) as engine:
-            save_sharded(engine, state, out)
-            engine.wait()
+        save_whole(state, {name: t.contiguous() for name, t in bundle.tensors.items()}, bundle.objects,
+                   bundle.object_shapes, out, max(64 << 20, min(1 << 30, largest)), threads)
     except CheckpointError as e:
         raise ConvertError(f"writing datastates checkpoint {out!r} failed: {e}") from None
     return out

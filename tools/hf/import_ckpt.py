@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from datastates import CheckpointEngine
 from datastates.errors import CheckpointError
 
 from . import HFError
@@ -34,22 +33,14 @@ def save_datastates(lazy: LazyTensors, objects: dict, object_shapes: dict, commo
                     threads: int) -> str:
     """Save the imported model (meta tensors of `lazy`, per-layer `objects`, the `common` state) to `out`."""
     from tqdm import tqdm
-    from datastates.megatron import Common, make_registry, save_sharded
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from datastates.megatron import Common
+    from tools.checkpoint.writers import save_whole
     state = {key: Common(value) for key, value in common.items()}
-    state["__datastates_sharded__"] = {
-        "tensors": {name: ShardedTensor.from_rank_offsets(name, t, replica_id=0)
-                    for name, t in lazy.tensors.items()},
-        "objects": {f"{k}@{o}": ShardedObject(k, v, object_shapes[k], o, replica_id=0)
-                    for (k, o), v in objects.items()}}
     _return_large_frees_to_the_system()
     with tqdm(total=lazy.nbytes(), unit="B", unit_scale=True, desc="import", disable=None) as bar:
         try:
             lazy.progress = bar
-            with CheckpointEngine(host_buffer_bytes=STAGING_BYTES, writer_threads=threads, rank=0, world_size=1,
-                                  registry=make_registry()) as engine:
-                save_sharded(engine, state, out)
-                engine.wait()
+            save_whole(state, lazy.tensors, objects, object_shapes, out, STAGING_BYTES, threads)
         except CheckpointError as e:
             raise HFError(f"writing datastates checkpoint {out!r} failed: {e}") from None
     return out

@@ -275,6 +275,9 @@ def _add_checkpoint_args(p):
                    help="save the distributed optimizer's state in megatron-core's fully_reshardable layout "
                         "(model-shaped, loads into any TP/PP/DP layout) instead of dp_reshardable (its flat "
                         "bucket shards, which reshard across DP sizes only)")
+
+
+def _add_memory_tier_args(p):
     g = p.add_argument_group("memory tier (node-local checkpoints)")
     g.add_argument("--non-persistent-save-interval", type=int, default=None,
                    help="every K iterations, a lazy checkpoint of each rank's part to node-local memory (the newest "
@@ -300,6 +303,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_data_args(p)
     _add_logging_args(p)
     _add_checkpoint_args(p)
+    _add_memory_tier_args(p)
     add_moe_args(p)
     add_mla_args(p)
     add_mtp_args(p)

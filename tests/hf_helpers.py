@@ -90,12 +90,12 @@ def first_global_batch(flags: list[str], micro_batches: int, vocab: int) -> tupl
     return torch.cat([b["tokens"] for b in first]), torch.cat([b["labels"] for b in first])
 
 
-def assert_round_trip(source: str, work: str, vocab: int) -> dict[str, torch.Tensor]:
-    """The transformers model at `source` imported into `work`/ckpt and exported back to `work`/back: every tensor
-    bit-equal and the same logits (token ids below `vocab`); the source's tensors."""
+def assert_round_trip(source: str, work: str, vocab: int, fmt: str = "datastates") -> dict[str, torch.Tensor]:
+    """The transformers model at `source` imported into `work`/ckpt (as `fmt`) and exported back to `work`/back:
+    every tensor bit-equal and the same logits (token ids below `vocab`); the source's tensors."""
     ckpt, back = os.path.join(work, "ckpt"), os.path.join(work, "back")
-    convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt)
-    convert("--from", "datastates", "--to", "hf", "--input", ckpt, "--output", back)
+    convert("--from", "hf", "--to", fmt, "--input", source, "--output", ckpt)
+    convert("--from", fmt, "--to", "hf", "--input", ckpt, "--output", back)
     original = load_file(os.path.join(source, "model.safetensors"))
     assert_bit_equal(original, hf_tensors(back))
     tokens = torch.arange(64).reshape(2, 32) % vocab
@@ -103,10 +103,10 @@ def assert_round_trip(source: str, work: str, vocab: int) -> dict[str, torch.Ten
     return original
 
 
-def assert_import_refused(source: str, work: str, message: str) -> None:
-    """`--from hf` of `source` exits 1 saying `message`, and writes nothing at `work`/ckpt."""
+def assert_import_refused(source: str, work: str, message: str, fmt: str = "datastates") -> None:
+    """`--from hf --to fmt` of `source` exits 1 saying `message`, and writes nothing at `work`/ckpt."""
     ckpt = os.path.join(work, "ckpt")
-    rc, log = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt, check=False)
+    rc, log = convert("--from", "hf", "--to", fmt, "--input", source, "--output", ckpt, check=False)
     assert rc == 1 and message in log, log[-3000:]
     assert not os.path.exists(ckpt)
 

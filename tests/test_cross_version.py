@@ -21,8 +21,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from megatron_helpers import ROOT, losses, torchrun
+from megatron_helpers import ROOT, TINY, free_port, losses, torchrun
 from test_reshard import assert_same_tensors, iter_dir, read_full
 
 N = 3
@@ -111,20 +112,39 @@ def test_resume_across_versions(tmp_path, sources, written, resumed, target):
     assert _relative_gap(got, {i: ref[i] for i in got}) <= bound, (got, ref)
 
 
-@pytest.mark.parametrize("written,read", [("0.16", "0.19"), ("0.19", "0.16")],
-                         ids=["common.pt-read-by-0.19", "common_state-object-read-by-0.16"])
+@pytest.mark.parametrize("written,read", [("0.16", "0.19"), ("0.19", "0.16")])
 def test_torch_dist_of_one_version_converts_under_the_other(tmp_path, sources, written, read):
-    """megatron-core 0.19 moved torch_dist's common state from `common.pt` into a `common_state` ShardedObject;
-    tools/convert_checkpoint.py reads both forms: datastates -> torch_dist under one version, back under the
-    other, every tensor and the training state unchanged."""
+    """tools/convert_checkpoint.py writes torch_dist's common state as `common.pt`, which both versions read:
+    datastates -> torch_dist under one version, back under the other, every tensor and the training state
+    unchanged."""
     root, _ = sources[written]
     td, back = str(tmp_path / "td"), str(tmp_path / "back")
-    for python, frm, to, src, dst in ((VERSIONS[written], "datastates", "torch_dist", root, td),
-                                      (VERSIONS[read], "torch_dist", "datastates", td, back)):
-        p = subprocess.run([python, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", frm, "--to", to,
-                            "--input", src, "--output", dst, "--iteration", str(2 * N)], capture_output=True,
-                           text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-        assert p.returncode == 0, p.stdout + p.stderr
-    has_common_pt = os.path.exists(os.path.join(iter_dir(td, 2 * N), "common.pt"))
-    assert has_common_pt == (written == "0.16")
+    _convert(VERSIONS[written], "datastates", "torch_dist", root, td, "--iteration", str(2 * N))
+    _convert(VERSIONS[read], "torch_dist", "datastates", td, back)
+    assert os.path.exists(os.path.join(iter_dir(td, 2 * N), "common.pt"))
     assert assert_same_state_across_versions(iter_dir(root, 2 * N), iter_dir(back, 2 * N)) > 20
+
+
+def test_stock_torch_dist_of_0_19_converts_under_0_16(tmp_path):
+    """megatron-core 0.19 saves torch_dist's common state as a `common_state` ShardedObject inside the DCP files
+    (0.16: `common.pt`): a model saved by stock megatron-core 0.19 converts under 0.16 to the same tensors as
+    under 0.19."""
+    stock = str(tmp_path / "stock" / "iter_0000000")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "stock_gpt.py"), stock, "--init-seed", "7",
+                    *TINY, "--global-batch-size", "2", "--train-iters", "1"], check=True, capture_output=True,
+                   timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port())))
+    assert not os.path.exists(os.path.join(stock, "common.pt"))
+    converted = {}
+    for version, python in VERSIONS.items():
+        _convert(python, "torch_dist", "datastates", stock, str(tmp_path / version))
+        converted[version] = read_full(iter_dir(str(tmp_path / version), 0))[0]
+    assert sorted(converted["0.16"]) == sorted(converted["0.19"]) and len(converted["0.16"]) > 10
+    for name, tensor in converted["0.19"].items():
+        assert torch.equal(converted["0.16"][name], tensor), name
+
+
+def _convert(python: str, frm: str, to: str, src: str, dst: str, *more: str) -> None:
+    p = subprocess.run([python, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", frm, "--to", to,
+                        "--input", src, "--output", dst, *more], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert p.returncode == 0, p.stdout + p.stderr

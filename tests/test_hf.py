@@ -85,17 +85,20 @@ def tiny_gpt2(directory: str, **overrides) -> None:
     GPT2LMHeadModel(GPT2Config(**{**cfg, **overrides})).save_pretrained(directory)
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-def test_round_trip_through_this_project_is_bit_exact(tmp_path, build):
+@pytest.mark.parametrize("build,fmt", [(tiny_llama, "datastates"), (tiny_gpt2, "datastates"),
+                                       (tiny_llama, "torch_dist")], ids=["llama", "gpt2", "llama-torch_dist"])
+def test_round_trip_through_this_project_is_bit_exact(tmp_path, build, fmt):
     source = str(tmp_path / "source")
     build(source, **({"vocab": 100} if build is tiny_llama else {}))  # 100 rows: padded to 128 on the way
-    assert_round_trip(source, str(tmp_path), 100)
+    assert_round_trip(source, str(tmp_path), 100, fmt)
 
 
 def test_finetune_from_a_transformers_model(tmp_path):
+    """Through torch_dist, which the trainer loads with megatron-core's own reader (the Mixtral fine-tune of
+    test_hf_moe.py goes through datastates)."""
     source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
     tiny_llama(source, vocab=128, seed=3, num_hidden_layers=4)
-    _, out = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt,
+    _, out = convert("--from", "hf", "--to", "torch_dist", "--input", source, "--output", ckpt,
                      "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", "2")
     flags = finetune_flags(out) + ["--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *TRAIN]
     _, log = torchrun(4, flags + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
@@ -139,26 +142,25 @@ def larger_than(budget: int, directory: str) -> int:
     return state
 
 
-def test_export_of_a_state_larger_than_the_budget_stays_within_it(tmp_path):
+# what each measured conversion imports before its data: megatron-core, transformers' reading and writing
+PRELOAD = {"datastates": "import megatron.training.arguments, datastates.megatron\nfrom tools.hf import load_hf, import_ckpt",
+           "torch_dist": "import megatron.training.arguments, datastates.megatron, torch.distributed.checkpoint\n"
+                         "from megatron.core import dist_checkpointing\n"
+                         "from tools.hf import load_hf, import_ckpt\nfrom tools.checkpoint import torch_dist_writer"}
+
+
+@pytest.mark.parametrize("fmt", ["datastates", "torch_dist"])
+def test_import_and_export_of_a_model_larger_than_the_budget_stay_within_it(tmp_path, fmt):
+    """In: one layer of the largest tensor (fc1: 23 MB) and its pieces, beside the engine's 32 MiB staging
+    (datastates) or one chunk being written (torch_dist). Out: one layer's tensors and the shard being written."""
     source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
     budget = 128 << 20
     state = larger_than(budget, source)
-    convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt)
-    peak = measured(tmp_path, "--from", "datastates", "--to", "hf", "--input", ckpt, "--output", str(tmp_path / "hf"))
-    assert peak < budget, (peak, budget, state)
-    assert_bit_equal(load_file(os.path.join(source, "model.safetensors")), hf_tensors(str(tmp_path / "hf")))
-
-
-def test_import_of_a_model_larger_than_the_budget_stays_within_it(tmp_path):
-    """The engine's 64 MiB staging plus one layer of the largest tensor (fc1: 23 MB) and its pieces."""
-    source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
-    budget = 128 << 20
-    state = larger_than(budget, source)
-    peak = measured(tmp_path, "--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt,
-                    preload="import megatron.training.arguments, datastates.megatron\n"
-                            "from tools.hf import load_hf, import_ckpt")
-    assert peak < budget, (peak, budget, state)
-    convert("--from", "datastates", "--to", "hf", "--input", ckpt, "--output", str(tmp_path / "hf"))
+    peak_in = measured(tmp_path, "--from", "hf", "--to", fmt, "--input", source, "--output", ckpt,
+                       preload=PRELOAD[fmt])
+    peak_out = measured(tmp_path, "--from", fmt, "--to", "hf", "--input", ckpt, "--output", str(tmp_path / "hf"),
+                        preload=PRELOAD[fmt])
+    assert peak_in < budget and peak_out < budget, (peak_in, peak_out, budget, state)
     assert_bit_equal(load_file(os.path.join(source, "model.safetensors")), hf_tensors(str(tmp_path / "hf")))
 
 
@@ -224,12 +226,13 @@ def test_an_import_with_no_exact_equivalent_is_refused(tmp_path, build, override
     assert_import_refused(str(tmp_path / "source"), str(tmp_path), message)
 
 
-def test_an_unreadable_import_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("fmt", ["datastates", "torch_dist"])
+def test_an_unreadable_import_leaves_nothing_behind(tmp_path, fmt):
     source = tmp_path / "source"
     tiny_llama(str(source), vocab=100)
     weights = source / "model.safetensors"
     os.truncate(weights, weights.stat().st_size - 1000)  # the header promises bytes the file lacks
-    assert_import_refused(str(source), str(tmp_path), "model.safetensors")
+    assert_import_refused(str(source), str(tmp_path), "model.safetensors", fmt)
 
 
 def test_an_export_with_no_exact_equivalent_is_refused():

@@ -309,6 +309,28 @@ def test_datastates_to_torch_dist_loads_with_stock_megatron(ckpt, torch_dist_ckp
     assert torch.equal(loaded["local_step"], torch.tensor([0]))  # rank 0's local items join the common state
 
 
+def test_torch_dist_output_holds_a_chunk_per_layer(torch_dist_ckpt):
+    """A reader of one layer (the Hugging Face export) reads that layer's chunk alone: a layer-stacked tensor is
+    saved as one chunk per layer, any other tensor as one chunk."""
+    from torch.distributed.checkpoint import FileSystemReader
+    chunks = FileSystemReader(str(torch_dist_ckpt / "iter_0000007")).read_metadata().state_dict_metadata
+    assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks[QKV].chunks) == [((0, 0, 0), (1, 6, 4)),
+                                                                                       ((1, 0, 0), (1, 6, 4))]
+    assert [tuple(c.sizes) for c in chunks[EMB].chunks] == [(8, 6)]
+
+
+def test_a_torch_dist_write_that_fails_midway_leaves_nothing(tmp_path):
+    """Two layers are in the file when the third fails: the partial directory goes, nothing is published."""
+    sys.path.insert(0, REPO)
+    from tools.checkpoint.paths import ConvertError
+    from tools.checkpoint.torch_dist_writer import Pieces, save_torch_dist
+    layers = torch.randn(3, 4, 4)
+    pieces = Pieces((3, 4, 4), torch.float32, 1, lambda i: layers[i] if i != (2,) else torch.zeros(5))
+    with pytest.raises(ConvertError, match=r"piece \(2,\) of 'w' was built as \(5,\)"):
+        save_torch_dist({"w": pieces}, {}, {}, {"iteration": 1}, str(tmp_path / "iter_0000001"))
+    assert os.listdir(tmp_path) == []
+
+
 def test_torch_dist_to_datastates_loads_with_the_engine(ckpt, torch_dist_ckpt, tmp_path):
     root, full = ckpt
     rc, out, err = run(CONVERT, "--from", "torch_dist", "--to", "datastates", "--input", torch_dist_ckpt,

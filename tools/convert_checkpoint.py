@@ -7,7 +7,8 @@
     python tools/convert_checkpoint.py --from datastates --to hf          --input ckpt     --output hf_model
     python tools/convert_checkpoint.py --from hf         --to datastates  --input hf_model --output ckpt_ft
 
---to hf / --from hf: a transformers model directory (Llama or GPT-2), see docs/huggingface.md.
+--to hf / --from hf: a transformers model directory (Llama, Mixtral or GPT-2), streamed layer by layer, see
+docs/huggingface.md.
 
 --input is a save root (its latest published iteration is converted; --iteration N picks another) or an
 iteration directory. A datastates input must be published (metadata.json present, no `.partial`) and complete
@@ -17,9 +18,9 @@ message naming the path and what is missing, before writing anything.
 What is carried over (one process does it all; the whole state is held in memory once):
 - global tensors (megatron-core ShardedTensors: name = sharded key, global shape with prepended axes) are
   assembled into their full value from every rank's shards (every byte checksum-verified while reading) and
-  written as one unsharded tensor each: a torch_dist checkpoint any layout can load with stock
-  `megatron.core.dist_checkpointing.load`, a datastates checkpoint of world size 1 the trainer can load into
-  any TP/PP/DP layout (resharding on load is the engine's job);
+  written whole: a torch_dist checkpoint (one DCP chunk per layer, and per expert, of a layer-stacked tensor) any
+  layout can load with stock `megatron.core.dist_checkpointing.load`, a datastates checkpoint of world size 1 the
+  trainer can load into any TP/PP/DP layout (resharding on load is the engine's job);
 - global objects named `key@o1,o2,...` (megatron-core ShardedObjects) become ShardedObjects with that grid
   offset; the grid's global shape is the largest offset + 1 along each axis;
 - the experts of a MoE model (megatron-core's `local_experts` axis) and both parts of its chained dense +
@@ -58,7 +59,7 @@ if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`
 
 from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.bundle import Bundle, read_datastates  # noqa: E402
-from tools.checkpoint.paths import ConvertError, resolve_input, resolve_output  # noqa: E402
+from tools.checkpoint.paths import ConvertError, resolve_input  # noqa: E402
 from tools.checkpoint.torch_dist import close_megatron, init_megatron, read_torch_dist, write_torch_dist  # noqa: E402
 from tools.checkpoint.writers import write_datastates, write_safetensors  # noqa: E402
 from tools.hf import cli as hf_cli  # noqa: E402
@@ -73,8 +74,7 @@ log = logging.getLogger("tools.convert_checkpoint")
 # ----- main -----
 
 def _convert_hf(args) -> int:
-    """--to hf streams the checkpoint out (tools/hf); --from hf streams in to datastates, or reads the model whole
-    for torch_dist's writer above."""
+    """--to hf streams the checkpoint out, --from hf streams it in, layer by layer (tools/hf)."""
     try:
         if args.src == args.dst:
             raise ConvertError("--from hf --to hf: nothing to convert")
@@ -84,14 +84,8 @@ def _convert_hf(args) -> int:
         if args.dst not in ("datastates", "torch_dist"):
             raise ConvertError(f"--from hf writes datastates or torch_dist, not {args.dst}")
         imported = hf_cli.read(args)
-        lazy, objects, shapes, common, flags = imported
-        if args.dst == "datastates":  # streamed: built layer by layer as the engine writes
-            out = hf_cli.save_datastates(imported, resolve_output(args.output, 0)[0], args.threads)
-        else:  # megatron-core's writer takes the whole model in memory
-            bundle = Bundle(os.path.normpath(args.input), 0)
-            bundle.tensors = {name: lazy.materialised(name) for name in lazy.tensors}
-            bundle.objects, bundle.object_shapes, bundle.common = objects, shapes, common
-            out = write_torch_dist(bundle, args.output)
+        flags = imported[-1]
+        out = hf_cli.save(imported, args.dst, args.output, args.threads)
         print(f"converted {os.path.normpath(args.input)} (hf) -> {out} ({args.dst}); fine-tune with: "
               f"pretrain_gpt.py --finetune --load {args.output} {' '.join(flags)}")
         return 0

@@ -1,11 +1,5 @@
-"""megatron-core's torch_dist format, read and written by megatron-core's own dist_checkpointing in a gloo world
-of one process.
-
-On a machine without CUDA, megatron-core's torch_dist writer (0.16.1 and 0.19.2, `strategies/state_dict_saver.py`
-and `strategies/filesystem_async.py`) still places a one-element failure flag on `torch.cuda.current_device()`
-and calls `torch.cuda.synchronize()` after staging tensors to the host. For as long as the world is up, those two
-answer for the CPU (the current device is the CPU, a synchronize has nothing to wait for); nothing else of
-`torch.cuda` is touched, and with CUDA nothing is changed.
+"""megatron-core's torch_dist format: read by megatron-core's own dist_checkpointing in a gloo world of one
+process, written piece by piece by `torch_dist_writer` (megatron-core's writer would hold the whole state).
 """
 from __future__ import annotations
 
@@ -20,16 +14,17 @@ from datastates import format as fmt
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_input, resolve_output
+from .torch_dist_writer import Pieces, save_torch_dist
 
 TORCH_DIST_COMMON_FILE = "common.pt"            # megatron-core <= 0.16
 TORCH_DIST_COMMON_OBJECT = "common_state"       # megatron-core 0.19: a ShardedObject inside the DCP files
-SHARDED_KEY = "__datastates_sharded__"          # where the sharded part goes in the state dict megatron-core saves
+SHARDED_KEY = "__datastates_sharded__"          # where the sharded part goes in a state dict the engine saves
 
-_WORLD: dict = {}  # the temporary store directory and the torch.cuda functions answered for the CPU
+_WORLD: dict = {}  # the temporary store directory of the world `init_megatron` set up
 
 
 def init_megatron() -> None:
-    """A gloo world of one process for megatron-core's dist_checkpointing (see the module's docstring)."""
+    """A gloo world of one process for megatron-core's dist_checkpointing."""
     from megatron.core import dist_checkpointing  # noqa: F401  (fails early, naming the missing extra)
     dist = torch.distributed
     if dist.is_initialized():
@@ -39,16 +34,10 @@ def init_megatron() -> None:
         _WORLD["store"] = tempfile.mkdtemp(prefix="ds_convert_")
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(_WORLD['store'], 'store')}", rank=0,
                                 world_size=1)
-    if not torch.cuda.is_available() and "cuda" not in _WORLD:
-        _WORLD["cuda"] = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize}
-        torch.cuda.current_device = lambda: "cpu"
-        torch.cuda.synchronize = lambda device=None: None
 
 
 def close_megatron() -> None:
     """Tear down what `init_megatron` set up (a world that was up before it stays)."""
-    for name, original in _WORLD.pop("cuda", {}).items():
-        setattr(torch.cuda, name, original)
     store = _WORLD.pop("store", None)
     if store is not None:
         torch.distributed.destroy_process_group()
@@ -119,25 +108,27 @@ def sharded_key(state: dict) -> str:
     return key
 
 
+def stacked_lead(key: str, shape: tuple) -> int:
+    """How many leading axes of a tensor index its layers (and experts): the pieces torch_dist's writer makes."""
+    from .summary import stack_slots
+    return min(len(stack_slots(key.split("."))), max(len(shape) - 1, 0))
+
+
 def write_torch_dist(bundle: Bundle, output: str) -> str:
-    out, root = resolve_output(output, bundle.iteration)
-    bad = [k for k, _ in bundle.objects if "/" in k]
+    """`bundle` as a torch_dist checkpoint at `output`, each layer-stacked tensor a chunk per layer (and expert),
+    so that a reader of one layer (the Hugging Face export) reads only it."""
+    tensors = {name: Pieces.whole(t, stacked_lead(name, tuple(t.shape))) for name, t in bundle.tensors.items()}
+    return write_pieces(tensors, bundle.objects, bundle.object_shapes, bundle.common, output, bundle.iteration)
+
+
+def write_pieces(tensors: dict[str, Pieces], objects: dict, object_shapes: dict, common: dict, output: str,
+                 iteration) -> str:
+    """A torch_dist checkpoint at `output` (an iteration directory, or a save root whose tracker is updated)."""
+    out, root = resolve_output(output, iteration)
+    bad = [k for k, _ in objects if "/" in k]
     if bad:
         raise ConvertError(f"object keys {bad[:3]} contain '/', which torch_dist cannot name")
-    init_megatron()
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    state = dict(bundle.common)
-    sharded = {f"t:{name}": ShardedTensor.from_rank_offsets(name, t.contiguous(), replica_id=0)
-               for name, t in bundle.tensors.items()}
-    for (key, offset), value in bundle.objects.items():
-        sharded[f"o:{key}@{offset}"] = ShardedObject(key, value, bundle.object_shapes[key], offset, replica_id=0)
-    state[sharded_key(state)] = sharded
-    os.makedirs(out, exist_ok=True)
-    try:
-        dist_checkpointing.save(state, out)
-    except Exception as e:  # noqa: BLE001
-        raise ConvertError(f"writing torch_dist checkpoint {out!r} failed: {type(e).__name__}: {e}") from None
+    save_torch_dist(tensors, objects, object_shapes, common, out)
     if root is not None and commit.iteration_of(out) is not None:
         commit.write_latest(root, commit.iteration_of(out))
     return out

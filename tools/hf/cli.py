@@ -30,8 +30,12 @@ def read(args):
     return read_hf(args.input, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
-def save_datastates(imported, out: str, threads: int) -> str:
-    """Write `read`'s result as a datastates checkpoint at `out`, layer by layer (tools/hf/import_ckpt.py)."""
-    from .import_ckpt import save_datastates as run
+def save(imported, fmt: str, output: str, threads: int) -> str:
+    """Write `read`'s result as a datastates or torch_dist checkpoint at `output`, layer by layer
+    (tools/hf/import_ckpt.py)."""
+    from . import import_ckpt
     lazy, objects, shapes, common, _ = imported
-    return run(lazy, objects, shapes, common, out, threads)
+    if fmt == "datastates":
+        from tools.checkpoint.paths import resolve_output
+        return import_ckpt.save_datastates(lazy, objects, shapes, common, resolve_output(output, 0)[0], threads)
+    return import_ckpt.save_torch_dist(lazy, objects, shapes, common, output)

@@ -5,12 +5,12 @@ engine's `built_on_copy` instead: shape-only, and as the engine's copier reaches
 the unit that range covers (a layer, or one expert of a layer: the tensor's indexed leading axes) are built,
 reading and merging its transformers tensors, and kept for the next range. Units are built in the order the engine
 copies them, one at a time, so host memory holds one unit of one megatron-core tensor and its transformers
-pieces, beside the engine's staging budget, whatever the model size.
+pieces, beside the engine's staging budget, whatever the model size. torch_dist's writer takes the same units as
+pieces (`pieces`), one chunk each, built as it writes them.
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Callable
 
@@ -48,12 +48,11 @@ class LazyTensors:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def materialised(self, name: str) -> torch.Tensor:
-        """The whole tensor in host memory (for writers that take only real tensors)."""
-        shape = self.tensors[name].shape
-        build, lead = self._builds[name]
-        units = itertools.product(*(range(n) for n in shape[:lead]))
-        return torch.stack([build(tuple(i)) for i in units]).reshape(shape)
+    def pieces(self) -> dict:
+        """The tensors as torch_dist's writer takes them: a piece per unit, each built when it is written."""
+        from tools.checkpoint.torch_dist_writer import Pieces
+        return {name: Pieces(tuple(t.shape), t.dtype, self._builds[name][1], functools.partial(self._unit, name))
+                for name, t in self.tensors.items()}
 
     def _values(self, name: str, first: int, count: int) -> torch.Tensor:
         """Elements [first, first + count) of `name`, from the units they lie in."""

@@ -1,0 +1,136 @@
+"""megatron-core's torch_dist format, written piece by piece through PyTorch DCP's own file writer.
+
+megatron-core's writer stages every tensor of the state before it writes the first byte
+(`FileSystemWriterAsync.prepare_write_data`): a conversion through it holds the whole model. PyTorch DCP's
+`FileSystemWriter` instead asks its planner for each write item as it writes it. Here every tensor is a list of
+pieces, one per index of its leading (layer, expert) axes, each a chunk of the tensor in the DCP metadata and made
+only when it is written: host memory holds one piece, whatever the model's size. One writer thread: DCP's other
+writer threads drop their exceptions (torch 2.13, `filesystem._write_files_from_queue`), which would publish a
+checkpoint with pieces missing.
+
+What megatron-core 0.16 and 0.19 read as torch_dist: DCP files whose tensors are keyed by their ShardedTensor key and
+whose objects by their ShardedObject's unique key (holding `torch.save([value])`), megatron-core's
+`metadata.json`, and the common state in `common.pt` (0.19 writes it inside the DCP files instead but still reads
+`common.pt`, so a checkpoint written under either version loads under both). Files are fsynced and written into
+`<out>.partial`, which is renamed to `out` when complete; a failure removes it (DCP reports a failure as a
+`CheckpointException`, a BaseException, holding the error that caused it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import json
+import os
+import shutil
+from typing import Callable
+
+import torch
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from datastates import commit
+from datastates import format as fmt
+
+from .paths import ConvertError
+
+COMMON_FILE = "common.pt"
+CONFIG_FILE = "metadata.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """A tensor of `shape` and `dtype` written as one piece per index of its first `lead` axes; `build(index)`
+    makes the values of one piece (shape `shape[lead:]`) when the writer reaches it."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    lead: int
+    build: Callable[[tuple[int, ...]], torch.Tensor]
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor, lead: int = 0) -> "Pieces":
+        """A tensor already in memory, written as `lead` axes' worth of pieces (so that a reader can take one)."""
+        return cls(tuple(tensor.shape), tensor.dtype, lead, lambda index: tensor[index])
+
+    def indices(self):
+        return itertools.product(*(range(n) for n in self.shape[:self.lead]))
+
+
+class _PiecePlanner(DefaultSavePlanner):
+    """DCP's default global planning (metadata from the items, overlap and bounds checks) over write items of our
+    own: a chunk per piece, a byte item per object; `resolve_data` builds each as it is written."""
+
+    def __init__(self, tensors: dict[str, Pieces], objects: dict[str, object]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.tensors, self.objects = tensors, objects
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
+        for key, pieces in self.tensors.items():
+            size = torch.Size(pieces.shape)
+            properties = TensorProperties(dtype=pieces.dtype)
+            for index in pieces.indices():
+                offsets = torch.Size((*index, *(0,) * (len(size) - pieces.lead)))
+                sizes = torch.Size((*(1,) * pieces.lead, *size[pieces.lead:]))
+                chunk = ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+                items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=size)))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        key = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save([self.objects[key]], buffer)
+            buffer.seek(0)
+            return buffer
+        pieces = self.tensors[key]
+        chunk = write_item.tensor_data.chunk
+        values = pieces.build(tuple(chunk.offsets[:pieces.lead]))
+        if tuple(values.shape) != tuple(pieces.shape[pieces.lead:]) or values.dtype != pieces.dtype:
+            raise ConvertError(f"piece {tuple(chunk.offsets[:pieces.lead])} of {key!r} was built as "
+                               f"{tuple(values.shape)} {values.dtype}, not {pieces.shape[pieces.lead:]} {pieces.dtype}")
+        return values.reshape(chunk.sizes).contiguous()
+
+
+def object_name(key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """The name megatron-core's torch_dist gives a ShardedObject in the DCP files."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    return ShardedObject(key, None, tuple(shape), tuple(offset)).unique_key
+
+
+def save_torch_dist(tensors: dict[str, Pieces], objects: dict[tuple[str, tuple], object],
+                    object_shapes: dict[str, tuple], common: dict, out: str) -> None:
+    """Write a torch_dist checkpoint of world size 1 at `out` (which must not exist): `tensors` piece by piece,
+    the ShardedObjects `objects` ({(key, offset): value}) of global shapes `object_shapes`, and `common`."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+    named = {object_name(key, offset, object_shapes[key]): value for (key, offset), value in objects.items()}
+    for name in named:
+        if name in tensors:
+            raise ConvertError(f"object {name!r} has the name of a tensor")
+    partial = commit.partial_dir(out)
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        planner = _PiecePlanner(tensors, named)
+        writer = dcp.FileSystemWriter(partial, thread_count=1, sync_files=True)
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        common_bytes = io.BytesIO()
+        torch.save(common, common_bytes)
+        fmt.write_file(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer(), fsync=True)
+        config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
+        fmt.write_file(os.path.join(partial, CONFIG_FILE), json.dumps(config).encode(), fsync=True)
+        fmt.fsync_dir(partial)
+        os.rename(partial, out)
+        fmt.fsync_dir(os.path.dirname(os.path.abspath(out)))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
+        shutil.rmtree(partial, ignore_errors=True)
+        cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e
+        if isinstance(cause, ConvertError):
+            raise cause from None
+        raise ConvertError(f"writing torch_dist checkpoint {out!r} failed: {type(cause).__name__}: {cause}") from None
+

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import HFError
+from . import HFError, saved_flag
+from .deepseek import DeepSeek, deepseek_config, deepseek_flags, deepseek_from_args, deepseek_from_config
 
 ROPE_BASE = 10000.0  # megatron-core's RotaryEmbedding default; this trainer has no --rotary-base flag
 
@@ -16,7 +17,7 @@ ROPE_BASE = 10000.0  # megatron-core's RotaryEmbedding default; this trainer has
 @dataclass(frozen=True)
 class Geometry:
     """The sizes every name mapping and tensor split needs."""
-    arch: str  # "llama", "mixtral" or "gpt2"
+    arch: str  # "llama", "mixtral", "gpt2" or "deepseek_v3"
     layers: int
     hidden: int
     ffn: int
@@ -31,12 +32,12 @@ class Geometry:
     experts: int = 0  # routed experts per layer (Mixtral); 0: dense MLPs
     topk: int = 0  # experts per token
     aux_loss: float = 0.0  # weight of the load-balancing loss (a training choice both sides carry)
+    deepseek: DeepSeek | None = None  # multi-latent attention, dense then MoE layers, shared experts (deepseek.py)
 
 
 # ----- export: saved flags -> geometry -----
 
-def _get(args, name, default=None):
-    return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
+_get = saved_flag
 
 
 def _differences(args, wanted: dict) -> list[str]:
@@ -99,11 +100,17 @@ def _refuse_unsupported(args, where: str) -> None:
                           f"(see docs/huggingface.md)")
 
 
-def geometry_from_args(args, shapes: dict[str, tuple], where: str) -> Geometry:
-    """The architecture of a checkpoint from its saved flags, checked against its tensors' shapes."""
+def geometry_from_args(args, shapes: dict[str, tuple], where: str, drop_mtp: bool = False) -> Geometry:
+    """The architecture of a checkpoint from its saved flags, checked against its tensors' shapes (`drop_mtp`:
+    leave out the multi-token prediction layers of a DeepSeek-style run)."""
     if args is None:
         raise HFError(f"{where} has no saved `args` (a model-only checkpoint?): its architecture cannot be read "
                       f"from it; convert a checkpoint written by pretrain_gpt.py or by --from hf")
+    if _get(args, "multi_latent_attention"):
+        return _deepseek_geometry(args, shapes, where, drop_mtp)
+    if _get(args, "mtp_num_layers"):
+        raise HFError(f"{where}: --mtp-num-layers {_get(args, 'mtp_num_layers')}: multi-token prediction is "
+                      f"exported only with multi-latent attention, as DeepseekV3 (with --drop-mtp)")
     _refuse_unsupported(args, where)
     if _get(args, "num_experts"):
         return _mixtral_geometry(args, shapes, where)
@@ -123,6 +130,22 @@ def _mixtral_geometry(args, shapes: dict, where: str) -> Geometry:
     return _geometry("mixtral", args, shapes, "decoder.layers.mlp.experts.experts.linear_fc2.weight", where,
                      experts=_get(args, "num_experts"), topk=_get(args, "moe_router_topk"),
                      aux_loss=float(_get(args, "moe_aux_loss_coeff") or 0.0))
+
+
+def _deepseek_geometry(args, shapes: dict, where: str, drop_mtp: bool) -> Geometry:
+    ds = deepseek_from_args(args, where, drop_mtp)
+    heads = _get(args, "num_attention_heads")
+    if "embedding.word_embeddings.weight" not in shapes:
+        raise HFError(f"{where} lacks the model weight embedding.word_embeddings.weight")
+    geo = Geometry(arch="deepseek_v3", layers=_get(args, "num_layers"), hidden=_get(args, "hidden_size"),
+                   ffn=_get(args, "ffn_hidden_size"), heads=heads, groups=heads, head_dim=ds.v_head_dim,
+                   vocab=_get(args, "vocab_size"), bias=False, tied=not _get(args, "untie_embeddings_and_output_weights"),
+                   max_positions=_get(args, "max_position_embeddings") or _get(args, "seq_length"),
+                   norm_eps=_get(args, "norm_epsilon"), experts=_get(args, "num_experts"),
+                   topk=_get(args, "moe_router_topk"), deepseek=ds)
+    if shapes["embedding.word_embeddings.weight"][0] < geo.vocab:
+        raise HFError(f"{where}: the word embedding has fewer rows than --vocab-size {geo.vocab}")
+    return geo
 
 
 def _geometry(arch: str, args, shapes: dict, fc2_key: str, where: str, **moe) -> Geometry:
@@ -162,6 +185,8 @@ def _check_shapes(geo: Geometry, shapes: dict, where: str) -> None:
 
 def hf_config(geo: Geometry, dtype: str) -> dict:
     """config.json of the transformers model that computes what megatron-core computed."""
+    if geo.arch == "deepseek_v3":
+        return deepseek_config(geo, dtype)
     common = {"vocab_size": geo.vocab, "tie_word_embeddings": geo.tied, "dtype": dtype, "torch_dtype": dtype}
     llama_family = {**common, "hidden_size": geo.hidden, "intermediate_size": geo.ffn,
                     "num_hidden_layers": geo.layers, "num_attention_heads": geo.heads,
@@ -240,8 +265,20 @@ def geometry_from_config(config: dict, where: str) -> Geometry:
                         config["n_head"], h // config["n_head"], config["vocab_size"], True,
                         bool(config.get("tie_word_embeddings", True)), config["n_positions"],
                         float(config.get("layer_norm_epsilon", 1e-5)))
-    raise HFError(f"{where}: model_type {kind!r} is not supported (llama, mixtral and gpt2 are; see "
+    if kind == "deepseek_v3":
+        return _deepseek_geometry_from_config(config, where)
+    raise HFError(f"{where}: model_type {kind!r} is not supported (llama, mixtral, gpt2 and deepseek_v3 are; see "
                   f"docs/huggingface.md)")
+
+
+def _deepseek_geometry_from_config(config: dict, where: str) -> Geometry:
+    ds = deepseek_from_config(config, where)
+    heads = config["num_attention_heads"]
+    return Geometry("deepseek_v3", config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
+                    heads, heads, ds.v_head_dim, config["vocab_size"], False,
+                    bool(config.get("tie_word_embeddings", False)), config["max_position_embeddings"],
+                    float(config.get("rms_norm_eps", 1e-6)), experts=config.get("n_routed_experts", 256),
+                    topk=config.get("num_experts_per_tok", 8), deepseek=ds)
 
 
 def megatron_flags(geo: Geometry, divisible_by: int) -> list[str]:
@@ -252,11 +289,14 @@ def megatron_flags(geo: Geometry, divisible_by: int) -> list[str]:
              divisible_by]
     if geo.groups != geo.heads:
         flags += ["--group-query-attention", "--num-query-groups", geo.groups]
-    if geo.head_dim * geo.heads != geo.hidden:
+    if geo.head_dim * geo.heads != geo.hidden and geo.deepseek is None:  # MLA's is --v-head-dim
         flags += ["--kv-channels", geo.head_dim]
-    if geo.arch in ("llama", "mixtral"):
+    if geo.arch in ("llama", "mixtral", "deepseek_v3"):
         flags += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]
-    if geo.experts:
+    if geo.deepseek is not None:
+        flags += ["--num-experts", geo.experts, "--moe-router-topk", geo.topk, "--moe-ffn-hidden-size",
+                  geo.deepseek.moe_ffn, *deepseek_flags(geo)]
+    elif geo.experts:
         flags += ["--num-experts", geo.experts, "--moe-router-topk", geo.topk, "--moe-ffn-hidden-size", geo.ffn,
                   "--moe-aux-loss-coeff", geo.aux_loss]
     if not geo.bias:

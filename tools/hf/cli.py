@@ -11,6 +11,9 @@ def add_arguments(ap) -> None:
                                                       "tokenizer directory into the output")
     g.add_argument("--max-shard-size", type=int, default=DEFAULT_SHARD_BYTES, metavar="BYTES",
                    help=f"--to hf: safetensors shards of at most BYTES [{DEFAULT_SHARD_BYTES}]")
+    g.add_argument("--drop-mtp", action="store_true",
+                   help="--to hf: leave out a DeepSeek-style run's multi-token prediction layers (transformers' "
+                        "DeepseekV3 has none; the main model's logits do not depend on them)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
                    help="--from hf: pad the vocabulary as pretrain_gpt.py will, to a multiple of N x TP [128]")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
@@ -20,7 +23,7 @@ def add_arguments(ap) -> None:
 def export(args, init_distributed) -> str:
     from .export import export as run
     return run(args.src, args.input, args.output, tokenizer=args.tokenizer, max_shard_bytes=args.max_shard_size,
-               init_distributed=init_distributed)
+               init_distributed=init_distributed, drop_mtp=args.drop_mtp)
 
 
 def read(args):

@@ -26,6 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "vocab.txt", "chat_template.jinja")
 # where megatron-core puts optimizer state: `optimizer.`, or `chained_<k>.optimizer.` for the ChainedOptimizer of a
 # mixture of experts (a dense and an expert optimizer)
+MTP = "mtp."  # megatron-core's multi-token prediction block
 NOT_MODEL = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 log = logging.getLogger("tools.hf.export")
@@ -46,6 +47,16 @@ def _check_names(rules: list[Rule], present: set[str], where: str, arch: str) ->
         raise HFError(f"{where}: the {arch} mapping needs tensors this checkpoint lacks: {', '.join(missing)}")
 
 
+def _exported(names: set[str], drop_mtp: bool) -> set[str]:
+    """The model tensors to export: without the multi-token prediction layers (`mtp.`) for --drop-mtp."""
+    if not drop_mtp:
+        return names
+    dropped = {n for n in names if n.startswith(MTP)}
+    log.info("--drop-mtp: leaving out the %d tensors of the multi-token prediction layers (under %r); the main "
+             "model's logits do not depend on them", len(dropped), MTP)
+    return names - dropped
+
+
 def _units(rules: list[Rule], geo):
     """(rule, unit index) in the order tensors are read and written."""
     for rule in rules:
@@ -58,7 +69,7 @@ def _plan(rules: list[Rule], tensors: dict, geo) -> list[Planned]:
     out = []
     for rule, index in _units(rules, geo):
         shape, dtype = tensors[rule.megatron]
-        meta = torch.empty(shape[len(index):], dtype=dtype, device="meta")
+        meta = torch.empty(shape[len(rule.at) + len(index):], dtype=dtype, device="meta")
         if rule.vocab:
             meta = meta[:geo.vocab]
         out += [Planned(n, tuple(p.shape), dtype) for n, p in zip(rule.names(index), rule.split(meta))]
@@ -74,16 +85,17 @@ def _copy_tokenizer(out: OutputDirectory, directory: str) -> None:
 
 
 def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None) -> str:
-    """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format)."""
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None, drop_mtp: bool = False) -> str:
+    """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format);
+    `drop_mtp` leaves a DeepSeek-style run's multi-token prediction layers out."""
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise HFError(f"--tokenizer {tokenizer!r} is not a directory")
     source = open_source(kind, path, STAGING_BYTES, init_distributed)
     try:
         tensors = source.tensors
-        geo = geometry_from_args(source.args(), {n: s for n, (s, _) in tensors.items()}, source.path)
-        rules = [r.with_key(tensors) for r in rules_for(geo)]
-        _check_names(rules, model_tensors(tensors), source.path, geo.arch)
+        geo = geometry_from_args(source.args(), {n: s for n, (s, _) in tensors.items()}, source.path, drop_mtp)
+        rules = [r.with_key(tensors) for r in rules_for(geo, tensors)]
+        _check_names(rules, _exported(model_tensors(tensors), drop_mtp), source.path, geo.arch)
         dtype = tensors["embedding.word_embeddings.weight"][1]
         planned = _plan(rules, tensors, geo)
         padding = tensors["embedding.word_embeddings.weight"][0][0] - geo.vocab
@@ -108,7 +120,7 @@ def _write_tensors(source, rules, geo, planned, directory: str, max_shard_bytes:
         writer = ShardedWriter(directory, shards, bar)
         try:
             for rule, index in _units(rules, geo):
-                t = source.read(rule.megatron, index)
+                t = source.read(rule.megatron, rule.at + index)
                 if rule.vocab:
                     t = t[:geo.vocab]
                 for name, piece in zip(rule.names(index), rule.split(t)):

@@ -16,7 +16,7 @@ import torch
 
 from . import HFError
 from .arch import Geometry, geometry_from_config, megatron_flags
-from .mapping import extra_state_objects, pad_rows, padded_vocab, rules_for, unit_indices
+from .mapping import extra_state_objects, pad_rows, padded_vocab, rules_for, unit_indices, unit_sizes
 from .lazy import LazyTensors
 from .writer import SAFETENSORS_DTYPES
 
@@ -122,8 +122,7 @@ def _planned(rule, weights: _Weights, geo: Geometry, rows: int) -> torch.Tensor:
     metas = [_converted(rule, [weights.meta(n) for n in rule.names(i)], geo, rows) for i in units]
     if any(m.shape != metas[0].shape for m in metas):
         raise HFError(f"{', '.join(rule.hf)}: the layers' (or experts') shapes differ")
-    lead = (geo.layers, geo.experts)[:rule.lead]
-    return metas[0].expand(*lead, *metas[0].shape).contiguous()
+    return metas[0].expand(*unit_sizes(rule, geo), *metas[0].shape).contiguous()
 
 
 def plan_import(directory: str, geo: Geometry, rows: int) -> LazyTensors:

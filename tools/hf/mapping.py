@@ -38,15 +38,21 @@ class Rule:
     merge: Callable[[list[torch.Tensor]], torch.Tensor] = _only
     vocab: bool = False  # rows are the (padded) vocabulary
     also: str | None = None  # another key megatron-core gives the same tensor in another layer spec
+    at: tuple[int, ...] = ()  # the leading index of this rule's part of a stacked tensor (a layer of it)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The indexed leading axes (after `at`), in order: none, layers, experts, or layers and experts."""
+        return tuple(p for p in (LAYER, EXPERT) if p in self.hf[0])
 
     @property
     def lead(self) -> int:
-        """How many leading axes are indexed (0: none, 1: layers, 2: layers and experts)."""
-        return (LAYER in self.hf[0]) + (EXPERT in self.hf[0])
+        """How many leading axes are indexed."""
+        return len(self.axes)
 
     def names(self, index: tuple[int, ...]) -> list[str]:
-        """The transformers names of one unit: `index` gives the layer (and expert) when `lead` says so."""
-        values = dict(zip((LAYER, EXPERT), map(str, index)))
+        """The transformers names of one unit: `index` gives the layer and/or expert of `axes`."""
+        values = dict(zip(self.axes, map(str, index)))
         out = []
         for name in self.hf:
             for key, value in values.items():
@@ -170,20 +176,32 @@ def gpt2_rules(geo: Geometry) -> list[Rule]:
     return rules
 
 
-def rules_for(geo: Geometry) -> list[Rule]:
+def rules_for(geo: Geometry, present=()) -> list[Rule]:
+    """The rules of `geo`'s architecture (`present`: the checkpoint's tensor names, where the rules depend on how
+    megatron-core laid the layers out)."""
+    if geo.arch == "deepseek_v3":
+        from .deepseek_mapping import deepseek_rules  # it builds on this module's rules and splits
+        return deepseek_rules(geo, present)
     return {"llama": llama_rules, "mixtral": mixtral_rules, "gpt2": gpt2_rules}[geo.arch](geo)
 
 
+def unit_sizes(rule: Rule, geo: Geometry) -> tuple[int, ...]:
+    """How many units each indexed leading axis of a rule's tensor has."""
+    return tuple({LAYER: geo.layers, EXPERT: geo.experts}[a] for a in rule.axes)
+
+
 def unit_indices(rule: Rule, geo: Geometry) -> list[tuple[int, ...]]:
-    """Every unit of a rule's tensor: () for a whole one, (layer,) or (layer, expert) for stacked ones."""
-    sizes = (geo.layers, geo.experts)[:rule.lead]
-    return [tuple(i) for i in itertools.product(*(range(n) for n in sizes))]
+    """Every unit of a rule's tensor: () for a whole one, (layer,), (expert,) or (layer, expert) for stacked ones."""
+    return [tuple(i) for i in itertools.product(*(range(n) for n in unit_sizes(rule, geo)))]
 
 
 def extra_state_objects(geo: Geometry) -> dict[str, tuple[int, ...]]:
     """The `_extra_state` objects of megatron-core's linear layers (None for the local implementation), which its
     model state dict holds and a load into the model expects: key -> its grid (one per layer, or per layer and
     expert)."""
+    if geo.deepseek is not None:
+        from .deepseek_mapping import deepseek_extra_state
+        return deepseek_extra_state(geo)
     mlp = (("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2") if geo.experts
            else ("mlp.linear_fc1", "mlp.linear_fc2"))
     grid = (geo.layers, geo.experts) if geo.experts else (geo.layers,)

@@ -1,4 +1,4 @@
-"""Shared by the Hugging Face tests (test_hf.py, test_hf_moe.py): run the converter and tests/hf_reference.py,
+"""Shared by the Hugging Face tests (test_hf.py, test_hf_moe.py, test_hf_deepseek.py): run the converter and tests/hf_reference.py,
 load what they write with transformers, compare tensors bit for bit, and the trainer's first global batch."""
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import math
 import os
 import subprocess
 import sys
+from argparse import Namespace
 
 import torch
 from safetensors.torch import load_file
 
-from megatron_helpers import ROOT, free_port
+from megatron_helpers import ROOT, free_port, losses, torchrun
 
 TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data", "--seed", "1234",
          "--train-iters", "2"]
@@ -119,3 +120,25 @@ def assert_computes_as_megatron_core(model, ref: dict) -> None:
     assert logits.shape == megatron_logits.shape == (2, 32, 128)
     assert (logits - megatron_logits).abs().max() <= 1e-4 * megatron_logits.abs().max()
     assert math.isclose(loss.item(), ref["losses"].mean().item(), rel_tol=1e-4)
+
+
+def assert_finetune_starts_from_transformers(source: str, ckpt: str, printed: set[str], layout: list[str]) -> None:
+    """The transformers model at `source` (vocabulary 128) imported to `ckpt` and fine-tuned on 2 ranks in `layout`:
+    the printed flags include `printed`, and the trainer's first loss is transformers' loss on that global batch."""
+    _, out = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt,
+                     "--make-vocab-size-divisible-by", "64")
+    flags = finetune_flags(out)
+    assert printed <= set(flags), flags
+    flags += ["--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *TRAIN]
+    _, log = torchrun(2, flags + layout)
+    assert "for fine-tuning from iteration 0" in log, log[-3000:]
+    tokens, labels = first_global_batch(flags, 2, 128)  # DP 2: one micro-batch of 2 a rank
+    _, expected = hf_loss(hf_model(source), tokens, labels)
+    assert math.isclose(float(losses(log)[1]), expected.item(), rel_tol=1e-5), (losses(log), expected.item())
+
+
+def saved_args(flags: list[str], **changes) -> Namespace:
+    """The saved flags of a run of `flags` (as pretrain_gpt.py saves them), with `changes`."""
+    sys.path.insert(0, ROOT)
+    from megatron.training.arguments import parse_args
+    return Namespace(**{**vars(parse_args(argv=flags)), **changes})

@@ -8,21 +8,18 @@ loss on the trainer's first micro-batch equal megatron-core's (tests/hf_referenc
 transformers goes through this project and back bit for bit, and a fine-tune of it in an EP2 layout starts from
 transformers' loss. Configurations with no exact equivalent are refused by name, each way, nothing written.
 """
-import math
 import os
-import sys
-from argparse import Namespace
 
 import pytest
 import torch
 
-from megatron_helpers import ROOT, losses, torchrun
+from megatron_helpers import torchrun
 
 pytest.importorskip("transformers")
 
-from hf_helpers import (TRAIN, assert_computes_as_megatron_core, assert_import_refused, assert_round_trip,  # noqa: E402
-                        convert, finetune_flags, first_global_batch, hf_loss, hf_model, hf_tensors, no_leftovers,
-                        reference)
+from hf_helpers import (TRAIN, assert_computes_as_megatron_core, assert_finetune_starts_from_transformers,  # noqa: E402
+                        assert_import_refused, assert_round_trip, convert, hf_model, hf_tensors, no_leftovers,
+                        reference, saved_args)
 
 DEEPSEEK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -98,25 +95,11 @@ def test_round_trip_without_q_lora_and_with_default_rope(tmp_path):
 
 
 def test_finetune_from_a_transformers_deepseek_in_an_ep2_layout(tmp_path):
-    source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
+    source = str(tmp_path / "source")
     tiny_deepseek(source, vocab=128, seed=3)
-    _, out = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt,
-                     "--make-vocab-size-divisible-by", "64")
-    flags = finetune_flags(out)
-    assert {"--multi-latent-attention", "--moe-router-enable-expert-bias", "--moe-router-num-groups"} <= set(flags)
-    flags += ["--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *TRAIN]
-    _, log = torchrun(2, flags + ["--expert-model-parallel-size", "2"])  # EP2 x DP2: 2 experts a rank
-    assert "for fine-tuning from iteration 0" in log, log[-3000:]
-    tokens, labels = first_global_batch(flags, 2, 128)  # DP 2: one micro-batch of 2 a rank
-    _, expected = hf_loss(hf_model(source), tokens, labels)
-    assert math.isclose(float(losses(log)[1]), expected.item(), rel_tol=1e-5), (losses(log), expected.item())
-
-
-def _deepseek_args(**changes) -> Namespace:
-    """The saved flags of a DeepSeek-style run (as pretrain_gpt.py saves them), with `changes`."""
-    sys.path.insert(0, ROOT)
-    from megatron.training.arguments import parse_args
-    return Namespace(**{**vars(parse_args(argv=DEEPSEEK)), **changes})
+    assert_finetune_starts_from_transformers(source, str(tmp_path / "ckpt"), {"--multi-latent-attention",
+                                             "--moe-router-enable-expert-bias", "--moe-router-num-groups"},
+                                             ["--expert-model-parallel-size", "2"])  # EP2 x DP2: 2 experts a rank
 
 
 @pytest.mark.parametrize("changes, named", [
@@ -138,7 +121,7 @@ def test_an_export_with_no_exact_deepseek_equivalent_is_refused(changes, named):
     from tools.hf import HFError
     from tools.hf.arch import geometry_from_args
     with pytest.raises(HFError) as e:
-        geometry_from_args(_deepseek_args(**changes), {}, "ckpt")
+        geometry_from_args(saved_args(DEEPSEEK, **changes), {}, "ckpt")
     assert named in str(e.value), str(e.value)
 
 

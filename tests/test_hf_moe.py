@@ -8,20 +8,17 @@ copy of it exports the same bytes. A Mixtral built with transformers goes throug
 bit, and a fine-tune of it in an EP2 layout starts from transformers' loss. MoE configurations with no exact
 Mixtral equivalent are refused by name, nothing written.
 """
-import math
-import sys
-from argparse import Namespace
 
 import pytest
 import torch
 
-from megatron_helpers import ROOT, losses, torchrun
+from megatron_helpers import torchrun
 
 pytest.importorskip("transformers")
 
-from hf_helpers import (TRAIN, assert_bit_equal, assert_computes_as_megatron_core, assert_import_refused,  # noqa: E402
-                        assert_round_trip, convert, finetune_flags, first_global_batch, hf_loss, hf_model, hf_tensors,
-                        no_leftovers, reference)
+from hf_helpers import (TRAIN, assert_bit_equal, assert_computes_as_megatron_core,  # noqa: E402
+                        assert_finetune_starts_from_transformers, assert_import_refused, assert_round_trip, convert,
+                        hf_model, hf_tensors, no_leftovers, reference, saved_args)
 
 MIXTRAL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
            "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -79,25 +76,10 @@ def test_round_trip_through_this_project_is_bit_exact(tmp_path):
 
 
 def test_finetune_from_a_transformers_mixtral_in_an_ep2_layout(tmp_path):
-    source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
+    source = str(tmp_path / "source")
     tiny_mixtral(source, vocab=128, seed=3)
-    _, out = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt,
-                     "--make-vocab-size-divisible-by", "64")
-    flags = finetune_flags(out)
-    assert {"--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size"} <= set(flags)
-    flags += ["--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *TRAIN]
-    _, log = torchrun(2, flags + ["--expert-model-parallel-size", "2"])  # EP2 x DP2: 2 experts a rank
-    assert "for fine-tuning from iteration 0" in log, log[-3000:]
-    tokens, labels = first_global_batch(flags, 2, 128)  # DP 2: one micro-batch of 2 a rank
-    _, expected = hf_loss(hf_model(source), tokens, labels)
-    assert math.isclose(float(losses(log)[1]), expected.item(), rel_tol=1e-5), (losses(log), expected.item())
-
-
-def _mixtral_args(**changes) -> Namespace:
-    """The saved flags of a Mixtral-style run (as pretrain_gpt.py saves them), with `changes`."""
-    sys.path.insert(0, ROOT)
-    from megatron.training.arguments import parse_args
-    return Namespace(**{**vars(parse_args(argv=MIXTRAL)), **changes})
+    assert_finetune_starts_from_transformers(source, str(tmp_path / "ckpt"), {"--num-experts", "--moe-router-topk",
+                                             "--moe-ffn-hidden-size"}, ["--expert-model-parallel-size", "2"])
 
 
 @pytest.mark.parametrize("changes, named", [
@@ -115,7 +97,7 @@ def test_an_export_with_no_exact_mixtral_equivalent_is_refused(changes, named):
     from tools.hf import HFError
     from tools.hf.arch import geometry_from_args
     with pytest.raises(HFError) as e:
-        geometry_from_args(_mixtral_args(**changes), {}, "ckpt")
+        geometry_from_args(saved_args(MIXTRAL, **changes), {}, "ckpt")
     assert "Mixtral (MixtralForCausalLM) differs: " in str(e.value) and named in str(e.value), str(e.value)
 
 

@@ -103,7 +103,7 @@ def test_finetune_from_a_transformers_deepseek_in_an_ep2_layout(tmp_path):
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"mtp_num_layers": 2}, "--mtp-num-layers 2: transformers' DeepseekV3 has no multi-token prediction module"),
+    ({"mtp_num_layers": 2}, "--mtp-num-layers 2: transformers has no multi-token prediction module"),
     ({"qk_layernorm": False}, "--qk-layernorm (DeepseekV3 always norms the q and kv latents) is False"),
     ({"norm_epsilon": 1e-5}, "--norm-epsilon (DeepseekV3's latent norms use 1e-6) is 1e-05"),
     ({"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False},

@@ -102,15 +102,17 @@ def _refuse_unsupported(args, where: str) -> None:
 
 def geometry_from_args(args, shapes: dict[str, tuple], where: str, drop_mtp: bool = False) -> Geometry:
     """The architecture of a checkpoint from its saved flags, checked against its tensors' shapes (`drop_mtp`:
-    leave out the multi-token prediction layers of a DeepSeek-style run)."""
+    leave out the multi-token prediction layers of the run)."""
     if args is None:
         raise HFError(f"{where} has no saved `args` (a model-only checkpoint?): its architecture cannot be read "
                       f"from it; convert a checkpoint written by pretrain_gpt.py or by --from hf")
+    mtp = _get(args, "mtp_num_layers")
+    if mtp and not drop_mtp:
+        raise HFError(f"{where}: --mtp-num-layers {mtp}: transformers has no multi-token prediction module "
+                      f"(DeepseekV3's config counts MTP layers but builds none); export with --drop-mtp to leave "
+                      f"those layers out (the main model's logits are exact without them)")
     if _get(args, "multi_latent_attention"):
-        return _deepseek_geometry(args, shapes, where, drop_mtp)
-    if _get(args, "mtp_num_layers"):
-        raise HFError(f"{where}: --mtp-num-layers {_get(args, 'mtp_num_layers')}: multi-token prediction is "
-                      f"exported only with multi-latent attention, as DeepseekV3 (with --drop-mtp)")
+        return _deepseek_geometry(args, shapes, where)
     _refuse_unsupported(args, where)
     if _get(args, "num_experts"):
         return _mixtral_geometry(args, shapes, where)
@@ -132,8 +134,8 @@ def _mixtral_geometry(args, shapes: dict, where: str) -> Geometry:
                      aux_loss=float(_get(args, "moe_aux_loss_coeff") or 0.0))
 
 
-def _deepseek_geometry(args, shapes: dict, where: str, drop_mtp: bool) -> Geometry:
-    ds = deepseek_from_args(args, where, drop_mtp)
+def _deepseek_geometry(args, shapes: dict, where: str) -> Geometry:
+    ds = deepseek_from_args(args, where)
     heads = _get(args, "num_attention_heads")
     if "embedding.word_embeddings.weight" not in shapes:
         raise HFError(f"{where} lacks the model weight embedding.word_embeddings.weight")

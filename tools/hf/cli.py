@@ -12,7 +12,7 @@ def add_arguments(ap) -> None:
     g.add_argument("--max-shard-size", type=int, default=DEFAULT_SHARD_BYTES, metavar="BYTES",
                    help=f"--to hf: safetensors shards of at most BYTES [{DEFAULT_SHARD_BYTES}]")
     g.add_argument("--drop-mtp", action="store_true",
-                   help="--to hf: leave out a DeepSeek-style run's multi-token prediction layers (transformers' "
+                   help="--to hf: leave out the run's multi-token prediction layers (transformers' "
                         "DeepseekV3 has none; the main model's logits do not depend on them)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
                    help="--from hf: pad the vocabulary as pretrain_gpt.py will, to a multiple of N x TP [128]")

@@ -10,8 +10,7 @@ What both compute, and so what is checked:
   both set, or mscale is 1 (transformers then ignores mscale); the softmax scale is mscale_all_dim's on both sides;
 - routing: transformers scores by sigmoid only, chooses among groups by their top-2 scores (megatron-core: their
   top topk/group_topk), normalises the chosen weights as megatron-core does for top-k > 1, then scales them.
-Multi-token prediction has no transformers module: refused, or dropped with --drop-mtp (the main model's logits
-do not depend on it).
+Multi-token prediction has no transformers module (arch.py refuses it unless --drop-mtp leaves it out).
 """
 from __future__ import annotations
 
@@ -119,21 +118,16 @@ def _routing_from_args(args) -> tuple[dict, list[str]]:
                          f"{topk // group_topk}; the groups must divide --num-experts {experts})")
     else:
         groups = group_topk = 1
-    return dict(dense_layers=0, moe_ffn=moe_ffn, shared_experts=(shared or 0) // moe_ffn, groups=groups,
+    return dict(moe_ffn=moe_ffn, shared_experts=(shared or 0) // moe_ffn, groups=groups,
                 group_topk=group_topk, scaling=float(_get(args, "moe_router_topk_scaling_factor") or 1.0),
                 expert_bias=bool(_get(args, "moe_router_enable_expert_bias"))), diffs
 
 
-def deepseek_from_args(args, where: str, drop_mtp: bool) -> DeepSeek:
+def deepseek_from_args(args, where: str) -> DeepSeek:
     """The DeepSeek part of an MLA checkpoint's geometry; refuses what DeepseekV3 does not compute, by flag."""
     if not _get(args, "num_experts"):
         raise HFError(f"{where}: multi-latent attention without --num-experts: this converter exports MLA only as "
                       f"DeepseekV3ForCausalLM, whose MoE layers need experts")
-    mtp = _get(args, "mtp_num_layers")
-    if mtp and not drop_mtp:
-        raise HFError(f"{where}: --mtp-num-layers {mtp}: transformers' DeepseekV3 has no multi-token prediction "
-                      f"module; export with --drop-mtp to leave those layers out (the main model's logits are "
-                      f"exact without them)")
     rope, rope_diffs = _rope_from_args(args)
     dense, layer_diffs = _layer_pattern(args)
     routing, routing_diffs = _routing_from_args(args)
@@ -144,7 +138,7 @@ def deepseek_from_args(args, where: str, drop_mtp: bool) -> DeepSeek:
     return DeepSeek(q_lora_rank=_get(args, "q_lora_rank"), kv_lora_rank=_get(args, "kv_lora_rank"),
                     qk_nope_dim=_get(args, "qk_head_dim"), qk_rope_dim=_get(args, "qk_pos_emb_head_dim"),
                     v_head_dim=_get(args, "v_head_dim"), rope=tuple(sorted(rope.items())),
-                    **{**routing, "dense_layers": dense})
+                    dense_layers=dense, **routing)
 
 
 def deepseek_config(geo, dtype: str) -> dict:

@@ -87,7 +87,7 @@ def _copy_tokenizer(out: OutputDirectory, directory: str) -> None:
 def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None, drop_mtp: bool = False) -> str:
     """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format);
-    `drop_mtp` leaves a DeepSeek-style run's multi-token prediction layers out."""
+    `drop_mtp` leaves the run's multi-token prediction layers out."""
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise HFError(f"--tokenizer {tokenizer!r} is not a directory")
     source = open_source(kind, path, STAGING_BYTES, init_distributed)

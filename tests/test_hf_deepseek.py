@@ -4,7 +4,8 @@ A tiny DeepSeek-style model (test_deepseek.py's shape in fp32: multi-latent atte
 YaRN, a dense first layer then an MoE layer of 4 routed experts beside a shared one, sigmoid routing limited to 1
 of 2 groups with the expert bias and a top-k scaling factor, one multi-token prediction layer) trained 2
 iterations with EP2 is exported: refused while it has its MTP layer, exported with --drop-mtp, and its logits and
-loss on the trainer's first micro-batch equal megatron-core's (tests/hf_reference.py). A DeepseekV3 built with
+loss on the trainer's first micro-batch equal megatron-core's (tests/hf_reference.py); a torch_dist copy of it
+exports the same bytes. A DeepseekV3 built with
 transformers goes through this project and back bit for bit, and a fine-tune of it in an EP2 layout starts from
 transformers' loss. Configurations with no exact equivalent are refused by name, each way, nothing written.
 """
@@ -17,9 +18,9 @@ from megatron_helpers import torchrun
 
 pytest.importorskip("transformers")
 
-from hf_helpers import (TRAIN, assert_computes_as_megatron_core, assert_finetune_starts_from_transformers,  # noqa: E402
-                        assert_import_refused, assert_round_trip, convert, hf_model, hf_tensors, no_leftovers,
-                        reference, saved_args)
+from hf_helpers import (TRAIN, assert_bit_equal, assert_computes_as_megatron_core,  # noqa: E402
+                        assert_finetune_starts_from_transformers, assert_import_refused, assert_round_trip, convert,
+                        hf_model, hf_tensors, no_leftovers, reference, saved_args)
 
 DEEPSEEK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -64,6 +65,14 @@ def test_export_drops_mtp_only_when_asked_and_computes_what_megatron_core_comput
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
     ref = reference(trained, str(tmp_path / "reference.pt"), DEEPSEEK + TRAIN)  # the main model alone
     assert_computes_as_megatron_core(model, ref)
+
+
+def test_export_from_torch_dist_equals_export_from_datastates(trained, tmp_path):
+    convert("--from", "datastates", "--to", "torch_dist", "--input", trained, "--output", str(tmp_path / "td"))
+    convert("--from", "torch_dist", "--to", "hf", "--input", str(tmp_path / "td"), "--output", str(tmp_path / "a"),
+            "--drop-mtp")
+    convert("--from", "datastates", "--to", "hf", "--input", trained, "--output", str(tmp_path / "b"), "--drop-mtp")
+    assert_bit_equal(hf_tensors(str(tmp_path / "a")), hf_tensors(str(tmp_path / "b")))
 
 
 def tiny_deepseek(directory: str, vocab: int, seed: int = 0, rope=None, **overrides) -> None:

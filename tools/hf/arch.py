@@ -141,7 +141,8 @@ def _deepseek_geometry(args, shapes: dict, where: str) -> Geometry:
         raise HFError(f"{where} lacks the model weight embedding.word_embeddings.weight")
     geo = Geometry(arch="deepseek_v3", layers=_get(args, "num_layers"), hidden=_get(args, "hidden_size"),
                    ffn=_get(args, "ffn_hidden_size"), heads=heads, groups=heads, head_dim=ds.v_head_dim,
-                   vocab=_get(args, "vocab_size"), bias=False, tied=not _get(args, "untie_embeddings_and_output_weights"),
+                   vocab=_get(args, "vocab_size"), bias=False,
+                   tied=not _get(args, "untie_embeddings_and_output_weights"),
                    max_positions=_get(args, "max_position_embeddings") or _get(args, "seq_length"),
                    norm_eps=_get(args, "norm_epsilon"), experts=_get(args, "num_experts"),
                    topk=_get(args, "moe_router_topk"), deepseek=ds)

@@ -37,7 +37,8 @@ def _attention(geo, hf: str) -> list[tuple[str, tuple[str, ...], str | None]]:
                   (att + "linear_kv_up_proj.weight", (hf + "self_attn.kv_b_proj.weight",), None),
                   (att + "linear_proj.weight", (hf + "self_attn.o_proj.weight",), None),
                   ("input_layernorm.weight", (hf + "input_layernorm.weight",), None),
-                  ("pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "mlp.linear_fc1.layer_norm_weight")]
+                  ("pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",),
+                   "mlp.linear_fc1.layer_norm_weight")]
 
 
 def _swiglu(megatron: str, hf: str) -> list[tuple]:
@@ -89,6 +90,7 @@ def deepseek_extra_state(geo) -> dict[str, tuple[int, ...]]:
             linears += ["mlp.linear_fc1", "mlp.linear_fc2"]
         else:
             linears += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
-            out.update({f"{own}mlp.experts.experts.{fc}._extra_state": (geo.experts,) for fc in ("linear_fc1", "linear_fc2")})
+            out.update({f"{own}mlp.experts.experts.{fc}._extra_state": (geo.experts,)
+                        for fc in ("linear_fc1", "linear_fc2")})
         out.update({f"{own}{name}._extra_state": (1,) for name in linears})
     return out

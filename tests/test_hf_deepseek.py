@@ -134,6 +134,19 @@ def test_an_export_with_no_exact_deepseek_equivalent_is_refused(changes, named):
     assert named in str(e.value), str(e.value)
 
 
+def test_an_export_whose_tensors_do_not_fit_its_flags_is_refused():
+    from tools.hf import HFError
+    from tools.hf.arch import geometry_from_args
+    shapes = {"embedding.word_embeddings.weight": (128, 64),
+              "decoder.layers.1.self_attention.linear_q_up_proj.weight": (4 * (16 + 8), 32),
+              "decoder.layers.1.self_attention.linear_kv_down_proj.weight": (16 + 8, 64),
+              "decoder.layers.1.self_attention.linear_kv_up_proj.weight": (4 * 16 + 4 * 8, 16)}  # a wrong v-head-dim
+    with pytest.raises(HFError) as e:
+        geometry_from_args(saved_args(DEEPSEEK), shapes, "ckpt")
+    assert "decoder.layers.1.self_attention.linear_kv_up_proj.weight has shape (96, 16), but the saved flags" \
+           in str(e.value) and "make it (128, 16)" in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("overrides, named", [
     ({"rope_interleave": False}, "rope_interleave is False (needs True)"),
     ({"rms_norm_eps": 1e-5}, "rms_norm_eps is 1e-05 (needs 1e-06)"),

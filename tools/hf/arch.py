@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import HFError, saved_flag
-from .deepseek import DeepSeek, deepseek_config, deepseek_flags, deepseek_from_args, deepseek_from_config
+from .deepseek import (DeepSeek, check_deepseek_shapes, deepseek_config, deepseek_flags, deepseek_from_args,
+                       deepseek_from_config)
 
 ROPE_BASE = 10000.0  # megatron-core's RotaryEmbedding default; this trainer has no --rotary-base flag
 
@@ -148,6 +149,7 @@ def _deepseek_geometry(args, shapes: dict, where: str) -> Geometry:
                    topk=_get(args, "moe_router_topk"), deepseek=ds)
     if shapes["embedding.word_embeddings.weight"][0] < geo.vocab:
         raise HFError(f"{where}: the word embedding has fewer rows than --vocab-size {geo.vocab}")
+    check_deepseek_shapes(geo, shapes, where)
     return geo
 
 

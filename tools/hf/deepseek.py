@@ -141,6 +141,23 @@ def deepseek_from_args(args, where: str) -> DeepSeek:
                     dense_layers=dense, **routing)
 
 
+def check_deepseek_shapes(geo, shapes: dict, where: str) -> None:
+    """The latent projections and experts of the last layer (an MoE one), against the saved flags."""
+    ds: DeepSeek = geo.deepseek
+    q = ("linear_q_up_proj", ds.q_lora_rank) if ds.q_lora_rank else ("linear_q_proj", geo.hidden)
+    want = {f"self_attention.{q[0]}.weight": (geo.heads * (ds.qk_nope_dim + ds.qk_rope_dim), q[1]),
+            "self_attention.linear_kv_down_proj.weight": (ds.kv_lora_rank + ds.qk_rope_dim, geo.hidden),
+            "self_attention.linear_kv_up_proj.weight": (geo.heads * (ds.qk_nope_dim + ds.v_head_dim), ds.kv_lora_rank),
+            "mlp.experts.experts.linear_fc2.weight": (geo.experts, geo.hidden, ds.moe_ffn)}
+    last = geo.layers - 1
+    for suffix, shape in want.items():
+        own, stacked = shapes.get(f"decoder.layers.{last}.{suffix}"), shapes.get(f"decoder.layers.{suffix}")
+        got = tuple(own) if own is not None else tuple(stacked[1:]) if stacked is not None else None
+        if got != shape:
+            raise HFError(f"{where}: decoder.layers.{last}.{suffix} has shape {got}, but the saved flags (heads, "
+                          f"hidden size, the MLA and expert flags) make it {shape}")
+
+
 def deepseek_config(geo, dtype: str) -> dict:
     """config.json of the DeepseekV3ForCausalLM that computes what megatron-core computed."""
     ds: DeepSeek = geo.deepseek

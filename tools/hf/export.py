@@ -24,9 +24,9 @@ STAGING_BYTES = 32 << 20
 DEFAULT_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "vocab.txt", "chat_template.jinja")
+MTP = "mtp."  # megatron-core's multi-token prediction block
 # where megatron-core puts optimizer state: `optimizer.`, or `chained_<k>.optimizer.` for the ChainedOptimizer of a
 # mixture of experts (a dense and an expert optimizer)
-MTP = "mtp."  # megatron-core's multi-token prediction block
 NOT_MODEL = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 log = logging.getLogger("tools.hf.export")

@@ -138,8 +138,14 @@ def assert_finetune_starts_from_transformers(source: str, ckpt: str, printed: se
     assert math.isclose(float(losses(log)[1]), expected.item(), rel_tol=1e-5), (losses(log), expected.item())
 
 
-def saved_args(flags: list[str], **changes) -> Namespace:
-    """The saved flags of a run of `flags` (as pretrain_gpt.py saves them), with `changes`."""
+def export_refusal(flags: list[str], shapes: dict | None = None, **changes) -> str:
+    """The message with which the export refuses a checkpoint saved with `flags` (as pretrain_gpt.py saves them),
+    with `changes`, whose tensors have `shapes` (none by default: the flags are refused first)."""
+    import pytest
     sys.path.insert(0, ROOT)
     from megatron.training.arguments import parse_args
-    return Namespace(**{**vars(parse_args(argv=flags)), **changes})
+    from tools.hf import HFError
+    from tools.hf.arch import geometry_from_args
+    with pytest.raises(HFError) as e:
+        geometry_from_args(Namespace(**{**vars(parse_args(argv=flags)), **changes}), shapes or {}, "ckpt")
+    return str(e.value)

@@ -23,22 +23,22 @@ from test_moe import adam_steps
 from test_reshard import assert_same_tensors, read_full
 
 N = 4
+# multi-latent attention
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--rotary-scaling-factor", "40",
+       "--mscale-all-dim", "1.0"]
+# a dense layer, then routed experts beside a shared one, balanced by the expert bias
+ROUTED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
+          "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
+          "--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "none"]
+# one multi-token prediction layer
+MTP_FLAGS = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"]
 DEEPSEEK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--seed", "1234", "--train-iters", str(2 * N),
             "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
             "--untie-embeddings-and-output-weights", "--bf16", "--use-distributed-optimizer", "--no-ckpt-fsync",
-            "--dist-ckpt-optim-fully-reshardable",
-            # multi-latent attention
-            "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
-            "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--rotary-scaling-factor", "40",
-            "--mscale-all-dim", "1.0",
-            # a dense layer, then routed experts beside a shared one, balanced by the expert bias
-            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
-            "[0,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
-            "--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "none",
-            # one multi-token prediction layer
-            "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"]
+            "--dist-ckpt-optim-fully-reshardable", *MLA, *ROUTED, *MTP_FLAGS]
 EP2 = DEEPSEEK + ["--expert-model-parallel-size", "2"]
 MTP_LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* mtp_1 loss: ([^ ]+) \|")
 BIAS = "decoder.layers.1.mlp.router.expert_bias"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_helpers import torchrun
+from test_deepseek import MLA, MTP_FLAGS, ROUTED
 
 pytest.importorskip("transformers")
 
@@ -26,15 +27,8 @@ DEEPSEEK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
             "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-            "--ffn-hidden-size", "96",
-            "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
-            "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--rotary-scaling-factor", "40",
-            "--mscale-all-dim", "1.0",
-            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
-            "[0,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
-            "--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "none",
+            "--ffn-hidden-size", "96", *MLA, *ROUTED,
             "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5"]
-MTP = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"]
 YARN = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0,
         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0}
 
@@ -43,7 +37,7 @@ YARN = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.
 def trained(tmp_path_factory):
     """The save root of 2 iterations of the tiny DeepSeek-style model with its MTP layer, EP2 on 2 ranks."""
     save = str(tmp_path_factory.mktemp("deepseek") / "ckpt")
-    torchrun(2, DEEPSEEK + MTP + TRAIN + ["--expert-model-parallel-size", "2", "--save", save, "--save-interval", "2"])
+    torchrun(2, DEEPSEEK + MTP_FLAGS + TRAIN + ["--expert-model-parallel-size", "2", "--save", save, "--save-interval", "2"])
     return save
 
 

@@ -7,7 +7,7 @@
     python tools/convert_checkpoint.py --from datastates --to hf          --input ckpt     --output hf_model
     python tools/convert_checkpoint.py --from hf         --to datastates  --input hf_model --output ckpt_ft
 
---to hf / --from hf: a transformers model directory (Llama, Mixtral or GPT-2), streamed layer by layer, see
+--to hf / --from hf: a transformers model directory (Llama, Mixtral, DeepSeek-V3 or GPT-2), streamed layer by layer, see
 docs/huggingface.md.
 
 --input is a save root (its latest published iteration is converted; --iteration N picks another) or an

@@ -9,38 +9,22 @@ flops_per_iteration for one micro-batch exactly.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_helpers import TINY
 from test_deepseek import DEEPSEEK
+from test_megatron_load_order import gloo  # noqa: F401  (a gloo world of 1, cpu_shim installed)
 from test_moe import MIXTRAL
 
-LLAMA = TINY + ["--global-batch-size", "2", "--train-iters", "1", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-                "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--ffn-hidden-size",
-                "96", "--group-query-attention", "--num-query-groups", "2", "--make-vocab-size-divisible-by", "64"]
-# the other branches: GELU, an MoE layer every 2nd (an int), MLA with one full query projection, two
-# MTP layers over a dense last layer
-OTHER = TINY + ["--global-batch-size", "2", "--train-iters", "1", "--make-vocab-size-divisible-by", "64",
-                "--position-embedding-type", "rope", "--disable-bias-linear", "--num-experts", "4", "--moe-layer-freq", "2",
-                "--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
-                "--v-head-dim", "16", "--mtp-num-layers", "2"]
+ONE_RANK = TINY + ["--global-batch-size", "2", "--train-iters", "1", "--make-vocab-size-divisible-by", "64",
+                   "--position-embedding-type", "rope", "--disable-bias-linear"]
+LLAMA = ONE_RANK + ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+                    "--ffn-hidden-size", "96", "--group-query-attention", "--num-query-groups", "2"]
+# the other branches: GELU, an MoE layer every 2nd (an int), MLA with one full query projection, two MTP layers
+# over a dense last layer
+OTHER = ONE_RANK + ["--num-experts", "4", "--moe-layer-freq", "2", "--multi-latent-attention", "--kv-lora-rank", "16",
+                    "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--mtp-num-layers", "2"]
 MODELS = {"dense_gqa_swiglu": LLAMA, "mixtral_top2_of_4": MIXTRAL, "deepseek_mla_shared_expert_mtp": DEEPSEEK,
           "gelu_moe_every_2nd_mla_full_queries_2_mtp": OTHER}
-
-
-@pytest.fixture(scope="module")
-def gloo(tmp_path_factory):
-    """A gloo world of 1 with cpu_shim installed, as initialize_megatron finds it (it keeps the process group)."""
-    import torch.distributed as dist
-    from megatron.training import cpu_shim
-    was = cpu_shim.installed()
-    cpu_shim.install()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store')}/s", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-    if not was:
-        cpu_shim.uninstall()
 
 
 @pytest.fixture

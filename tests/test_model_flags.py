@@ -50,11 +50,13 @@ def test_moe_layer_freq_is_parsed_not_evaluated():
         parse_args(argv=BASE + MOE + ["--moe-layer-freq", "__import__('os')"])
 
 
-def test_expert_biases_need_expert_tp_1():
+def test_expert_biases_are_refused_where_megatron_core_cannot_train_them():
     argv = [f for f in BASE if f != "--disable-bias-linear"] + MOE
     with pytest.raises(ArgumentError, match="biases only with expert TP 1; pass --disable-bias-linear"):
         validate_args(parse_args(argv=argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), 4,
                       cuda=False)
+    with pytest.raises(ArgumentError, match="SequentialMLP experts .* pass --disable-bias-linear"):
+        validate_args(parse_args(argv=argv), 4, cuda=False)  # the local layer spec: what pretrain_gpt.py crashed on
 
 
 def test_virtual_pipeline_sizes():

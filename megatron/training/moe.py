@@ -118,6 +118,11 @@ def validate_moe(args, world_size: int, cuda: bool) -> None:
     if not args.disable_bias_linear and etp != 1:
         raise ValueError(f"--expert-tensor-parallel-size {etp}: megatron-core's experts have biases only with "
                          "expert TP 1; pass --disable-bias-linear")
+    if not args.disable_bias_linear and args.transformer_impl == "local":
+        raise ValueError("--num-experts with biased linear layers (no --disable-bias-linear): megatron-core's local "
+                         "SequentialMLP experts (0.16.1 and 0.19.2, transformer/mlp.py) add the expert bias in place "
+                         "to the output of an autograd function, which PyTorch refuses in training; pass "
+                         "--disable-bias-linear")
     if args.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex needs DeepEP on CUDA; use allgather or alltoall")
     if args.moe_grouped_gemm and not cuda:

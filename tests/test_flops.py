@@ -12,7 +12,6 @@ import pytest
 
 from megatron_helpers import TINY
 from test_deepseek import DEEPSEEK
-from test_megatron_load_order import gloo  # noqa: F401  (a gloo world of 1, cpu_shim installed)
 from test_moe import MIXTRAL
 
 ONE_RANK = TINY + ["--global-batch-size", "2", "--train-iters", "1", "--make-vocab-size-divisible-by", "64",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from datastates import CheckpointEngine, commit
@@ -34,20 +33,6 @@ def _expert_state(weight: torch.Tensor) -> dict:
         return torch.stack(sub_state_dict["data"])
 
     return {"fc1": ShardedTensorFactory("decoder.experts.fc1", weight, build, merge, replica_id=(0, 0, 0))}
-
-
-@pytest.fixture(scope="module")
-def gloo(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.training import cpu_shim
-    was = cpu_shim.installed()
-    cpu_shim.install()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store')}/s", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-    if not was:
-        cpu_shim.uninstall()
 
 
 def test_factory_merge_reads_a_nonpersistent_value_as_in_megatron_core(tmp_path, gloo):

@@ -269,22 +269,6 @@ def test_inspect_usage_errors(tmp_path, capsys):
 # ----- convert -----
 
 @pytest.fixture(scope="module")
-def gloo():
-    """A gloo world of one process in this test process, for stock megatron-core loads."""
-    import torch.distributed as dist
-    from megatron.training import cpu_shim
-    cpu_shim.install()
-    store = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"test_tools_store_{os.getpid()}")
-    if os.path.exists(store):
-        os.unlink(store)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    if os.path.exists(store):
-        os.unlink(store)
-
-
-@pytest.fixture(scope="module")
 def torch_dist_ckpt(ckpt, tmp_path_factory):
     root, _ = ckpt
     out = tmp_path_factory.mktemp("td")

@@ -15,7 +15,9 @@ iteration directory. A datastates input must be published (metadata.json present
 (every rank's files, every global tensor fully covered by written shards): otherwise the tool stops with a
 message naming the path and what is missing, before writing anything.
 
-What is carried over (one process does it all; the whole state is held in memory once):
+What is carried over (one process does it all; the whole state is held in memory once: for a state larger than
+one host's memory, convert between datastates and torch_dist with the trainer, `--load IN --save OUT
+--save-after-load --ckpt-format FORMAT`, docs/from-megatron-lm.md):
 - global tensors (megatron-core ShardedTensors: name = sharded key, global shape with prepended axes) are
   assembled into their full value from every rank's shards (every byte checksum-verified while reading) and
   written whole: a torch_dist checkpoint (one DCP chunk per layer, and per expert, of a layer-stacked tensor) any

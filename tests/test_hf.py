@@ -37,13 +37,21 @@ ARCHS = {"llama-untied-gqa": LLAMA + ["--disable-bias-linear", "--untie-embeddin
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """arch -> (save root, model flags) of a TP2 x PP2 run of 2 iterations."""
+    """arch -> (save root, model flags) of a TP2 x PP2 run of 2 iterations; the GPT-2 run names a transformers
+    tokenizer (--tokenizer-type HuggingFaceTokenizer), which its export carries."""
+    tokenizer = str(tmp_path_factory.mktemp("tokenizer"))
+    tiny_tokenizer(tokenizer)
     out = {}
     for arch, flags in ARCHS.items():
         save = str(tmp_path_factory.mktemp(arch) / "ckpt")
-        torchrun(4, MODEL + flags + TRAIN + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                                             "2", "--save", save, "--save-interval", "2"])
-        out[arch] = (save, MODEL + flags)
+        model = MODEL + flags
+        if arch == "gpt2":  # the tokenizer's 128 words are the vocabulary
+            at = model.index("--vocab-size")
+            model = model[:at] + model[at + 2:] + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                                   tokenizer]
+        torchrun(4, model + TRAIN + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--save", save, "--save-interval", "2"])
+        out[arch] = (save, model)
     return out
 
 
@@ -165,22 +173,28 @@ def test_import_and_export_of_a_model_larger_than_the_budget_stay_within_it(tmp_
 
 
 def tiny_tokenizer(directory: str) -> None:
-    """A word-level tokenizer of 128 words, built here (tests never fetch from a hub)."""
+    """A word-level tokenizer of 128 words (the trainer's mock data needs its end-of-document token), built here
+    (tests never fetch from a hub)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(127)} | {"[UNK]": 127}, unk_token="[UNK]"))
+    words = {f"w{i}": i for i in range(126)} | {"</s>": 126, "[UNK]": 127}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(directory)
 
 
 def test_export_carries_the_tokenizer(trained, tmp_path):
+    """The run's own transformers tokenizer (GPT-2's run), or the one --tokenizer names (Llama's run had none)."""
     from transformers import AutoTokenizer
     tiny_tokenizer(str(tmp_path / "tok"))
-    out = str(tmp_path / "hf")
-    convert("--from", "datastates", "--to", "hf", "--input", trained["gpt2"][0], "--output", out,
-            "--tokenizer", str(tmp_path / "tok"))
-    assert AutoTokenizer.from_pretrained(out)("w5 w7 w126")["input_ids"] == [5, 7, 126]
-    assert hf_model(out).config.vocab_size == 128
+    for arch, more in (("gpt2", ()), ("llama-tied-bias", ("--tokenizer", str(tmp_path / "tok")))):
+        out = str(tmp_path / arch)
+        convert("--from", "datastates", "--to", "hf", "--input", trained[arch][0], "--output", out, *more)
+        assert AutoTokenizer.from_pretrained(out)("w5 w7 w125")["input_ids"] == [5, 7, 125]
+        assert hf_model(out).config.vocab_size == 128
+    convert("--from", "datastates", "--to", "hf", "--input", trained["llama-untied-gqa"][0], "--output",
+            str(tmp_path / "none"))
+    assert not [n for n in os.listdir(tmp_path / "none") if n.startswith("tokenizer")]
 
 
 def _flip_byte_of(ckpt: str, tensor: str) -> None:

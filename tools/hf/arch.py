@@ -135,6 +135,16 @@ def _mixtral_geometry(args, shapes: dict, where: str) -> Geometry:
                      aux_loss=float(_get(args, "moe_aux_loss_coeff") or 0.0))
 
 
+def _vocab(args, where: str) -> int:
+    """The run's real vocabulary: --vocab-size, or its tokenizer's, which this trainer saves beside the flags."""
+    vocab = _get(args, "vocab_size") or _get(args, "tokenizer_vocab_size")
+    if not vocab:
+        raise HFError(f"{where}: the saved flags hold no vocabulary size (--vocab-size unset with --tokenizer-type "
+                      f"{_get(args, 'tokenizer_type')}, and no tokenizer_vocab_size, which this trainer saves): the "
+                      f"padded rows of the embedding cannot be told from the real ones")
+    return vocab
+
+
 def _deepseek_geometry(args, shapes: dict, where: str) -> Geometry:
     ds = deepseek_from_args(args, where)
     heads = _get(args, "num_attention_heads")
@@ -142,7 +152,7 @@ def _deepseek_geometry(args, shapes: dict, where: str) -> Geometry:
         raise HFError(f"{where} lacks the model weight embedding.word_embeddings.weight")
     geo = Geometry(arch="deepseek_v3", layers=_get(args, "num_layers"), hidden=_get(args, "hidden_size"),
                    ffn=_get(args, "ffn_hidden_size"), heads=heads, groups=heads, head_dim=ds.v_head_dim,
-                   vocab=_get(args, "vocab_size"), bias=False,
+                   vocab=_vocab(args, where), bias=False,
                    tied=not _get(args, "untie_embeddings_and_output_weights"),
                    max_positions=_get(args, "max_position_embeddings") or _get(args, "seq_length"),
                    norm_eps=_get(args, "norm_epsilon"), experts=_get(args, "num_experts"),
@@ -164,7 +174,7 @@ def _geometry(arch: str, args, shapes: dict, fc2_key: str, where: str, **moe) ->
                       f"layers, as megatron-core saves them)")
     geo = Geometry(arch=arch, layers=_get(args, "num_layers"), hidden=hidden, ffn=fc2[-1], heads=heads,
                    groups=groups, head_dim=_get(args, "kv_channels") or hidden // heads,
-                   vocab=_get(args, "vocab_size"), bias=not _get(args, "disable_bias_linear"),
+                   vocab=_vocab(args, where), bias=not _get(args, "disable_bias_linear"),
                    tied=not _get(args, "untie_embeddings_and_output_weights"),
                    max_positions=_get(args, "max_position_embeddings") or _get(args, "seq_length"),
                    norm_eps=_get(args, "norm_epsilon"), **moe)

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from . import HFError
+from . import HFError, saved_flag
 from .arch import geometry_from_args, hf_config
 from .mapping import Rule, rules_for, unit_indices
 from .source import open_source
@@ -76,12 +76,30 @@ def _plan(rules: list[Rule], tensors: dict, geo) -> list[Planned]:
     return out
 
 
+def _tokenizer_files(directory: str) -> list[str]:
+    return [os.path.join(directory, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
+
+
+def _run_tokenizer(args) -> str | None:
+    """The run's own transformers tokenizer directory (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR),
+    when it is still there; None (said why, when there was one) otherwise."""
+    directory = saved_flag(args, "tokenizer_model")
+    if saved_flag(args, "tokenizer_type") != "HuggingFaceTokenizer" or not directory:
+        return None
+    if not os.path.isdir(directory) or not _tokenizer_files(directory):
+        log.warning("the run's tokenizer (--tokenizer-model %s) is not a tokenizer directory here: exporting without "
+                    "tokenizer files (name one with --tokenizer DIR)", directory)
+        return None
+    log.info("copying the run's tokenizer files from %s (--tokenizer-model)", directory)
+    return directory
+
+
 def _copy_tokenizer(out: OutputDirectory, directory: str) -> None:
-    found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
+    found = _tokenizer_files(directory)
     if not found:
         raise HFError(f"--tokenizer {directory!r} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}")
-    for name in found:
-        out.copy_in(os.path.join(directory, name))
+    for path in found:
+        out.copy_in(path)
 
 
 def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
@@ -94,6 +112,7 @@ def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
     try:
         tensors = source.tensors
         geo = geometry_from_args(source.args(), {n: s for n, (s, _) in tensors.items()}, source.path, drop_mtp)
+        tokenizer = tokenizer if tokenizer is not None else _run_tokenizer(source.args())
         rules = [r.with_key(tensors) for r in rules_for(geo, tensors)]
         _check_names(rules, _exported(model_tensors(tensors), drop_mtp), source.path, geo.arch)
         dtype = tensors["embedding.word_embeddings.weight"][1]

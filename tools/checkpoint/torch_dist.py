@@ -14,9 +14,8 @@ from datastates import format as fmt
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_input, resolve_output
-from .torch_dist_writer import Pieces, save_torch_dist
+from .torch_dist_writer import COMMON_FILE, Pieces, save_torch_dist
 
-TORCH_DIST_COMMON_FILE = "common.pt"            # megatron-core <= 0.16
 TORCH_DIST_COMMON_OBJECT = "common_state"       # megatron-core 0.19: a ShardedObject inside the DCP files
 SHARDED_KEY = "__datastates_sharded__"          # where the sharded part goes in a state dict the engine saves
 
@@ -91,11 +90,11 @@ def _torch_dist_common(ckpt: str, meta: dict, loaded: dict):
     for k in inside:
         del meta[k]
     values = [loaded.pop(k) for k in inside]
-    if os.path.exists(os.path.join(ckpt, TORCH_DIST_COMMON_FILE)):
+    if os.path.exists(os.path.join(ckpt, COMMON_FILE)):
         from megatron.core import dist_checkpointing
         return dist_checkpointing.load_common_state_dict(ckpt)
     if not values:
-        raise ConvertError(f"torch_dist checkpoint {ckpt!r} has no common state: neither {TORCH_DIST_COMMON_FILE} "
+        raise ConvertError(f"torch_dist checkpoint {ckpt!r} has no common state: neither {COMMON_FILE} "
                            f"nor a {TORCH_DIST_COMMON_OBJECT!r} object")
     return values[0]
 

@@ -37,7 +37,7 @@ from datastates import format as fmt
 
 from .paths import ConvertError
 
-COMMON_FILE = "common.pt"
+COMMON_FILE = "common.pt"  # the common state: written by megatron-core <= 0.16, read by 0.19 too
 CONFIG_FILE = "metadata.json"
 
 

@@ -157,8 +157,7 @@ def _deepseek_geometry(args, shapes: dict, where: str) -> Geometry:
                    max_positions=_get(args, "max_position_embeddings") or _get(args, "seq_length"),
                    norm_eps=_get(args, "norm_epsilon"), experts=_get(args, "num_experts"),
                    topk=_get(args, "moe_router_topk"), deepseek=ds)
-    if shapes["embedding.word_embeddings.weight"][0] < geo.vocab:
-        raise HFError(f"{where}: the word embedding has fewer rows than --vocab-size {geo.vocab}")
+    _check_embedding(geo, shapes, where)
     check_deepseek_shapes(geo, shapes, where)
     return geo
 
@@ -192,6 +191,10 @@ def _check_shapes(geo: Geometry, shapes: dict, where: str) -> None:
     if geo.experts and router != (geo.layers, geo.experts, geo.hidden):
         raise HFError(f"{where}: decoder.layers.mlp.router.weight has shape {router}, but the saved flags (layers, "
                       f"--num-experts, hidden size) make it {(geo.layers, geo.experts, geo.hidden)}")
+    _check_embedding(geo, shapes, where)
+
+
+def _check_embedding(geo: Geometry, shapes: dict, where: str) -> None:
     if shapes["embedding.word_embeddings.weight"][0] < geo.vocab:
         raise HFError(f"{where}: the word embedding has fewer rows than --vocab-size {geo.vocab}")
 

@@ -21,7 +21,9 @@ if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$sources" ] && "$VENV/bin/pyt
   EXTRAS="$(sed -n 2p "$stamp"),$EXTRAS"
 fi
 echo "setting up $VENV ($("$PY" --version); extras: $EXTRAS; $TORCH_PIN)..." >&2
-# build requirements first (no build isolation: the native module builds against this venv's pybind11)
-"$VENV/bin/python" -m pip install --quiet "$TORCH_PIN" "pybind11>=2.12" "setuptools>=64" wheel
-"$VENV/bin/python" -m pip install --quiet --no-build-isolation "$TORCH_PIN" -e ".[$EXTRAS]"
+# build requirements first (no build isolation: the native module builds against this venv's pybind11); no
+# pip cache: on 3.12 it would keep a second copy of torch's CUDA wheels (GBs) on the disk the tests write to
+pip=("$VENV/bin/python" -m pip install --quiet --no-cache-dir)
+"${pip[@]}" "$TORCH_PIN" "pybind11>=2.12" "setuptools>=64" wheel
+"${pip[@]}" --no-build-isolation "$TORCH_PIN" -e ".[$EXTRAS]"
 printf '%s\n%s\n' "$sources" "$EXTRAS" > "$stamp"

@@ -319,13 +319,13 @@ with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
 def test_missing_rank_is_named_within_the_timeout(tmp_path, victim, how):
     import crash_harness as ch
     zy = ch.Zygote()
-    timeout_s = 3.0
+    timeout_s, mb = 3.0, 0.25  # small: the survivor keeps saving (each pending) until the timeout
     pids = []
     try:
         logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
         for r in range(2):
             pids.append(zy.spawn(["--root", str(tmp_path / "ck"), "--store", str(tmp_path / "store"), "--rank",
-                                  str(r), "--mb", "2", "--publish-timeout", str(timeout_s)], logs[r]))
+                                  str(r), "--mb", str(mb), "--publish-timeout", str(timeout_s)], logs[r]))
         deadline = time.monotonic() + 120
         while not all("READY" in ch._log_lines(p) for p in logs):
             assert time.monotonic() < deadline, "the job did not start"
@@ -351,7 +351,7 @@ def test_missing_rank_is_named_within_the_timeout(tmp_path, victim, how):
         for p in pids:
             zy.wait(p, 30)
         zy.close()
-    ver = ch.Verifier(2.0)
+    ver = ch.Verifier(mb)
     try:
         latest, bad = ver.check(str(tmp_path / "ck"), None)
         assert not bad, bad

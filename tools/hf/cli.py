@@ -1,6 +1,9 @@
 """The --to hf / --from hf options of tools/convert_checkpoint.py and the calls it dispatches to."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 from . import HFError  # noqa: F401 (the dispatcher catches it)
 from .export import DEFAULT_SHARD_BYTES
 
@@ -20,14 +23,29 @@ def add_arguments(ap) -> None:
                    help="--from hf: the TP of the fine-tuning run, for the vocabulary padding [1]")
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _return_large_frees_to_the_system() -> None:
+    """glibc raises its mmap threshold after each large free, so the next layers come from a heap it keeps: host
+    memory would creep up layer by layer, by up to a few units in either direction, differently from run to run.
+    A fixed threshold maps (and unmaps) every buffer over 1 MiB."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to set
+        pass
+
+
 def export(args, init_distributed) -> str:
     from .export import export as run
+    _return_large_frees_to_the_system()
     return run(args.src, args.input, args.output, tokenizer=args.tokenizer, max_shard_bytes=args.max_shard_size,
                init_distributed=init_distributed, drop_mtp=args.drop_mtp)
 
 
 def read(args):
     from .load_hf import read_hf
+    _return_large_frees_to_the_system()
     if args.make_vocab_size_divisible_by < 1 or args.tensor_model_parallel_size < 1:
         raise HFError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be at least 1")
     return read_hf(args.input, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)

@@ -10,30 +10,16 @@ model. The engine writes
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-
 from datastates.errors import CheckpointError
 
 from . import HFError
 from .lazy import LazyTensors
 
 STAGING_BYTES = 32 << 20
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def _return_large_frees_to_the_system() -> None:
-    """glibc raises its mmap threshold after each large free, so the next layers come from a heap it keeps: host
-    memory would creep up layer by layer. A fixed threshold maps (and unmaps) every buffer over 1 MiB."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to set
-        pass
 
 
 def _progress(lazy: LazyTensors):
     from tqdm import tqdm
-    _return_large_frees_to_the_system()
     lazy.progress = tqdm(total=lazy.nbytes(), unit="B", unit_scale=True, desc="import", disable=None)
     return lazy.progress
 

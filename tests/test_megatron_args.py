@@ -84,9 +84,23 @@ def test_script_defaults_fill_only_flags_left_unset():
 
 
 def test_megatron_import_is_lazy():
+    """`megatron.training` and its `arguments` import neither the trainer (`megatron.training.training`, imported
+    by `pretrain` on its first call) nor megatron-core: checked in a fresh interpreter, whatever this process or
+    earlier tests imported."""
+    import subprocess
     import sys
-    import megatron.training  # noqa: F401
-    assert "megatron.training.training" not in sys.modules or os.environ.get("PYTEST_XDIST_WORKER")
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("import sys, megatron.training, megatron.training.arguments; "
+              "print(megatron.training.__file__); "
+              "print(sorted(m for m in ('megatron.training.training', 'megatron.core') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    origin, eager = r.stdout.splitlines()
+    assert origin == os.path.join(root, "megatron", "training", "__init__.py"), origin  # this repository's
+    assert eager == "[]", f"importing megatron.training imported {eager}"
 
 
 @pytest.mark.parametrize("policy", ["stop", "warn"])

@@ -58,21 +58,25 @@ def _loaded_iteration(eng, root):
 def test_killed_between_rename_and_tracker(three):
     eng, root = three
     (root / commit.TRACKER).write_text("2")  # iter_3 renamed into place, tracker not yet replaced
-    assert commit.read_latest(str(root)) in (2, 3)
-    assert _loaded_iteration(eng, root) == commit.read_latest(str(root))
+    # the tracker names a complete checkpoint: that one is the latest (as in Megatron-LM), not the newest directory
+    assert commit.read_latest(str(root)) == 2
+    assert _loaded_iteration(eng, root) == 2
     assert commit.clean_stale(str(root)) == []  # nothing to clean: both are complete
 
 
 def test_tracker_missing_garbage_or_naming_a_missing_dir(three):
     eng, root = three
     tracker = root / commit.TRACKER
-    for text in (None, "", "abc", "17", "-1", "3\n3", "2 "):
+    # no tracker, an unreadable one, or one naming a missing directory: the newest published iteration (3), never
+    # an older one (lost progress); a readable one naming a complete checkpoint wins (surrounding blanks stripped)
+    for text, expected in ((None, 3), ("", 3), ("abc", 3), ("17", 3), ("-1", 3), ("3\n3", 3), ("2 ", 2),
+                           ("\n1\n", 1)):
         if text is None:
             tracker.unlink(missing_ok=True)
         else:
             tracker.write_text(text)
         latest = commit.read_latest(str(root))
-        assert latest in (2, 3), (text, latest)
+        assert latest == expected, (text, latest)
         assert commit.is_published(commit.checkpoint_dir(str(root), latest))
         assert _loaded_iteration(eng, root) == latest
 

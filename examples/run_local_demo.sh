@@ -2,8 +2,10 @@
 # The README's main job: a tiny GPT trained on CPU with 4 ranks (TP2 x DP2, gloo) and lazy asynchronous
 # checkpoints; stopped at iteration HALF, resumed to ITERS, the loss carrying on; then each checkpoint's training
 # stall next to what a synchronous save of the same state costs (datastates sync, megatron-core torch_dist).
+# It exits non-zero when the stopped-and-resumed run's losses are not bit-identical to the uninterrupted run's,
+# or when an iteration's loss is missing from either (CI runs it: .ci/run).
 #
-#   bash examples/run_local_demo.sh [OUT_DIR]          (about 4-5 minutes on 2 CPU cores)
+#   bash examples/run_local_demo.sh [OUT_DIR]          (about 2-5 minutes on 2 CPU cores)
 #   PYTHON=python3.12 bash examples/run_local_demo.sh  (the same on Python 3.12 + megatron-core 0.19)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +25,13 @@ MODEL=(--tensor-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-att
        --train-iters "$ITERS" --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine --mock-data --seed 1234)
 
 # step TITLE LOG ARGS...: one torchrun job; its whole output goes to LOG, the iteration and checkpoint lines to
-# the terminal as they come; on failure the end of LOG is shown and the demo stops.
+# the terminal as they come; on failure the end of LOG is shown and the demo stops. --standalone: torchrun's
+# rendezvous on a free port of its own choosing, so two demos (or a demo and the tests) never collide.
 step() {
   local title=$1 log=$2
   shift 2
   echo "== $title   (log: $log)"
-  if ! "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "${PORT:-29650}" pretrain_gpt.py "$@" \
+  if ! "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" pretrain_gpt.py "$@" \
       2>&1 | tee "$log" | awk '/lm loss|checkpoint|exiting|loaded|training done|Error|error:/ {print "   " $0; fflush()}'; then
     echo "!! '$title' failed; the last lines of $log:" >&2
     tail -n 40 "$log" >&2
@@ -47,7 +50,7 @@ step "3/4 the same state saved synchronously: megatron-core torch_dist" "$OUT/to
   "${MODEL[@]}" --save "$OUT/torch_dist" --save-interval "$INTERVAL" --ckpt-format torch_dist
 
 echo "== 4/4 training stall per checkpoint (max over ranks, ms)"
-"$PY" - "$OUT" <<'PYEOF'
+"$PY" - "$OUT" "$HALF" "$ITERS" <<'PYEOF'
 import re, sys
 out = sys.argv[1]
 pat = re.compile(r"checkpoint summary iteration\s+(\d+) .*max blocking ms over ranks: ([\d.]+) \| max time to durable ms: ([\d.]+) \| bytes all ranks: (\d+)")
@@ -63,8 +66,28 @@ for it in sorted(lazy):
     s = sync.get(it, (float('nan'),) * 3); t = td.get(it, (float('nan'),) * 3)
     print(f"{it:>6} {lazy[it][2]:>10} | {lazy[it][0]:>10.1f} {lazy[it][1]:>12.1f} | {s[0]:>15.1f} | {t[0]:>15.1f}")
 loss = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([^ ]+) \|")
-l1 = dict(loss.findall(open(f"{out}/lazy_part1.log").read())); l2 = dict(loss.findall(open(f"{out}/lazy_part2.log").read()))
-l3 = dict(loss.findall(open(f"{out}/sync.log").read()))
-same = all(l3.get(k) == v for k, v in {**l1, **l2}.items())
-print(f"losses of stop+resume identical to the uninterrupted synchronous run: {same}")
+def losses(name):
+    return {int(k): v for k, v in loss.findall(open(f"{out}/{name}").read())}
+half, iters = int(sys.argv[2]), int(sys.argv[3])
+part1, part2, straight = losses("lazy_part1.log"), losses("lazy_part2.log"), losses("sync.log")
+resumed = {**{i: v for i, v in part1.items() if i <= half}, **{i: v for i, v in part2.items() if i > half}}
+problems = [f"{name} has no loss for iteration(s) {gone}" for name, got, want in (
+    ("part 1 (lazy_part1.log)", part1, range(1, half + 1)),
+    ("part 2 (lazy_part2.log)", part2, range(half + 1, iters + 1)),
+    ("the uninterrupted run (sync.log)", straight, range(1, iters + 1)))
+    if (gone := [i for i in want if i not in got])]
+if late := sorted(i for i in part1 if i > half):
+    problems.append(f"part 1 did not stop at iteration {half}: it logged iteration(s) {late}")
+if early := sorted(i for i in part2 if i <= half):
+    problems.append(f"part 2 did not resume at iteration {half + 1}: it logged iteration(s) {early}")
+differ = [i for i in range(1, iters + 1) if i in resumed and i in straight and resumed[i] != straight[i]]
+if problems or differ:
+    print("!! FAIL: the stopped-and-resumed run does not reproduce the uninterrupted run's losses:", file=sys.stderr)
+    for m in problems:
+        print(f"   {m}", file=sys.stderr)
+    for i in differ:
+        print(f"   iteration {i}: stop+resume {resumed[i]}, uninterrupted {straight[i]}", file=sys.stderr)
+    print(f"   logs: {out}/lazy_part1.log, lazy_part2.log, sync.log", file=sys.stderr)
+    sys.exit(1)
+print(f"losses of stop+resume identical to the uninterrupted synchronous run at all {iters} iterations: OK")
 PYEOF

@@ -122,6 +122,11 @@ class LocalTier:
         self.dir = _rank_dir(self.node_dir, rank)
         self._marker = {"job": job, "world_size": world_size, "layout": list(layout)}
         distributed = dist.is_available() and dist.is_initialized()
+        # Every rank's node, as that rank sees it: GROUP_RANK and SLURM_NODEID name the node of the process that
+        # reads them, not another rank's
+        self._nodes = [node_of(r, world_size)[0] for r in range(world_size)]
+        if distributed:
+            dist.all_gather_object(self._nodes, self.node)
         stale = self._read_marker() not in (None, self._marker)
         if distributed:
             dist.barrier()  # every rank has read the marker before any rank rewrites it
@@ -167,7 +172,7 @@ class LocalTier:
             return None
 
     def node_of_rank(self, rank: int) -> int:
-        return node_of(rank, self.world_size)[0]
+        return self._nodes[rank]
 
     def path(self, iteration: int) -> str:
         """Where this rank saves its part of `iteration` (give it to `self.engine.save`, then `replicate`)."""

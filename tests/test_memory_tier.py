@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from datastates import commit
+from datastates import format as fmt
 from datastates.errors import CheckpointError
 from datastates.local_tier import LocalTier, check_fits, cliques
 from megatron_helpers import TINY, losses, torchrun
@@ -119,3 +120,128 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
 def test_a_tier_that_does_not_fit_is_refused_before_any_work(tmp_path):
     with pytest.raises(CheckpointError, match=r"the memory tier needs about .* GiB in .* but only"):
         check_fits(str(tmp_path), 1 << 60)
+
+
+# ----- real node detection (torchrun's GROUP_RANK / LOCAL_WORLD_SIZE, Slurm's SLURM_NODEID) -----
+
+@pytest.fixture
+def real_nodes(monkeypatch):
+    """No simulated nodes: node_of reads what torchrun or Slurm set."""
+    for name in ("DATASTATES_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_node_detection_from_torchrun_and_slurm(real_nodes):
+    from datastates.local_tier import node_of
+    assert node_of(5, 8) == (0, 8)  # nothing set: one node of every rank
+    real_nodes.setenv("LOCAL_WORLD_SIZE", "4")
+    assert node_of(5, 8) == (1, 4)  # no node id given: consecutive groups of LOCAL_WORLD_SIZE ranks
+    real_nodes.setenv("SLURM_NODEID", "3")
+    assert node_of(5, 16) == (3, 4)  # Slurm's node id
+    real_nodes.setenv("GROUP_RANK", "2")
+    assert node_of(5, 16) == (2, 4)  # torchrun's group rank comes first
+    real_nodes.setenv("DATASTATES_RANKS_PER_NODE", "2")
+    assert node_of(5, 16) == (2, 2)  # the simulation overrides them all
+    real_nodes.setenv("DATASTATES_RANKS_PER_NODE", "3")
+    with pytest.raises(CheckpointError, match="DATASTATES_RANKS_PER_NODE=3 does not divide the world size 16"):
+        node_of(5, 16)
+
+
+WORLD = 4
+
+
+def _tier_rank(rank, base, store, env, jump, lost_node, results):
+    """One rank of a 4-rank gloo world (forked): its memory part of iteration 3 saved and replicated by its
+    LocalTier, nodes as `env` says; then, after `lost_node`'s directory is deleted, a restart of the tier that
+    must find and load this rank's part. Prints and exits 1 on any error."""
+    import datetime
+    import sys
+    import traceback
+
+    import torch.distributed as dist
+    try:
+        torch.set_num_threads(1)
+        for name in ("DATASTATES_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_NODEID"):
+            os.environ.pop(name, None)
+        os.environ.update({k: v.format(rank=rank) for k, v in env.items()})
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))
+        kw = dict(replication_factor=2, replication_jump=jump, timeout_s=60, host_buffer_bytes=1 << 20,
+                  writer_threads=1)
+        tier = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
+        handle = tier.engine.save({"w": torch.full((100,), float(rank)), "rank": rank}, tier.path(3))
+        tier.replicate(3, handle)
+        handle.wait()
+        tier.close()  # every replication done on this rank
+        dist.barrier()
+        if rank == 0:
+            job = os.path.join(base, "job")
+            results.put(("saved", _held(job)))
+            shutil.rmtree(os.path.join(job, f"node_{lost_node:05d}"))
+        dist.barrier()
+        again = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
+        path = again.choose(None)  # None: no memory checkpoint every rank can load
+        loaded = path and again.engine.load(path, template={"w": torch.zeros(100), "rank": -1})
+        results.put((rank, path and (path, loaded["rank"], loaded["w"].tolist())))
+        again.close()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run_tier_world(tmp_path, env, jump, lost_node):
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    base = str(tmp_path / "mem")
+    procs = [ctx.Process(target=_tier_rank, args=(r, base, str(tmp_path / "store"), env, jump, lost_node, results))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.exitcode is None:  # stuck behind a rank that failed
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * WORLD  # a failed rank printed its traceback
+    return dict(results.get(timeout=10) for _ in range(WORLD + 1))
+
+
+def _held(job):
+    """node -> the ranks whose part of iteration 3 the node holds, published."""
+    return {int(node[5:]): sorted(int(r[5:]) for r in os.listdir(os.path.join(job, node))
+                                  if commit.is_published(os.path.join(job, node, r, "iter_0000003")))
+            for node in os.listdir(job) if node.startswith("node_")}
+
+
+@pytest.mark.parametrize("env, jump, cliques_", [
+    # torchrun on 4 nodes of one rank each, a replication jump of 2 (the default would be 1, the ranks per node)
+    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]]),
+    # ranks started by Slurm (srun): SLURM_NODEID names the node, the default jump (ranks per node, 1)
+    ({"LOCAL_WORLD_SIZE": "1", "SLURM_NODEID": "{rank}"}, None, [[0, 1], [2, 3]]),
+], ids=["torchrun-jump2", "slurm-default-jump"])
+def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_):
+    """Nodes from the launcher's environment, not simulated: each node holds its rank's part and the part of
+    its clique peer (jump apart), byte for byte the same; a node lost entirely is recovered from its peer."""
+    got = _run_tier_world(tmp_path, env, jump, lost_node=1)
+    job = tmp_path / "mem" / "job"
+    peer = {a: b for clique in cliques_ for a, b in (clique, clique[::-1])}
+    assert got["saved"] == {n: sorted({n, peer[n]}) for n in range(WORLD)}
+    # the lost node 1 is rebuilt by the restart with rank 1's own part, fetched from its peer's node
+    held = _held(str(job))
+    assert held == {n: sorted({n, peer[n]}) if n != 1 else [1] for n in range(WORLD)}, held
+    for rank in range(WORLD):
+        path = str(job / f"node_{rank:05d}" / f"rank_{rank:05d}" / "iter_0000003")
+        assert got[rank] == (path, rank, [float(rank)] * 100)
+    for node in (0, 2, 3):  # a replica is the original's index and data, byte for byte
+        other = peer[node]
+        replica = job / f"node_{node:05d}" / f"rank_{other:05d}" / "iter_0000003"
+        original = job / f"node_{other:05d}" / f"rank_{other:05d}" / "iter_0000003"
+        index = (original / "metadata.json").read_bytes()
+        assert (replica / "metadata.json").read_bytes() == index
+        size = fmt.read_index(str(original / "metadata.json")).part(0).data_bytes
+        assert (replica / "rank_00000.data").read_bytes()[:size] == (original / "rank_00000.data").read_bytes()[:size]

@@ -403,26 +403,33 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
     (benchmarks/backpressure.py measures the same at scale, with memory sampling.)"""
     budget, root = 4 << 20, str(tmp_path)
     state = {f"t{i}": torch.randn(1 << 20) for i in range(8)}  # 32 MiB
-    seen, stats, want = [], [], {}
+    seen, stats, want, allocated, errors = [], [], {}, [], []
 
-    def loop():
+    def loop():  # in a thread so that a deadlock fails the test instead of hanging it
         nonlocal want
-        with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2, fsync=False, keep_last=2) as eng:
-            for it in range(1, 9):
-                want = {k: v.clone() for k, v in state.items()}
-                eng.save(state, commit.checkpoint_dir(root, it))
-                eng.wait_for_snapshot()
-                for t in state.values():
-                    t.add_(1)
-                seen.append(commit.read_latest(root))
-                stats.extend(h.stats for h in eng.maybe_finalize())
-                assert eng.pool.allocated_bytes <= budget
-            stats.extend(eng.wait())
+        try:
+            with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2, fsync=False, keep_last=2) as eng:
+                for it in range(1, 9):
+                    want = {k: v.clone() for k, v in state.items()}
+                    eng.save(state, commit.checkpoint_dir(root, it))
+                    eng.wait_for_snapshot()
+                    for t in state.values():
+                        t.add_(1)
+                    seen.append(commit.read_latest(root))
+                    stats.extend(h.stats for h in eng.maybe_finalize())
+                    allocated.append(eng.pool.allocated_bytes)
+                stats.extend(eng.wait())
+        except BaseException as e:  # raised again below, in the test's own thread
+            errors.append(e)
     worker = threading.Thread(target=loop, daemon=True)
     worker.start()
     worker.join(240)
     assert not worker.is_alive(), "back-pressure deadlocked"
-    assert len(stats) == 8 and all(st["peak_staging_bytes"] <= budget for st in stats)
+    if errors:
+        raise errors[0]
+    # checked here, not in the worker: an assert failing there would only end the thread
+    assert len(allocated) == 8 and max(allocated) <= budget, f"the staging pool grew past {budget}: {allocated}"
+    assert len(stats) == 8 and all(st["peak_staging_bytes"] <= budget for st in stats), stats
     published = [x for x in seen if x is not None]
     assert published == sorted(published), f"latest went backwards: {seen}"
     assert commit.read_latest(root) == 8 and commit.published_iterations(root) == [7, 8]

@@ -1,13 +1,13 @@
-"""Shared helpers of the tests/test_megatron_*.py tests: run pretrain_gpt.py under torchrun, parse its log."""
+"""Shared helpers of the tests/test_megatron_*.py tests: run pretrain_gpt.py on ranks, parse its log."""
 from __future__ import annotations
 
 import os
 import re
 import socket
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from rank_launcher import BASE_ENV, ROOT, Launcher
+
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "128", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--seed", "1234"]
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([^ ]+) \|")
@@ -19,27 +19,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _script(faults: bool) -> str:
+    """pretrain_gpt.py, or tests/fault_launcher.py around it (it reads FAULT_* from the environment)."""
+    return os.path.join(ROOT, "tests", "fault_launcher.py") if faults else os.path.join(ROOT, "pretrain_gpt.py")
+
+
+def _environment(env: dict | None) -> dict:
+    return dict(os.environ, **BASE_ENV, **(env or {}))
+
+
 def torchrun_command(nproc: int, args: list[str], env: dict | None = None, faults: bool = False,
                      python: str = sys.executable) -> tuple[list[str], dict]:
-    """(command, environment) of a torchrun of pretrain_gpt.py (through tests/fault_launcher.py with `faults`,
-    which reads FAULT_* from `env`) with `python` (another environment's interpreter for cross-version tests)."""
-    script = os.path.join(ROOT, "tests", "fault_launcher.py") if faults else os.path.join(ROOT, "pretrain_gpt.py")
-    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), script, *args]
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
-    e.update(env or {})
-    return cmd, e
+    """(command, environment) of a real torchrun of pretrain_gpt.py (or `faults`: tests/fault_launcher.py) with
+    `python` (another environment's interpreter for cross-version tests), on a port torchrun picks itself: for
+    the tests whose subject is torchrun (signals to it, whole-job kills)."""
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), _script(faults),
+           *args]
+    return cmd, _environment(env)
 
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 240, check: bool = True,
              faults: bool = False, python: str = sys.executable):
-    """Run pretrain_gpt.py under torchrun (see torchrun_command); (exit code, output)."""
-    cmd, e = torchrun_command(nproc, args, env, faults, python)
-    p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
-    if check and p.returncode != 0:
-        raise AssertionError(f"torchrun exited with {p.returncode}:\n{out[-6000:]}")
-    return p.returncode, out
+    """Run pretrain_gpt.py (or `faults`: tests/fault_launcher.py) on `nproc` ranks as torchrun would, forked by
+    tests/rank_launcher.py from a process that imported torch and megatron-core once; (exit code, output)."""
+    rc, out = Launcher.for_python(python).run(nproc, _script(faults), args, _environment(env), ROOT, timeout)
+    if check and rc != 0:
+        raise AssertionError(f"the {nproc}-rank job exited with {rc}:\n{out[-6000:]}")
+    return rc, out
 
 
 def losses(log: str) -> dict[int, str]:

@@ -1,0 +1,219 @@
+"""Trainer jobs forked from a process that imported torch and megatron-core once (tests only).
+
+Starting Python, torch and megatron-core costs about 5 s of CPU per process on this 2-core machine, and a
+4-rank torchrun pays it five times. A launcher process (one per interpreter, for the test session) imports
+them once; each job is forked from it, and the job forks its ranks. A rank gets what torchrun gives a worker:
+RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ..., and a TCPStore that its job hosts on a port
+the kernel picked (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent), so no port is ever guessed. As
+under torchrun, the first rank that fails stops the others and the job exits 1.
+
+Runs whose subject is torchrun itself (entry points, signals to the launcher, whole-job kills of torchrun)
+use real torchrun (megatron_helpers.torchrun_command).
+
+Protocol on the launcher's stdin/stdout: one JSON object per line, {"op": "spawn", ...} -> {"pid": P},
+{"op": "wait", "pid": P, "timeout": T} -> {"status": code, or -signal, or null while running},
+{"op": "kill", "pid": P} -> {} (SIGKILL to the job's whole process group).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment every launch has: OpenMP reads OMP_NUM_THREADS when torch is imported, Python reads
+# PYTHONWARNINGS at start, and this repository's megatron.training must come before megatron-core 0.17+'s.
+BASE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
+# Rank processes get SIGTERM, then SIGKILL after this long, once a rank of their job has failed (torchrun: 30 s).
+STOP_GRACE_S = 10.0
+
+
+def _preload() -> None:
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import datastates  # noqa: F401
+    import megatron.core.tokenizers.text  # noqa: F401  (imports transformers: seconds, for every tokenizer)
+    import megatron.training.training  # noqa: F401  (megatron-core's models, optimizer, dist_checkpointing)
+
+
+def _status(wait_status: int) -> int:
+    return -os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.WEXITSTATUS(wait_status)
+
+
+def _rank(script: str, args: list[str], env: dict, port_pipe: int) -> None:
+    """Run `script` as a worker (never returns: its SystemExit ends this process as a normal interpreter exit,
+    with atexit handlers and non-daemon threads joined)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a job killed takes its ranks with it
+    with os.fdopen(port_pipe) as f:
+        port = f.read().strip()
+    if not port:  # the job failed before it had a store
+        os._exit(1)
+    os.environ.update(env, MASTER_PORT=port)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` puts it
+    import runpy
+    runpy.run_path(script, run_name="__main__")
+    raise SystemExit(0)
+
+
+def _job(cmd: dict) -> None:
+    """The job process: fork the ranks, host their store, supervise them as torchrun does; never returns."""
+    os.setsid()  # the test can kill the job and its ranks as one process group
+    fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.environ.clear()
+    os.environ.update(cmd["env"])
+    os.chdir(cmd["cwd"])
+    nproc = cmd["nproc"]
+    ranks, pipes = {}, []
+    for rank in range(nproc):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            for other in pipes:
+                os.close(other)
+            _rank(cmd["script"], cmd["args"], {
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
+                "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": f"launcher-{os.getpid()}"}, r)
+        os.close(r)
+        ranks[pid] = rank
+        pipes.append(w)
+    code = 1
+    try:
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+        for w in pipes:
+            os.write(w, f"{store.port}\n".encode())
+            os.close(w)
+        code = _supervise(ranks)
+    except BaseException:  # noqa: BLE001  (into the job's log; the ranks see their pipe close and exit)
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _supervise(ranks: dict[int, int]) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: [_signal(p, signal.SIGTERM) for p in ranks])
+    failed = None
+    while ranks:
+        pid, st = os.wait()
+        rank = ranks.pop(pid, None)
+        if rank is None or _status(st) == 0:
+            continue
+        print(f"[rank_launcher] rank {rank} (pid {pid}) exited with {_status(st)}", file=sys.stderr, flush=True)
+        if failed is None:
+            failed = rank
+            for p in ranks:
+                _signal(p, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while ranks and time.monotonic() < deadline:
+                done, _ = os.waitpid(-1, os.WNOHANG)
+                if done:
+                    ranks.pop(done, None)
+                else:
+                    time.sleep(0.05)
+            for p in ranks:
+                _signal(p, signal.SIGKILL)
+    return 0 if failed is None else 1
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def serve() -> None:
+    _preload()
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    reaped: dict[int, int] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "spawn":
+            pid = os.fork()
+            if pid == 0:
+                _job(cmd)
+            reply = {"pid": pid}
+        elif cmd["op"] == "wait":
+            deadline = time.monotonic() + cmd["timeout"]
+            while cmd["pid"] not in reaped and time.monotonic() < deadline:
+                done, st = os.waitpid(cmd["pid"], os.WNOHANG)
+                if done:
+                    reaped[done] = _status(st)
+                else:
+                    time.sleep(0.02)
+            reply = {"status": reaped.get(cmd["pid"])}
+        elif cmd["op"] == "kill":
+            try:
+                os.killpg(cmd["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            reply = {}
+        else:
+            raise ValueError(f"rank_launcher: unknown op {cmd['op']!r}")
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+class Launcher:
+    """The test side: one launcher process per interpreter, started on first use."""
+    _started: dict[str, "Launcher"] = {}
+
+    @classmethod
+    def for_python(cls, python: str) -> "Launcher":
+        launcher = cls._started.get(python)
+        if launcher is None or launcher.proc.poll() is not None:
+            launcher = cls._started[python] = cls(python)
+        return launcher
+
+    def __init__(self, python: str):
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, **BASE_ENV))
+        assert self._read().get("ready"), "rank_launcher did not start"
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"rank_launcher died (exit {self.proc.poll()})")
+        return json.loads(line)
+
+    def _call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def run(self, nproc: int, script: str, args: list[str], env: dict, cwd: str, timeout: float) -> tuple[int, str]:
+        """Run `script` on `nproc` ranks with environment `env`; (exit code, the ranks' interleaved output).
+        Raises subprocess.TimeoutExpired (after killing the job) past `timeout` seconds."""
+        with tempfile.NamedTemporaryFile("r", prefix="rank_launcher_", suffix=".log") as log:
+            pid = self._call(op="spawn", nproc=nproc, script=script, args=list(args), env=env, cwd=cwd,
+                             log=log.name)["pid"]
+            status = self._call(op="wait", pid=pid, timeout=timeout)["status"]
+            if status is None:
+                self._call(op="kill", pid=pid)
+                self._call(op="wait", pid=pid, timeout=30)
+                raise subprocess.TimeoutExpired([script, *args], timeout, output=log.read())
+            return status, log.read()
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,5 +1,6 @@
 """Publication across real processes (gloo): nothing is visible before every rank is done; a failed or missing
 rank is named; DP replicas are written once and read back from their owner."""
+import datetime
 import json
 import os
 import time
@@ -13,9 +14,9 @@ WORLD = 2
 
 
 def _worker(rank, root, port, errors):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:  # the rendezvous is the parent's store (its port chosen by the kernel when the parent bound it)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, store=store)
         _scenarios(rank, root)
     except BaseException as e:  # report to the parent, which asserts
         import traceback
@@ -107,8 +108,9 @@ def _scenarios(rank, root):
 def test_publication_across_two_processes(tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path), port, errors)) for r in range(WORLD)]
+    # bound here on port 0 and held open while the workers run: no port guessed, none probed and released
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path), store.port, errors)) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:

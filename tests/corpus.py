@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from rank_launcher import run_python
+
 WORDS = ("the checkpoint is written lazily while the next forward and backward pass runs on every rank "
          "tensor parallel pipeline data parallel optimizer state snapshot durable storage memory tier restart "
          "resume exactly bit for bit loss goes down learning rate warmup decay batch size ramp").split()
@@ -71,8 +70,7 @@ def write_jsonl(path: str, docs: list[str], key: str = "text") -> str:
     return path
 
 
-def preprocess(jsonl: str, prefix: str, tokenizer_flags: list[str], *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl,
-           "--output-prefix", prefix, *tokenizer_flags, *extra]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+def preprocess(jsonl: str, prefix: str, tokenizer_flags: list[str], *extra: str) -> tuple[int, str]:
+    """tools/preprocess_data.py on `jsonl`: (exit code, output)."""
+    return run_python("tools/preprocess_data.py", "--input", jsonl, "--output-prefix", prefix, *tokenizer_flags,
+                      *extra, timeout=120)

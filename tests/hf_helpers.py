@@ -13,20 +13,24 @@ from argparse import Namespace
 import torch
 from safetensors.torch import load_file
 
-from megatron_helpers import ROOT, free_port, losses, torchrun
+from megatron_helpers import ROOT, losses, torchrun
+from rank_launcher import BASE_ENV, run_python
 
 TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data", "--seed", "1234",
          "--train-iters", "2"]
 
 
-def run_script(script: str, *args: str, check: bool = True) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT,
-               MASTER_PORT=str(free_port()))
-    p = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    out = p.stdout + p.stderr
-    assert not check or p.returncode == 0, out[-4000:]
-    return p.returncode, out
+def run_script(script: str, *args: str, check: bool = True, fresh: bool = False) -> tuple[int, str]:
+    """`python script args`: forked from the test launcher (torch, megatron-core, transformers imported), or in a
+    `fresh` process (for what measures the process's own memory)."""
+    if fresh:
+        p = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=dict(os.environ, **BASE_ENV),
+                           capture_output=True, text=True, timeout=300)
+        rc, out = p.returncode, p.stdout + p.stderr
+    else:
+        rc, out = run_python(script, *args)
+    assert not check or rc == 0, out[-4000:]
+    return rc, out
 
 
 def convert(*args: str, check: bool = True) -> tuple[int, str]:

@@ -7,6 +7,9 @@ RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ..., and a TCPStore 
 the kernel picked (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent), so no port is ever guessed. As
 under torchrun, the first rank that fails stops the others and the job exits 1.
 
+A job of no ranks (nproc None) runs its script in the job process itself, as `python script` would: the
+tools, the reference scripts, megatron-core's own single-process runs.
+
 Runs whose subject is torchrun itself (entry points, signals to the launcher, whole-job kills of torchrun)
 use real torchrun (megatron_helpers.torchrun_command).
 
@@ -55,6 +58,11 @@ def _rank(script: str, args: list[str], env: dict, port_pipe: int) -> None:
     if not port:  # the job failed before it had a store
         os._exit(1)
     os.environ.update(env, MASTER_PORT=port)
+    _script(script, args)
+
+
+def _script(script: str, args: list[str]) -> None:
+    """Run `script` as `python script args` would, ending this process (see _rank)."""
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` puts it
     import runpy
@@ -73,6 +81,8 @@ def _job(cmd: dict) -> None:
     os.environ.update(cmd["env"])
     os.chdir(cmd["cwd"])
     nproc = cmd["nproc"]
+    if nproc is None:
+        _script(cmd["script"], cmd["args"])
     ranks, pipes = {}, []
     for rank in range(nproc):
         r, w = os.pipe()
@@ -201,8 +211,10 @@ class Launcher:
         self.proc.stdin.flush()
         return self._read()
 
-    def run(self, nproc: int, script: str, args: list[str], env: dict, cwd: str, timeout: float) -> tuple[int, str]:
-        """Run `script` on `nproc` ranks with environment `env`; (exit code, the ranks' interleaved output).
+    def run(self, nproc: int | None, script: str, args: list[str], env: dict, cwd: str,
+            timeout: float) -> tuple[int, str]:
+        """Run `script` on `nproc` ranks (None: as one plain process) with environment `env`; (exit code, the
+        output, the ranks' interleaved).
         Raises subprocess.TimeoutExpired (after killing the job) past `timeout` seconds."""
         with tempfile.NamedTemporaryFile("r", prefix="rank_launcher_", suffix=".log") as log:
             pid = self._call(op="spawn", nproc=nproc, script=script, args=list(args), env=env, cwd=cwd,
@@ -213,6 +225,13 @@ class Launcher:
                 self._call(op="wait", pid=pid, timeout=30)
                 raise subprocess.TimeoutExpired([script, *args], timeout, output=log.read())
             return status, log.read()
+
+
+def run_python(script: str, *args: str, env: dict | None = None, cwd: str = ROOT, timeout: float = 300,
+               python: str = sys.executable) -> tuple[int, str]:
+    """`python script args` (relative to ROOT), forked from the launcher of `python`: (exit code, output)."""
+    return Launcher.for_python(python).run(None, os.path.join(ROOT, script), list(args),
+                                           dict(os.environ, **BASE_ENV, **(env or {})), cwd, timeout)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ when the Python 3.11 one (`.venv`) exists beside it; `.ci/run` sets up both.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron_helpers import ROOT, TINY, free_port, losses, torchrun
+from megatron_helpers import ROOT, TINY, losses, torchrun
+from rank_launcher import run_python
 from test_reshard import assert_same_tensors, iter_dir, read_full
 
 N = 3
@@ -130,9 +130,9 @@ def test_stock_torch_dist_of_0_19_converts_under_0_16(tmp_path):
     (0.16: `common.pt`): a model saved by stock megatron-core 0.19 converts under 0.16 to the same tensors as
     under 0.19."""
     stock = str(tmp_path / "stock" / "iter_0000000")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "stock_gpt.py"), stock, "--init-seed", "7",
-                    *TINY, "--global-batch-size", "2", "--train-iters", "1"], check=True, capture_output=True,
-                   timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port())))
+    rc, out = run_python("tests/stock_gpt.py", stock, "--init-seed", "7", *TINY, "--global-batch-size", "2",
+                         "--train-iters", "1")
+    assert rc == 0, out[-4000:]
     assert not os.path.exists(os.path.join(stock, "common.pt"))
     converted = {}
     for version, python in VERSIONS.items():
@@ -144,7 +144,6 @@ def test_stock_torch_dist_of_0_19_converts_under_0_16(tmp_path):
 
 
 def _convert(python: str, frm: str, to: str, src: str, dst: str, *more: str) -> None:
-    p = subprocess.run([python, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", frm, "--to", to,
-                        "--input", src, "--output", dst, *more], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert p.returncode == 0, p.stdout + p.stderr
+    rc, out = run_python("tools/convert_checkpoint.py", "--from", frm, "--to", to, "--input", src, "--output", dst,
+                         *more, python=python)
+    assert rc == 0, out[-4000:]

@@ -85,9 +85,9 @@ def test_preprocess_writes_what_the_tokenizer_says(tokenizers, tmp_path, kind):
         lines = [dict(json.loads(line), title=f"doc {i}") for i, line in enumerate(f)]
     with open(jsonl, "w") as f:
         f.writelines(json.dumps(x) + "\n" for x in lines)
-    r = preprocess(jsonl, str(tmp_path / "out" / "c"), ["--tokenizer-type", kind, *tokenizers[kind]],
+    rc, out = preprocess(jsonl, str(tmp_path / "out" / "c"), ["--tokenizer-type", kind, *tokenizers[kind]],
                    "--json-keys", "text", "title", "--append-eod", "--workers", "2")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert rc == 0, out[-3000:]
     tok = build(kind, tokenizers[kind])
     for key, texts in (("text", docs), ("title", [x["title"] for x in lines])):
         ds = IndexedDataset(str(tmp_path / "out" / f"c_{key}_document"))
@@ -101,12 +101,12 @@ def test_preprocess_bad_line_leaves_nothing(tokenizers, tmp_path):
     jsonl = write_jsonl(str(tmp_path / "in.jsonl"), documents(100, seed=3))
     with open(jsonl, "a") as f:
         f.write('{"text": "fine"}\n{"title": "no text"}\n')
-    r = preprocess(jsonl, str(tmp_path / "out" / "c"), ["--tokenizer-type", "GPT2BPETokenizer",
+    rc, out = preprocess(jsonl, str(tmp_path / "out" / "c"), ["--tokenizer-type", "GPT2BPETokenizer",
                                                         *tokenizers["GPT2BPETokenizer"]], "--workers", "2")
-    assert r.returncode != 0 and f"{jsonl}:102: no text under the key 'text'" in r.stderr
+    assert rc != 0 and f"{jsonl}:102: no text under the key 'text'" in out
     assert os.listdir(tmp_path / "out") == []
-    r = preprocess(jsonl, str(tmp_path / "out" / "c"), ["--tokenizer-type", "GPT2BPETokenizer"])
-    assert r.returncode == 2 and "needs --vocab-file" in r.stderr
+    rc, out = preprocess(jsonl, str(tmp_path / "out" / "c"), ["--tokenizer-type", "GPT2BPETokenizer"])
+    assert rc == 2 and "needs --vocab-file" in out
 
 
 def args_of(extra, world=2):
@@ -150,9 +150,9 @@ def test_weighted_data_path_is_a_blend(tmp_path, tokenizers):
     from megatron.training.data import blends, build_datasets, check_data_paths
     prefixes = []
     for name in ("a", "b"):
-        r = preprocess(write_jsonl(str(tmp_path / f"{name}.jsonl"), documents(10, seed=4)), str(tmp_path / name),
+        rc, out = preprocess(write_jsonl(str(tmp_path / f"{name}.jsonl"), documents(10, seed=4)), str(tmp_path / name),
                        ["--tokenizer-type", "GPT2BPETokenizer", *tokenizers["GPT2BPETokenizer"]])
-        assert r.returncode == 0, r.stderr[-2000:]
+        assert rc == 0, out[-2000:]
         prefixes.append(str(tmp_path / f"{name}_text_document"))
     args = args_of(["--train-iters", "4", "--data-path", "0.3", prefixes[0], "0.7", prefixes[1],
                     "--tokenizer-type", "GPT2BPETokenizer", *tokenizers["GPT2BPETokenizer"]])

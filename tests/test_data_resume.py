@@ -32,8 +32,8 @@ def corpus(tmp_path, tokenizer_flags) -> list[str]:
     prefixes = []
     for seed, (name, n) in enumerate(DOCS.items()):
         jsonl = write_jsonl(str(tmp_path / f"{name}.jsonl"), documents(n, seed=10 + seed))
-        r = preprocess(jsonl, str(tmp_path / "data" / name), tokenizer_flags, "--append-eod")
-        assert r.returncode == 0, r.stderr[-3000:]
+        rc, out = preprocess(jsonl, str(tmp_path / "data" / name), tokenizer_flags, "--append-eod")
+        assert rc == 0, out[-3000:]
         prefixes.append(str(tmp_path / "data" / f"{name}_text_document"))
     return prefixes
 

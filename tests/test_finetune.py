@@ -4,28 +4,24 @@ tools/convert_checkpoint.py made a datastates checkpoint of it. The trainer's fi
 loss on the same batch (one rank, dropout 0: the same computation, compared bit for bit), and up to rounding
 when loaded into TP2. Without --finetune the trainer refuses, naming the flag, before training."""
 import math
-import os
 import re
-import subprocess
-import sys
 
-from megatron_helpers import ROOT, TINY, free_port, losses, torchrun
+from megatron_helpers import TINY, losses, torchrun
+from rank_launcher import run_python
 
 FLAGS = TINY + ["--global-batch-size", "4", "--train-iters", "4", "--hidden-dropout", "0",
                 "--attention-dropout", "0", "--make-vocab-size-divisible-by", "64"]
 
 
-def _run(cmd: list[str], **env) -> str:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT, **env)
-    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
+def _run(cmd: list[str]) -> str:
+    rc, out = run_python(*cmd, timeout=240)
+    assert rc == 0, out[-4000:]
     return out
 
 
 def test_finetune_from_a_stock_megatron_core_model(tmp_path):
     stock = str(tmp_path / "stock" / "iter_0000000")
-    out = _run(["tests/stock_gpt.py", stock, "--init-seed", "999", *FLAGS], MASTER_PORT=str(free_port()))
+    out = _run(["tests/stock_gpt.py", stock, "--init-seed", "999", *FLAGS])
     stock_loss = re.search(r"STOCK-LOSS (\S+)", out).group(1)
     converted = str(tmp_path / "converted")
     _run(["tools/convert_checkpoint.py", "--from", "torch_dist", "--to", "datastates", "--input", stock,

@@ -135,7 +135,7 @@ def measured(tmp_path, *args: str, preload: str = "") -> int:
     """Peak RSS growth of a conversion run in a fresh process, past the modules it imports (`preload`)."""
     script = tmp_path / "measure.py"
     script.write_text(MEASURE.format(root=ROOT, preload=preload))
-    _, out = run_script(str(script), *args)
+    _, out = run_script(str(script), *args, fresh=True)
     base, peak, rc = (int(x) for x in out.split("RSS ", 1)[1].split()[:3])
     assert rc == 0, out[-3000:]
     return peak - base

@@ -48,11 +48,17 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     args.owns_process_group = not torch.distributed.is_initialized()
     if args.owns_process_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        torch.distributed.init_process_group(
-            backend=args.distributed_backend, rank=rank, world_size=args.world_size,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        store = {}
+        if args.world_size == 1 and "MASTER_PORT" not in os.environ:
+            # one process started without a launcher meets nobody: a store of its own on a port the kernel picks,
+            # so it never collides with another run on the machine
+            store["store"] = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group(backend=args.distributed_backend, rank=rank,
+                                             world_size=args.world_size, timeout=timeout, **store)
     args.rank = torch.distributed.get_rank()
     setup_logging(args.rank, all_ranks=args.log_all_ranks or None, stream=sys.stdout,
                   level=args.logging_level or logging.INFO)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_helpers import ROOT, free_port
+from megatron_helpers import ROOT
 
 RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
        "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data",
@@ -54,6 +54,7 @@ def test_safe_path_from_another_directory(elsewhere):
 
 
 def test_torchrun_with_safe_path_from_another_directory(elsewhere):
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *RUN], elsewhere, PYTHONSAFEPATH="1")
+    # --standalone: torchrun's own store binds port 0 and the workers meet there (no port probed, then released)
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                os.path.join(ROOT, "pretrain_gpt.py"), *RUN], elsewhere, PYTHONSAFEPATH="1")
     assert "training done at iteration 1" in out and "data-parallel 2" in out, out[-3000:]

@@ -156,15 +156,20 @@ def _tier_rank(rank, base, store, env, jump, lost_node, results):
     LocalTier, nodes as `env` says; then, after `lost_node`'s directory is deleted, a restart of the tier that
     must find and load this rank's part. Prints and exits 1 on any error."""
     import datetime
+    import logging
     import sys
     import traceback
 
     import torch.distributed as dist
     try:
         torch.set_num_threads(1)
+        warned = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warned.append(record.getMessage())
+        logging.getLogger("datastates.local_tier").addHandler(handler)
         for name in ("DATASTATES_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_NODEID"):
             os.environ.pop(name, None)
-        os.environ.update({k: v.format(rank=rank) for k, v in env.items()})
+        os.environ.update({k: v.format(rank=rank, half=rank // 2) for k, v in env.items()})
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         kw = dict(replication_factor=2, replication_jump=jump, timeout_s=60, host_buffer_bytes=1 << 20,
@@ -183,7 +188,7 @@ def _tier_rank(rank, base, store, env, jump, lost_node, results):
         again = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
         path = again.choose(None)  # None: no memory checkpoint every rank can load
         loaded = path and again.engine.load(path, template={"w": torch.zeros(100), "rank": -1})
-        results.put((rank, path and (path, loaded["rank"], loaded["w"].tolist())))
+        results.put((rank, {"loaded": path and (path, loaded["rank"], loaded["w"].tolist()), "warnings": warned}))
         again.close()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
@@ -236,7 +241,8 @@ def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_):
     assert held == {n: sorted({n, peer[n]}) if n != 1 else [1] for n in range(WORLD)}, held
     for rank in range(WORLD):
         path = str(job / f"node_{rank:05d}" / f"rank_{rank:05d}" / "iter_0000003")
-        assert got[rank] == (path, rank, [float(rank)] * 100)
+        assert got[rank]["loaded"] == (path, rank, [float(rank)] * 100)
+        assert got[rank]["warnings"] == []
     for node in (0, 2, 3):  # a replica is the original's index and data, byte for byte
         other = peer[node]
         replica = job / f"node_{node:05d}" / f"rank_{other:05d}" / "iter_0000003"
@@ -245,3 +251,26 @@ def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_):
         assert (replica / "metadata.json").read_bytes() == index
         size = fmt.read_index(str(original / "metadata.json")).part(0).data_bytes
         assert (replica / "rank_00000.data").read_bytes()[:size] == (original / "rank_00000.data").read_bytes()[:size]
+
+
+def test_a_clique_on_one_node_is_warned_and_replicates_nothing(tmp_path):
+    """torchrun's 2 nodes of 2 ranks with --replication-jump 1: each clique is on one node, which every rank
+    warns about; no replica is sent (the node holds the part already), so a lost node is not recoverable from
+    memory and every rank's restart goes to storage."""
+    got = _run_tier_world(tmp_path, {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "{half}"}, 1, lost_node=1)
+    assert got["saved"] == {0: [0, 1], 1: [2, 3]}
+    for rank in range(WORLD):
+        clique = [rank - rank % 2, rank - rank % 2 + 1]
+        assert got[rank]["warnings"] == [f"replication clique {clique} is on one node: a lost node loses every copy "
+                                         "(set --replication-jump to the ranks per node)"] * 2, got[rank]
+        assert got[rank]["loaded"] is None
+
+
+def test_replication_jump_is_validated_before_any_work():
+    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.validation import validate_args
+    argv = FLAGS + ["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
+    assert validate_args(parse_args(argv=argv + ["--replication-jump", "1"]), 4, cuda=False).replication_jump == 1
+    with pytest.raises(ArgumentError, match="--replication-factor 2 x --replication-jump 4 must divide the world "
+                                            "size 4"):
+        validate_args(parse_args(argv=argv + ["--replication-jump", "4"]), 4, cuda=False)

@@ -304,9 +304,10 @@ class SaveStages:
                 if self.storage.mapped:  # the copies landed in the pages unchecked: their checksums now
                     for e in self._tensors(job):
                         e.item.crcs = [job.data.crc(e.item.offset + s, n) for s, n in e.item.chunks()]
+                direct = job.data.direct  # whether O_DIRECT was in use: closing the file clears it
                 self.storage.close_data(job.data, job.size)
                 body = {"rank": self.rank, "world_size": self.world_size, "data_file": fmt.data_file(self.rank),
-                        "data_bytes": job.size, "direct_io": job.data.direct,
+                        "data_bytes": job.size, "direct_io": direct,
                         "items": [e.item.to_json() for e in job.entries]}
                 job.manifest = self.storage.write_manifest(job.partial, self.rank, body)
         except BaseException as e:  # noqa: BLE001

@@ -3,9 +3,11 @@
 #
 #   scripts/slurm_local.sh setup    # install (apt) + configure + start munge, slurmctld, slurmd; idempotent
 #   scripts/slurm_local.sh test     # setup, then submit every examples/slurm script with MODEL=tiny, wait,
-#                                   # check each job's exit state, and plot the logs with examples/slurm/plot.py
+#                                   # check each job's exit state, and plot the logs with examples/slurm/plot.py;
+#                                   # exits non-zero when a job does not complete or a figure is missing
 #   scripts/slurm_local.sh status   # sinfo + squeue
-#   scripts/slurm_local.sh stop     # stop the daemons this script started (by their pid files)
+#   scripts/slurm_local.sh stop     # cancel this Slurm's jobs, stop the daemons this script started (CI runs
+#                                   # test, then stop: .ci/run)
 #
 # What it sets up (Debian 12, Slurm 22.05, run as root, no systemd):
 # - munge with the packaged key (created if missing), /run/munge owned by munge, munged run as munge;
@@ -16,6 +18,8 @@
 #   /dev/null) named in gres.conf, so scripts written for 4-GPU nodes (--gres=gpu:4, --ntasks-per-node) schedule
 #   unchanged. torch here is CPU-only; CUDA_VISIBLE_DEVICES=0,1,2,3 is set by Slurm and ignored.
 # - state, spool and logs under $SLURM_LOCAL_DIR (default /var/tmp/slurm-local).
+# - the jobs and plot.py use the project's venv (scripts/env.sh: PYTHON/VENV as for the test command), set up
+#   here with the bench extra (matplotlib) added: EXTRAS=megatron,tools,test,bench scripts/setup.sh.
 # Multi-node allocations (--nodes>1) cannot run on one node; the scripts are checked with -N 1 here, and
 # their multi-node parts (MASTER_ADDR from the node list, torchrun --nnodes/--node_rank) run with one node.
 set -euo pipefail
@@ -46,6 +50,7 @@ start_munge() {
     log "starting munged"
     rm -f /run/munge/munge.socket.2.lock
     runuser -u munge -- munged
+    mkdir -p "$SL" && touch "$SL/munged.started"  # stop stops it again (and only a munged started here)
     sleep 1
   fi
   munge -n | unmunge >/dev/null
@@ -144,10 +149,31 @@ setup() {
   start_slurm
 }
 
+stop_pid() {  # stop_pid NAME PIDFILE: SIGTERM, then wait up to 30 s for it to go
+  local pid
+  running "$2" || return 0
+  pid=$(cat "$2")
+  log "stopping $1 (pid $pid)"
+  kill "$pid"
+  for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1; done
+  log "$1 (pid $pid) is still running after 30 s"
+  return 1
+}
+
 stop() {
-  for d in slurmd slurmctld; do
-    if running "$SL/$d.pid"; then log "stopping $d"; kill "$(cat "$SL/$d.pid")"; fi
-  done
+  local rc=0
+  if running "$SL/slurmctld.pid" && [ -n "$(squeue -h -o %i 2>/dev/null)" ]; then
+    log "cancelling this Slurm's jobs: $(squeue -h -o %i | tr '\n' ' ')"
+    scancel $(squeue -h -o %i) || true
+    for _ in $(seq 30); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 1; done
+  fi
+  stop_pid slurmd "$SL/slurmd.pid" || rc=1
+  stop_pid slurmctld "$SL/slurmctld.pid" || rc=1
+  if [ -f "$SL/munged.started" ]; then
+    stop_pid munged /run/munge/munged.pid || rc=1
+    rm -f "$SL/munged.started"
+  fi
+  return $rc
 }
 
 wait_job() {  # polling scontrol is faster than sbatch --wait; returns non-zero unless COMPLETED
@@ -164,26 +190,40 @@ wait_job() {  # polling scontrol is faster than sbatch --wait; returns non-zero 
 }
 
 test_examples() {
+  # the project's venv with the bench extra (plot.py needs matplotlib); idempotent, adds only what is missing
+  EXTRAS=megatron,tools,test,bench bash scripts/setup.sh
+  local venv
+  venv=$(. scripts/env.sh && cd "$VENV" && pwd)
   setup
   local out=${OUT:-$REPO/bench_out/slurm_local}
   rm -rf "$out"; mkdir -p "$out"
-  # The tiny model; few iterations. Everything else is what a cluster run uses.
-  local common_env="ALL,REPO=$REPO,MODEL=tiny,TRAIN_ITERS=${TRAIN_ITERS:-4},LOG_DIR=$out/logs,CKPT_ROOT=$out/ckpt,GPUS_PER_NODE=4,VENV=$REPO/.venv"
+  # The tiny model; few iterations. Everything else is what a cluster run uses. -t 15: a job that hangs ends
+  # as TIMEOUT after 15 minutes (and fails the check) instead of keeping the check waiting for hours.
+  local common_env="ALL,REPO=$REPO,MODEL=tiny,TRAIN_ITERS=${TRAIN_ITERS:-4},LOG_DIR=$out/logs,CKPT_ROOT=$out/ckpt,GPUS_PER_NODE=4,VENV=$venv"
+  local sb=(sbatch --parsable -N 1 -t 15 -o "$out/%x-%j.out")
   local ids=() names=()
   local j
-  j=$(sbatch --parsable -N 1 -o "$out/%x-%j.out" --export="$common_env,FORMATS=datastates:async datastates torch_dist torch" \
+  j=$("${sb[@]}" --export="$common_env,FORMATS=datastates:async datastates torch_dist torch" \
         examples/slurm/ckpt_vs_model_size.sbatch); ids+=("$j"); names+=(model_size)
-  j=$(sbatch --parsable -N 1 -o "$out/%x-%j.out" --export="$common_env,FORMATS=datastates:async torch_dist" \
+  j=$("${sb[@]}" --export="$common_env,FORMATS=datastates:async torch_dist" \
         examples/slurm/ckpt_vs_dp_scale.sbatch); ids+=("$j"); names+=(dp_scale)
-  j=$(sbatch --parsable -N 1 -o "$out/%x-%j.out" --export="$common_env,FORMATS=datastates:async torch,INTERVALS=0 1" \
+  j=$("${sb[@]}" --export="$common_env,FORMATS=datastates:async torch,INTERVALS=0 1" \
         examples/slurm/e2e_every_iter.sbatch); ids+=("$j"); names+=(e2e)
   local fail=0
   for i in "${!ids[@]}"; do
-    wait_job "${ids[$i]}" || { fail=1; log "${names[$i]} failed; output:"; tail -40 "$out"/*-"${ids[$i]}".out || true; }
+    wait_job "${ids[$i]}" || { fail=1; log "FAIL: job ${names[$i]} did not complete; its output:"; tail -40 "$out"/*-"${ids[$i]}".out || true; }
   done
-  "$REPO/.venv/bin/python" examples/slurm/plot.py --logs "$out/logs" --out "$out/figures" || fail=1
+  "$venv/bin/python" examples/slurm/plot.py --logs "$out/logs" --out "$out/figures" || { fail=1; log "FAIL: plot.py failed"; }
   ls -l "$out/figures" || true
-  [ $fail = 0 ] && log "all example jobs completed; logs in $out/logs, figures in $out/figures"
+  local f
+  for f in summary.csv model_size.png dp_scale.png e2e.png; do
+    [ -s "$out/figures/$f" ] || { fail=1; log "FAIL: figure $out/figures/$f is missing or empty"; }
+  done
+  if [ $fail = 0 ]; then
+    log "PASS: all example jobs completed; logs in $out/logs, figures in $out/figures"
+  else
+    log "FAIL: see the lines above; job outputs in $out, Slurm's logs in $SL/log"
+  fi
   return $fail
 }
 

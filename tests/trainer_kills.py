@@ -1,6 +1,9 @@
 """Whole-job kills of the real trainer: pretrain_gpt.py, 4 ranks (TP2 x DP2, or with --moe a mixture of experts on
 EP2 x DP2; gloo) under torchrun, lazy async checkpoints every iteration with retention, SIGKILLed as a whole at
-random moments, checked, and resumed.
+random moments, checked, and resumed. A kill waits for the run to publish a checkpoint of its own, then a random
+extra delay (one run in ten is killed earlier instead, during start-up or its first saves), and always lands
+KILL_MARGIN iterations before the end at the latest: whatever the machine's speed, a run neither dies before it
+published anything nor finishes before its kill.
 
 A whole-job kill must reach every process: torchrun starts its workers in sessions of their own, so a process
 group kill misses them. The launcher's tree is walked through /proc, stopped (SIGSTOP: nothing forks or reacts
@@ -12,7 +15,7 @@ After each kill:
   - the next run (the next trial, or the final one) removes the leftovers, resumes from exactly that latest
     iteration, and every loss it prints equals the loss any run printed for that iteration (CPU training is
     deterministic: a resume that is not exact shows as a different loss);
-When a run reaches the last iteration the save directory starts over ("cycles").
+When the next run could not be killed before its end the save directory starts over ("cycles").
 
     python tests/trainer_kills.py --kills 200 [--seed 0] [--dir /tmp/kills] [--moe]
     (tests/test_trainer_kills.py runs one kill of each model)
@@ -37,12 +40,16 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 
 import crash_harness  # noqa: E402
-from megatron_helpers import LOSS_RE, TINY, free_port  # noqa: E402
+from megatron_helpers import LOSS_RE, TINY  # noqa: E402
 
 WORLD = 4
 KEEP_LAST = 2
 LOADED_RE = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
-FIRST_ITERATION_RE = re.compile(r"iteration\s+\d+/")
+ITERATION_RE = re.compile(r"iteration\s+(\d+)/")
+# A kill lands at least this many iterations before --train-iters (each with its save), so that no machine is fast
+# enough for a run to finish between the decision to kill it and the kill: runs are killed by the iterations they
+# reached and the checkpoints they published, not after a fixed time.
+KILL_MARGIN = 5
 
 
 DENSE = ["--tensor-model-parallel-size", "2"]  # TP2 x DP2
@@ -147,9 +154,9 @@ class Campaign:
     def _start(self) -> tuple[subprocess.Popen, str]:
         self.runs += 1
         log = os.path.join(self.workdir, f"run{self.runs:04d}.log")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_port",
-               str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
-               *trainer_args(self.save, self.train_iters, self.model)]
+        # --standalone: torchrun's store binds port 0 and the workers meet there (no port probed, then released)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+               os.path.join(ROOT, "pretrain_gpt.py"), *trainer_args(self.save, self.train_iters, self.model)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -200,23 +207,21 @@ class Campaign:
         self.latest = latest
 
     def _cycle_if_done(self) -> None:
-        if self.latest == self.train_iters:
+        """Start over when too few iterations are left for the next run to be killed (`KILL_MARGIN`)."""
+        if self.latest is not None and self.latest + 1 >= self.train_iters - KILL_MARGIN:
             shutil.rmtree(self.save)
             self.latest = None
-            self.stats["cycles (trained to the end, started over)"] += 1
+            self.stats["cycles (too near the end for another kill, started over)"] += 1
 
     def trial(self, index: int) -> None:
         name = f"kill {index}"
         before = self.latest
         proc, log = self._start()
-        early = self.rng.random() < 0.1  # during start-up: clean-up, load, first iterations
-        deadline = time.monotonic() + 240
-        while not early and proc.poll() is None and time.monotonic() < deadline:
-            with open(log, errors="replace") as f:
-                if FIRST_ITERATION_RE.search(f.read()):
-                    break
-            time.sleep(0.05)
-        time.sleep(self.rng.uniform(0, 8.0 if early else self.max_delay))
+        early = self.rng.random() < 0.1  # during start-up: clean-up, load, first iterations and saves
+        delay = self.rng.uniform(0, 8.0 if early else self.max_delay)
+        if not early:  # a kill in a later save: once this run has published a checkpoint of its own
+            self._wait(proc, log, before, published=True)
+        self._wait(proc, log, before, seconds=delay, published=early)
         killed = kill_tree(proc.pid) if proc.poll() is None else set()
         code = proc.wait()
         survivors = _survivors(killed)
@@ -234,6 +239,20 @@ class Campaign:
                   f"{run.loaded}, printed {min(run.losses, default=None)}..{max(run.losses, default=None)}, "
                   f"latest now {self.latest}", flush=True)
         self._cycle_if_done()
+
+    def _wait(self, proc: subprocess.Popen, log: str, before: int | None, seconds: float = 240.0,
+              published: bool = False) -> None:
+        """Wait `seconds` (or, with `published`, until the run publishes a checkpoint after `before`), no longer
+        than until the run prints iteration --train-iters - KILL_MARGIN, or ends."""
+        from datastates import commit
+        deadline, last = time.monotonic() + seconds, self.train_iters - KILL_MARGIN
+        while proc.poll() is None and time.monotonic() < deadline:
+            with open(log, errors="replace") as f:
+                if max(map(int, ITERATION_RE.findall(f.read())), default=0) >= last:
+                    return
+            if published and (commit.read_latest(self.save) or 0) > (before or 0):
+                return
+            time.sleep(0.05)
 
     def finish(self) -> None:
         """A last run is not killed: it resumes (checked like the others) and trains to the end."""
@@ -272,7 +291,8 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-iters", type=int, default=30)
-    p.add_argument("--max-delay", type=float, default=3.0, help="seconds of training before a kill, at most")
+    p.add_argument("--max-delay", type=float, default=3.0,
+                   help="seconds after the run's first checkpoint before a kill, at most")
     p.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one)")
     p.add_argument("--moe", action="store_true", help="kill a mixture-of-experts run (EP2 x DP2) instead")
     p.add_argument("-v", "--verbose", action="store_true")

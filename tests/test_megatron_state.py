@@ -13,13 +13,14 @@ parallelism, the word embedding tied across pipeline stages.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron_helpers import ROOT, TINY, losses, torchrun
+from megatron_helpers import ROOT, TINY, iter_dir, losses, torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from convert_checkpoint import read_datastates  # noqa: E402
@@ -39,32 +40,48 @@ def _run(nproc, args, **kw):
     return torchrun(nproc, BASE + args, **kw)
 
 @pytest.fixture(scope="module")
-def straight():
-    """Uninterrupted 8-iteration runs, per layout (computed on first use)."""
+def straight(tmp_path_factory):
+    """Uninterrupted 8-iteration runs, per layout, saving lazily at iterations 4 and 8 (computed on first use):
+    (losses, checkpoint root, log). Their `--load` names an empty directory: every rank warns of it."""
     cache = {}
 
     def get(name):
         if name not in cache:
             nproc, layout = LAYOUTS[name]
-            cache[name] = losses(_run(nproc, layout)[1])
-            assert sorted(cache[name]) == list(range(1, 9))
+            root = str(tmp_path_factory.mktemp(name) / "straight")
+            _, log = _run(nproc, layout + ["--save", root, "--load", root, "--save-interval", "4", "--async-ckpt"])
+            cache[name] = losses(log), root, log
+            assert sorted(cache[name][0]) == list(range(1, 9)), log[-3000:]
         return cache[name]
     return get
 
-def _stop_and_resume(nproc, layout, save, extra=()):
-    first = losses(_run(nproc, layout + list(extra) + ["--save", save, "--save-interval", "4", "--exit-interval", "4",
-                                                       "--async-ckpt"])[1])
-    _, log = _run(nproc, layout + list(extra) + ["--save", save, "--load", save, "--save-interval", "4",
-                                                 "--async-ckpt"])
-    assert "at iteration 4" in log and "successfully loaded checkpoint" in log
-    return first, losses(log)
+
+def _losses(straight, name):
+    return straight(name)[0]
+
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_bit_exact_resume(tmp_path, straight, name):
+    """Iterations 5-8 resumed from the straight run's own checkpoint of iteration 4 (the stop itself,
+    --exit-interval, is tested by the runs that stop below) equal the straight run's, bit for bit."""
     nproc, layout = LAYOUTS[name]
-    first, second = _stop_and_resume(nproc, layout, str(tmp_path / "ckpt"))
-    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
-    assert {**first, **second} == straight(name)
+    reference, root, log1 = straight(name)
+    _, log = _run(nproc, layout + ["--load", iter_dir(root, 4), "--save", str(tmp_path / "ckpt"), "--save-interval",
+                                   "4", "--async-ckpt", "--ckpt-read-mode", "parallel"])  # the others stream
+    assert "at iteration 4" in log and "successfully loaded checkpoint" in log
+    second = losses(log)
+    assert sorted(second) == [5, 6, 7, 8]
+    assert second == {i: reference[i] for i in range(5, 9)}
+    if name == "tp2_dp2":  # what every run logs, checked once
+        assert "checkpoint iteration" in log1 and "blocking ms" in log1 and "(rank 0)" not in log1
+        for rank in range(nproc):  # a warning is logged at WARNING: every rank shows it, not rank 0 alone
+            assert re.search(rf"\[rank {rank}\] WARNING \S+: could not find a checkpoint at {re.escape(root)}",
+                             log1), log1[-3000:]
+        # the lazy save of the last iteration, usually still in flight when training ends, is waited for,
+        # logged once and summed up over the ranks once
+        assert len(re.findall(r"INFO \S+: checkpoint iteration\s+8 \|", log)) == 1, log[-3000:]
+        assert len(re.findall(r"checkpoint summary iteration\s+8 \|", log)) == 1, log[-3000:]
+
 
 def _saved_state(path, iteration=None) -> dict[str, torch.Tensor]:
     """Every global tensor of a datastates checkpoint, assembled from all ranks' shards (checksums verified)."""
@@ -79,7 +96,7 @@ def sources(tmp_path_factory, straight):
         save = str(tmp_path_factory.mktemp(name) / "ckpt")
         first = losses(_run(4, LAYOUTS["tp2_dp2"][1] + extra + ["--save", save, "--save-interval", "4",
                                                                   "--exit-interval", "4"])[1])
-        assert first == {i: straight("tp2_dp2")[i] for i in range(1, 5)}
+        assert first == {i: _losses(straight, "tp2_dp2")[i] for i in range(1, 5)}
         out[name] = save
     return out
 
@@ -108,7 +125,7 @@ def test_fully_reshardable_into_other_layouts(tmp_path, straight, sources):
         for key, t in saved.items():  # bit for bit, the word embedding tied across the two stages included
             assert torch.equal(t, resaved[key]), f"{name}: {key} changed in the new layout"
         # bf16 rounding of another layout
-        assert float(losses(log)[5]) == pytest.approx(float(straight("tp2_dp2")[5]), rel=2e-3), name
+        assert float(losses(log)[5]) == pytest.approx(float(_losses(straight, "tp2_dp2")[5]), rel=2e-3), name
 
 
 def test_dp_reshardable_changes_dp_only(tmp_path, straight, sources):
@@ -120,7 +137,7 @@ def test_dp_reshardable_changes_dp_only(tmp_path, straight, sources):
     assert sorted(resaved) == sorted(reference)
     for key, t in reference.items():
         assert torch.equal(t, resaved[key]), key
-    assert float(losses(log)[5]) == pytest.approx(float(straight("tp2_dp2")[5]), rel=2e-3)
+    assert float(losses(log)[5]) == pytest.approx(float(_losses(straight, "tp2_dp2")[5]), rel=2e-3)
     # into TP1: refused before anything is read, naming the way out
     code, log = _run(1, ["--load", src, "--save", str(tmp_path / "tp1"), "--exit-interval", "5"], check=False)
     assert code != 0
@@ -152,7 +169,7 @@ def test_round_trip_through_stock_megatron_core(tmp_path, straight, sources):
                                    "--ckpt-fully-parallel-load", "--ckpt-assume-constant-structure",
                                    "--dist-ckpt-strictness", "log_all"])
     assert "(torch_dist) at iteration 4" in log
-    reference = straight("tp2_dp2")
+    reference = _losses(straight, "tp2_dp2")
     assert losses(log) == {i: reference[i] for i in range(5, 9)}
     back = str(tmp_path / "back")
     _convert(td, back, "torch_dist", "datastates")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 
 from rank_launcher import BASE_ENV, ROOT, Launcher
@@ -11,12 +10,6 @@ from rank_launcher import BASE_ENV, ROOT, Launcher
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "128", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--seed", "1234"]
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([^ ]+) \|")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _script(faults: bool) -> str:

@@ -32,10 +32,11 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+
+from rank_launcher import LineServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -218,36 +219,16 @@ def zygote_main() -> None:
         out.flush()
 
 
-class Zygote:
+class Zygote(LineServer):
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "zygote"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
-        assert self._read()["ready"]
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"crash-harness zygote died (exit {self.proc.poll()})")
-        return json.loads(line)
-
-    def _call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        super().__init__([sys.executable, os.path.abspath(__file__), "zygote"],
+                         dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
 
     def spawn(self, args: list[str], log: str) -> int:
         return self._call(op="spawn", args=args, log=log)["pid"]
 
     def wait(self, pid: int, timeout: float):
         return self._call(op="wait", pid=pid, timeout=timeout)["status"]
-
-    def close(self):
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-        except Exception:  # noqa: BLE001
-            self.proc.kill()
 
 
 # ------------------------------------------------------------------------------------------ trial checking

@@ -184,7 +184,35 @@ def serve() -> None:
         out.flush()
 
 
-class Launcher:
+class LineServer:
+    """A child process that answers each JSON line on its stdin with one on its stdout, after a first
+    {"ready": true} (this launcher, and crash_harness's zygote)."""
+
+    def __init__(self, argv: list[str], env: dict):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env=env)
+        assert self._read().get("ready"), f"{argv} did not start"
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.proc.args[1]} died (exit {self.proc.poll()})")
+        return json.loads(line)
+
+    def _call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+
+
+class Launcher(LineServer):
     """The test side: one launcher process per interpreter, started on first use."""
     _started: dict[str, "Launcher"] = {}
 
@@ -196,20 +224,7 @@ class Launcher:
         return launcher
 
     def __init__(self, python: str):
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, **BASE_ENV))
-        assert self._read().get("ready"), "rank_launcher did not start"
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"rank_launcher died (exit {self.proc.poll()})")
-        return json.loads(line)
-
-    def _call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        super().__init__([python, os.path.abspath(__file__)], dict(os.environ, **BASE_ENV))
 
     def run(self, nproc: int | None, script: str, args: list[str], env: dict, cwd: str,
             timeout: float) -> tuple[int, str]:

@@ -9,7 +9,7 @@ loaded values (`unflatten`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -170,6 +170,15 @@ default_registry = ProviderRegistry([ContainerProvider(), TensorProvider(), Obje
 
 def register_provider(provider: StateProvider, first: bool = True) -> None:
     default_registry.register(provider, first)
+
+
+def item_ids(skeleton: Any) -> Iterator[Any]:
+    """The id of every ItemRef in a skeleton: what `unflatten` will resolve."""
+    if isinstance(skeleton, ItemRef):
+        yield skeleton.id
+    elif isinstance(skeleton, (dict, list, tuple)):
+        for child in skeleton.values() if isinstance(skeleton, dict) else skeleton:
+            yield from item_ids(child)
 
 
 def unflatten(skeleton: Any, resolve: Callable[[str], Any]) -> Any:

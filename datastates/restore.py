@@ -24,7 +24,7 @@ from . import format as fmt
 from .errors import CheckpointCorruptError, CheckpointError
 from .load_plan import BoxRead, Piece, plan_global, plan_whole
 from .problems import Problems
-from .providers import ProviderRegistry, default_registry, unflatten
+from .providers import ProviderRegistry, default_registry, item_ids, unflatten
 from .reads import Reads
 from .schema import Box, Item, RankPart, Shard, dtype_from_name, dtype_name, volume
 from .snapshot import CopyBackend, HostCopyBackend
@@ -186,6 +186,7 @@ class CheckpointReader:
         own = self.items(rank) if template is None or rank < self.world_size else {}
         if template is None:
             skeleton = self._read_object(rank, self._item(own, fmt.SKELETON_ID, rank))
+            self._check_skeleton(skeleton, own, rank)
             wanted = [(it, torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) if it.kind == "tensor" else None)
                       for it in own.values() if it.id != fmt.SKELETON_ID]
         else:
@@ -204,6 +205,16 @@ class CheckpointReader:
                 else:
                     self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
         return unflatten(skeleton, values.__getitem__ if problems is None else values.get)
+
+    def _check_skeleton(self, skeleton: Any, own: dict[str, Item], rank: int) -> None:
+        """Every leaf of the saved structure must be an item of the index. The structure is pickled in the data
+        file, not in the index (so `schema` cannot check this): an index whose item ids were edited (and
+        re-signed) would otherwise fail in `unflatten` with a bare KeyError, after reading every item."""
+        for key in item_ids(skeleton):
+            if not isinstance(key, str) or key == fmt.SKELETON_ID or key not in own:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.path!r} (rank {rank}) is malformed: its saved state structure "
+                    f"({fmt.SKELETON_ID!r}) refers to item {key!r}, which its index does not list")
 
     def _item(self, items: dict[str, Item], key: str, rank: int) -> Item:
         if rank >= self.world_size:

@@ -176,7 +176,8 @@ def _named(doc, edits) -> list[str]:
 
 
 DELETE = object()
-# One re-signed edit per structural check of the index (datastates/schema.py), and the refusal it must produce:
+# One re-signed edit per structural check of the index (datastates/schema.py; restore.py for the saved structure's
+# leaves), and the refusal it must produce:
 # (what is edited: "top", "rank" (rank 0's entry) or an item id; the changes: a value, DELETE, or a function of the
 # old value; the message). Random edits reach most checks only by chance; this reaches each one.
 STRUCTURAL = [
@@ -213,6 +214,8 @@ STRUCTURAL = [
     ("w", {"crcs": []}, r"item 'w': ValueError: crcs must be a list of non-negative ints, got \[\]"),
     ("w", {"crcs": [1 << 32]}, r"item 'w': ValueError: a crc32c is out of range"),
     ("big", {"id": "w"}, r"item 'w': ValueError: duplicate item id 'w'"),
+    ("w", {"id": "renamed"}, r"\(rank 0\) is malformed: its saved state structure \('__skeleton__'\) refers to item "
+                             r"'w', which its index does not list"),
 ]
 
 

@@ -5,7 +5,9 @@ Starting Python, torch and megatron-core costs about 5 s of CPU per process on t
 them once; each job is forked from it, and the job forks its ranks. A rank gets what torchrun gives a worker:
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ..., and a TCPStore that its job hosts on a port
 the kernel picked (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent), so no port is ever guessed. As
-under torchrun, the first rank that fails stops the others and the job exits 1.
+under torchrun, the first rank that fails stops the others and the job exits 1, and a job is over when its last
+process is: ranks whose job process was killed (as a whole-job kill kills torchrun's agent) run on and are
+waited for.
 
 A job of no ranks (nproc None) runs its script in the job process itself, as `python script` would: the
 tools, the reference scripts, megatron-core's own single-process runs.
@@ -51,8 +53,6 @@ def _status(wait_status: int) -> int:
 def _rank(script: str, args: list[str], env: dict, port_pipe: int) -> None:
     """Run `script` as a worker (never returns: its SystemExit ends this process as a normal interpreter exit,
     with atexit handlers and non-daemon threads joined)."""
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a job killed takes its ranks with it
     with os.fdopen(port_pipe) as f:
         port = f.read().strip()
     if not port:  # the job failed before it had a store
@@ -150,12 +150,35 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _running(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def serve() -> None:
     _preload()
+    import ctypes
+    # PR_SET_CHILD_SUBREAPER: the ranks of a job whose process was killed become this process's children, so
+    # they are reaped here and a job is over only when its last process is (what EOF on torchrun's pipes says)
+    ctypes.CDLL(None).prctl(36, 1)
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     reaped: dict[int, int] = {}
+
+    def reap() -> None:
+        while True:
+            try:
+                done, st = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if not done:
+                return
+            reaped[done] = _status(st)
+
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "spawn":
@@ -165,13 +188,12 @@ def serve() -> None:
             reply = {"pid": pid}
         elif cmd["op"] == "wait":
             deadline = time.monotonic() + cmd["timeout"]
-            while cmd["pid"] not in reaped and time.monotonic() < deadline:
-                done, st = os.waitpid(cmd["pid"], os.WNOHANG)
-                if done:
-                    reaped[done] = _status(st)
-                else:
-                    time.sleep(0.02)
-            reply = {"status": reaped.get(cmd["pid"])}
+            job = cmd["pid"]  # also its process group (the job called setsid)
+            reap()
+            while (job not in reaped or _running(job)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                reap()
+            reply = {"status": reaped.get(job) if not _running(job) else None}
         elif cmd["op"] == "kill":
             try:
                 os.killpg(cmd["pid"], signal.SIGKILL)

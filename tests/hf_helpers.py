@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_helpers import ROOT, losses, torchrun
-from rank_launcher import BASE_ENV, run_python
+from rank_launcher import environment, run_python
 
 TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data", "--seed", "1234",
          "--train-iters", "2"]
@@ -24,7 +24,7 @@ def run_script(script: str, *args: str, check: bool = True, fresh: bool = False)
     """`python script args`: forked from the test launcher (torch, megatron-core, transformers imported), or in a
     `fresh` process (for what measures the process's own memory)."""
     if fresh:
-        p = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=dict(os.environ, **BASE_ENV),
+        p = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=environment(),
                            capture_output=True, text=True, timeout=300)
         rc, out = p.returncode, p.stdout + p.stderr
     else:

@@ -5,7 +5,7 @@ import os
 import re
 import sys
 
-from rank_launcher import BASE_ENV, ROOT, Launcher
+from rank_launcher import ROOT, Launcher, environment
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "128", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--seed", "1234"]
@@ -17,10 +17,6 @@ def _script(faults: bool) -> str:
     return os.path.join(ROOT, "tests", "fault_launcher.py") if faults else os.path.join(ROOT, "pretrain_gpt.py")
 
 
-def _environment(env: dict | None) -> dict:
-    return dict(os.environ, **BASE_ENV, **(env or {}))
-
-
 def torchrun_command(nproc: int, args: list[str], env: dict | None = None, faults: bool = False,
                      python: str = sys.executable) -> tuple[list[str], dict]:
     """(command, environment) of a real torchrun of pretrain_gpt.py (or `faults`: tests/fault_launcher.py) with
@@ -28,14 +24,14 @@ def torchrun_command(nproc: int, args: list[str], env: dict | None = None, fault
     the tests whose subject is torchrun (signals to it, whole-job kills)."""
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), _script(faults),
            *args]
-    return cmd, _environment(env)
+    return cmd, environment(env)
 
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: int = 240, check: bool = True,
              faults: bool = False, python: str = sys.executable):
     """Run pretrain_gpt.py (or `faults`: tests/fault_launcher.py) on `nproc` ranks as torchrun would, forked by
     tests/rank_launcher.py from a process that imported torch and megatron-core once; (exit code, output)."""
-    rc, out = Launcher.for_python(python).run(nproc, _script(faults), args, _environment(env), ROOT, timeout)
+    rc, out = Launcher.for_python(python).run(nproc, _script(faults), args, environment(env), ROOT, timeout)
     if check and rc != 0:
         raise AssertionError(f"the {nproc}-rank job exited with {rc}:\n{out[-6000:]}")
     return rc, out

@@ -37,6 +37,11 @@ BASE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": RO
 STOP_GRACE_S = 10.0
 
 
+def environment(env: dict | None = None) -> dict:
+    """This process's environment, BASE_ENV, then `env`: what a launched script sees."""
+    return dict(os.environ, **BASE_ENV, **(env or {}))
+
+
 def _preload() -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -246,7 +251,7 @@ class Launcher(LineServer):
         return launcher
 
     def __init__(self, python: str):
-        super().__init__([python, os.path.abspath(__file__)], dict(os.environ, **BASE_ENV))
+        super().__init__([python, os.path.abspath(__file__)], environment())
 
     def run(self, nproc: int | None, script: str, args: list[str], env: dict, cwd: str,
             timeout: float) -> tuple[int, str]:
@@ -267,8 +272,8 @@ class Launcher(LineServer):
 def run_python(script: str, *args: str, env: dict | None = None, cwd: str = ROOT, timeout: float = 300,
                python: str = sys.executable) -> tuple[int, str]:
     """`python script args` (relative to ROOT), forked from the launcher of `python`: (exit code, output)."""
-    return Launcher.for_python(python).run(None, os.path.join(ROOT, script), list(args),
-                                           dict(os.environ, **BASE_ENV, **(env or {})), cwd, timeout)
+    return Launcher.for_python(python).run(None, os.path.join(ROOT, script), list(args), environment(env), cwd,
+                                           timeout)
 
 
 if __name__ == "__main__":

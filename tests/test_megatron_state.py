@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from megatron_helpers import ROOT, TINY, iter_dir, losses, torchrun
+from rank_launcher import run_python
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from convert_checkpoint import read_datastates  # noqa: E402
@@ -145,10 +145,9 @@ def test_dp_reshardable_changes_dp_only(tmp_path, straight, sources):
 
 
 def _convert(src, dst, frm, to, *extra):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", frm, "--to",
-                        to, "--input", src, "--output", dst, *extra], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert p.returncode == 0, p.stdout + p.stderr
+    rc, out = run_python("tools/convert_checkpoint.py", "--from", frm, "--to", to, "--input", src, "--output", dst,
+                         *extra)
+    assert rc == 0, out[-4000:]
 
 def test_inspect_names_the_optimizer_layout(sources, capsys):
     for layout, expect in (("dp_reshardable", "distributed optimizer, dp_reshardable"),

@@ -41,6 +41,7 @@ sys.path[:0] = [HERE, ROOT]
 
 import crash_harness  # noqa: E402
 from megatron_helpers import LOSS_RE, TINY  # noqa: E402
+from rank_launcher import environment  # noqa: E402
 
 WORLD = 4
 KEEP_LAST = 2
@@ -157,7 +158,7 @@ class Campaign:
         # --standalone: torchrun's store binds port 0 and the workers meet there (no port probed, then released)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
                os.path.join(ROOT, "pretrain_gpt.py"), *trainer_args(self.save, self.train_iters, self.model)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
+        env = environment()
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)

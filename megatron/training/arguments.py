@@ -114,6 +114,10 @@ def _add_training_args(p):
     g.add_argument("--rampup-batch-size", nargs="*", default=None, metavar="START INCREMENT SAMPLES",
                    help="with --train-samples: start at START, grow by INCREMENT up to --global-batch-size "
                         "over SAMPLES samples (megatron-core's num-microbatches calculator)")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None, metavar='"THRESHOLD:BATCH ..."',
+                   help="the global batch size from each threshold of consumed tokens on (K/M/B/T suffixes: "
+                        "1e3/1e6/1e9/1e12), e.g. \"0:16 2.4B:320\"; the first threshold is 0, the last batch size is "
+                        "--global-batch-size (upstream's step schedule)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit (after saving when --save is set) once the iteration is a multiple of this")
     g.add_argument("--lr", type=float, default=None)

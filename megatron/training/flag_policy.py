@@ -39,8 +39,6 @@ REFUSED = {
     "--softmax-type": _GPT_OSS, "--window-size": _GPT_OSS, "--window-attn-skip-freq": _GPT_OSS,
     "--tokenizer-special-tokens": "megatron-core's new tokenizer library is not used here: add the special "
                                   "tokens to the tokenizer itself (--tokenizer-model directory)",
-    "--step-batch-size-schedule": "a stepwise batch-size schedule is not built here: use --rampup-batch-size "
-                                  "START INCREMENT SAMPLES with --train-samples",
     "--use-torch-fsdp2": _FSDP,
     "--moe-permute-fusion": "asks for Transformer Engine's fused token permutation (a CUDA kernel); the "
                             "unfused permutation runs on every device here (drop the flag)",

@@ -314,7 +314,8 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
     print_rank_0(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size}, "
                  f"pipeline-parallel {args.pipeline_model_parallel_size}, data-parallel {args.data_parallel_size}, "
                  f"{args.num_microbatches} micro-batch(es) per iteration"
-                 f"{' at the end of the batch-size ramp' if args.rampup_batch_size else ''}, device {args.device}")
+                 f"{' at the final batch size' if args.rampup_batch_size or args.step_batch_size_schedule else ''}, "
+                 f"device {args.device}")
     gpt, model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider)
     checkpoints = CheckpointManager(args, gpt, optimizer, scheduler, ddp=model)
     run = None

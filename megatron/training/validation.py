@@ -88,6 +88,8 @@ def _validate_layout(args, world_size: int) -> None:
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
         raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                             f"{args.max_position_embeddings}")
+    if args.step_batch_size_schedule is not None:
+        return  # the schedule's final batch size is the global batch size (schedules.validate_schedule)
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp

@@ -38,21 +38,14 @@ def validate_virtual_pipeline(args) -> None:
     elif stages <= 0 or layers_per_rank % stages:
         raise ValueError(f"--num-virtual-stages-per-pipeline-rank {stages} does not divide the {layers_per_rank} "
                          "layers of each pipeline rank")
-    for gbs in _batch_sizes(args):
+    from .schedules import batch_sizes
+    for gbs in batch_sizes(args):
         microbatches = gbs // (args.micro_batch_size * args.data_parallel_size)
         if microbatches % pp:
             raise ValueError(f"virtual pipeline stages: {microbatches} micro-batches per iteration (global batch "
                              f"{gbs}) is not a multiple of --pipeline-model-parallel-size {pp}, as megatron-core's "
                              "interleaved schedule needs")
     args.virtual_pipeline_model_parallel_size = stages if stages > 1 else None
-
-
-def _batch_sizes(args) -> list[int]:
-    """The global batch sizes a run goes through: the ramp's start and each increment, then the final one."""
-    if not args.rampup_batch_size:
-        return [args.global_batch_size]
-    start, increment, _ = (int(v) for v in args.rampup_batch_size)
-    return list(range(start, args.global_batch_size + 1, increment))
 
 
 def build_model_chunks(model_provider, vp_size) -> list:

@@ -16,6 +16,14 @@ BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
         "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data"]
 
 
+@pytest.fixture(autouse=True)
+def no_calculator_left():
+    """megatron-core's calculator is a process global: none is left to the next test module."""
+    yield
+    from megatron.core import num_microbatches_calculator as nmc
+    nmc.destroy_num_microbatches_calculator()
+
+
 def args_of(extra, world=2):
     return validate_args(parse_args(argv=BASE + extra), world, cuda=False)
 
@@ -60,7 +68,6 @@ def test_batch_sizes_are_megatron_cores_on_every_version():
                 reference.update(consumed, consistency_check=True)
                 assert ours.get_current_global_batch_size() == reference.get_current_global_batch_size()
                 assert ours.get() == reference.get()
-    nmc.destroy_num_microbatches_calculator()
 
 
 def test_a_sample_based_run_counts_iterations_until_its_samples_are_consumed():

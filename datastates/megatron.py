@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from .names import (COMMON_PREFIX, FLAT_SUFFIX, common_name, common_path, flat_name, is_flat, parse_shard_name,
+                    shard_name)
 from .providers import (ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider,
                         TensorProvider)
 
@@ -34,7 +36,10 @@ from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, 
                                                          merge, nested_values)
 
 __all__ = ["Common", "MegatronProvider", "ReplicaOwnership", "make_registry", "prepare_for_save", "prepare_for_load",
-           "finalize_load", "save_sharded", "load_sharded", "shard_identity"]
+           "finalize_load", "save_sharded", "load_sharded", "shard_identity",
+           # how items are named (datastates.names, for readers without megatron-core)
+           "COMMON_PREFIX", "FLAT_SUFFIX", "common_name", "common_path", "shard_name", "parse_shard_name", "flat_name",
+           "is_flat"]
 
 
 def _flat_range(sh) -> Optional[tuple]:
@@ -57,7 +62,7 @@ def _is_main_replica(replica_id) -> bool:
 
 def _item_key(ident: tuple) -> str:
     kind, key, offset, fr = ident
-    s = f"{key}@{','.join(map(str, offset))}"
+    s = shard_name(key, offset)
     if fr is not None:
         s += f"[{fr[0]}:{fr[1]}]"
     return s
@@ -134,13 +139,10 @@ class ReplicaOwnership:
         self._digest = digest
 
 
-COMMON_PREFIX = "common:"  # the name of a Common value's item: common:<path in the state dict>
-
-
 class Common:
     """A value that every rank holds identically (args, iteration, scheduler, optimizer hyper-parameters).
 
-    Saved once, by global rank 0, as a global object named ``common:<key>`` (megatron-core's "common state");
+    Saved once, by global rank 0, as the global object `common_name(path)` (megatron-core's "common state");
     on load every rank reads it from rank 0's file, whatever the layout the checkpoint was saved with.
     """
 
@@ -171,7 +173,7 @@ class MegatronProvider(StateProvider):
 
     def flatten(self, value, path, ctx):
         if isinstance(value, Common):
-            return ctx.add_object(COMMON_PREFIX + path, value.value, scope="global", name=COMMON_PREFIX + path,
+            return ctx.add_object(common_name(path), value.value, scope="global", name=common_name(path),
                                   write=self.self_contained or _global_rank() == 0)
         if isinstance(value, (ShardedTensorFactory, LocalNonpersistentObject)):
             raise TypeError(f"{type(value).__name__} at {path!r}: call datastates.megatron.prepare_for_save / "
@@ -188,7 +190,7 @@ class MegatronProvider(StateProvider):
         if fr is not None:
             # A flattened range of the local shard (distributed optimizer): a 1-D logical tensor per local shard,
             # so DP resharding of the ranges works and TP/PP boxes stay apart.
-            name = f"{value.key}@{','.join(map(str, value.global_offset))}|flat"
+            name = flat_name(value.key, value.global_offset)
             return ctx.add_tensor(key, data.reshape(-1), scope="global", name=name,
                                   global_shape=(math.prod(value.local_shape),), global_offset=(fr[0],),
                                   write=write)

@@ -12,6 +12,7 @@ the targets while later reads are in flight.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import Any, Callable
@@ -23,6 +24,7 @@ from . import commit
 from . import format as fmt
 from .errors import CheckpointCorruptError, CheckpointError
 from .load_plan import BoxRead, Piece, plan_global, plan_whole
+from .names import common_path
 from .problems import Problems
 from .providers import ProviderRegistry, default_registry, item_ids, unflatten
 from .reads import Reads
@@ -231,11 +233,7 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path!r} item {target.id!r} is a {saved.kind}, "
                                       f"the target wants an object")
             return rank, saved
-        holders = [sh for sh in self.global_index().get(target.name, []) if sh.kind == "object"]
-        if not holders:
-            raise CheckpointError(f"checkpoint {self.path!r} has no object named {target.name!r}")
-        shard = min(holders, key=lambda sh: sh.rank != rank)  # this rank's own copy when it wrote one
-        return shard.rank, self.shard_item(shard)
+        return self._global_object(target.name, rank)
 
     def _saved_tensor(self, target: Item, own: dict[str, Item], rank: int) -> Item:
         saved = self._item(own, target.id, rank)
@@ -279,6 +277,80 @@ class CheckpointReader:
                             progress(nbytes)
         return stats
 
+    # ----- by name: what tools read -----
+
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every global tensor: name -> (global shape, dtype), from the index alone."""
+        return {name: (tuple(shards[0].global_shape), dtype_from_name(shards[0].dtype))
+                for name, shards in self.global_index().items() if shards[0].kind == "tensor"}
+
+    def objects(self) -> list[str]:
+        """The names of every global object, sorted."""
+        return sorted(name for name, shards in self.global_index().items() if shards[0].kind == "object")
+
+    @torch.no_grad()
+    def tensor(self, name: str, offset: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None,
+               out: torch.Tensor | None = None, problems: Problems | None = None) -> torch.Tensor:
+        """The box (`offset`, `shape`) of the global tensor `name`, whole by default, assembled from whichever
+        ranks' shards hold it, every chunk's crc32c verified: a new CPU tensor, or `out` filled (a buffer a
+        reader of many boxes reuses). With `problems`, a damaged read is reported there and the box's damaged
+        part is undefined."""
+        found = self.tensors().get(name)
+        if found is None:
+            raise CheckpointError(f"checkpoint {self.path!r} has no tensor named {name!r}")
+        global_shape, dtype = found
+        box = _box_within(name, global_shape, offset, shape)
+        dst = out if out is not None else torch.empty(box.shape, dtype=dtype)
+        if tuple(dst.shape) != box.shape or dst.dtype != dtype:
+            raise ValueError(f"out is {dst.dtype} {tuple(dst.shape)}, the box of {name!r} is {dtype} {box.shape}")
+        with Reads(self, problems) as reads:
+            self._read_box(name, box, global_shape, dst, reads)
+        return dst
+
+    def object(self, name: str, problems: Problems | None = None) -> Any:
+        """The global object `name` (rank 0's copy when it wrote one), verified and unpickled. With `problems`, a
+        damaged one is reported there and None is returned."""
+        return self._read_object(*self._global_object(name, 0), problems)
+
+    @torch.no_grad()
+    def common(self, problems: Problems | None = None) -> Any:
+        """The common state: the state rank 0 saved, less its sharded part. Its common values (the objects
+        `names.common_name(path)`, which `datastates.megatron.Common` saves) and its rank-local items stay in the
+        saved structure; global tensors, other global objects and the containers left empty by dropping them go.
+        With `problems`, a damaged value is reported there and is None."""
+        own = self.items(0)
+        skeleton = self._read_object(0, self._item(own, fmt.SKELETON_ID, 0))
+        self._check_skeleton(skeleton, own, 0)
+        wanted = [item for item in own.values() if _in_common(item)]
+        values: dict[str, Any] = {}
+        with Reads(self, problems) as reads:
+            for item in wanted:
+                if item.kind == "object":
+                    self._queue_object(*self._saved_object(item, own, 0), reads,
+                                       functools.partial(values.__setitem__, item.id))
+                else:
+                    values[item.id] = dst = torch.empty(item.shape, dtype=dtype_from_name(item.dtype))
+                    self._read_whole(0, item, dst, reads)
+        ids, dropped = {item.id for item in wanted}, object()  # dropped: a sharded item, until pruned
+        return _pruned(unflatten(skeleton, lambda key: values.get(key) if key in ids else dropped), dropped)
+
+    def _read_box(self, name: str, box: Box, global_shape: tuple, dst: torch.Tensor, reads: Reads) -> None:
+        """Fill `dst` with the `box` of the global tensor `name` from every saved shard it overlaps."""
+        plan = plan_global(f"checkpoint {self.path!r}", name, box, tuple(global_shape), dtype_name(dst.dtype),
+                           self.global_index().get(name, ()), self.shard_item)
+        for read in plan:
+            self._execute(read, dst, reads)
+
+    def _global_object(self, name: str, rank: int) -> tuple[int, Item]:
+        """The saved copy of the global object `name` to read: `rank`'s own when it wrote one."""
+        holders = [sh for sh in self.global_index().get(name, []) if sh.kind == "object"]
+        if not holders:
+            raise CheckpointError(f"checkpoint {self.path!r} has no object named {name!r}")
+        shard = min(holders, key=lambda sh: sh.rank != rank)
+        return shard.rank, self.shard_item(shard)
+
+    # ----- the reads of a load, a check and the by-name API -----
+
     def _readable_items(self, rank: int, problems: Problems) -> list[Item]:
         """The valid written items of `rank` that lie within its data file, which is opened here."""
         try:
@@ -289,11 +361,11 @@ class CheckpointReader:
             return []
         return [it for it in items.values() if it.write and it.nbytes and it.offset + it.nbytes <= size]
 
-    def _read_object(self, rank: int, item: Item) -> Any:
+    def _read_object(self, rank: int, item: Item, problems: Problems | None = None) -> Any:
         out = []
-        with Reads(self) as reads:
+        with Reads(self, problems) as reads:
             self._queue_object(rank, item, reads, out.append)
-        return out[0]
+        return out[0] if out else None  # nothing: damaged, reported to `problems`
 
     def _queue_object(self, rank: int, item: Item, reads: Reads, then: Callable[[Any], None]) -> None:
         """Read a pickled object in the load's batch; `then` receives it once its bytes are verified."""
@@ -311,11 +383,8 @@ class CheckpointReader:
 
     def _read_global(self, target: Item, dst: torch.Tensor, reads: Reads) -> None:
         """Fill the target shard `dst` (box target.global_offset + dst.shape) from every saved shard it overlaps."""
-        box = Box(tuple(target.global_offset), tuple(dst.shape))
-        plan = plan_global(f"checkpoint {self.path!r}", target.name, box, tuple(target.global_shape),
-                           dtype_name(dst.dtype), self.global_index().get(target.name, ()), self.shard_item)
-        for read in plan:
-            self._execute(read, dst, reads)
+        self._read_box(target.name, Box(tuple(target.global_offset), tuple(dst.shape)), target.global_shape, dst,
+                       reads)
 
     def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: Reads) -> None:
         """Fill `dst` (of the saved shape) with the whole saved item."""
@@ -359,6 +428,44 @@ def _chunk_groups(item: Item, max_bytes: int):
             last += 1
         yield first, last, chunks[last - 1][0] + chunks[last - 1][1] - start
         first = last
+
+
+def _box_within(name: str, global_shape: tuple, offset, shape) -> Box:
+    """The box (`offset`, `shape`) of the tensor `name`, checked to lie within its global shape; by default from
+    `offset` (default the origin) to the end of every axis."""
+    offset = tuple(offset) if offset is not None else (0,) * len(global_shape)
+    shape = tuple(shape) if shape is not None else tuple(g - o for g, o in zip(global_shape, offset))
+    if not (len(offset) == len(shape) == len(global_shape)
+            and all(0 <= o and 0 <= n and o + n <= g for o, n, g in zip(offset, shape, global_shape))):
+        raise ValueError(f"box at offset {offset} of shape {shape} is not within {name!r} of global shape "
+                         f"{tuple(global_shape)}")
+    return Box(offset, shape)
+
+
+def _in_common(item: Item) -> bool:
+    """Whether rank 0's `item` is part of the common state: a rank-local item or a common value."""
+    return item.id != fmt.SKELETON_ID and (item.scope == "local" or (
+        item.kind == "object" and common_path(item.name) is not None))
+
+
+def _pruned(state: Any, dropped: object) -> Any:
+    """`state` without the values that are `dropped`, nor the containers of it that held only such values."""
+    if not isinstance(state, (dict, list, tuple)):
+        return state
+    kept = []
+    for key, value in state.items() if isinstance(state, dict) else enumerate(state):
+        pruned = _pruned(value, dropped)
+        if pruned is not dropped and not (isinstance(value, (dict, list, tuple)) and value and not pruned):
+            kept.append((key, pruned))
+    if isinstance(state, dict):
+        out = copy.copy(state)  # of the same mapping type (an OrderedDict, a defaultdict)
+        out.clear()
+        out.update(kept)
+        return out
+    values = [v for _, v in kept]
+    if isinstance(state, list):
+        return values
+    return type(state)(*values) if hasattr(state, "_fields") else tuple(values)
 
 
 def _writable(t: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,33 @@
-"""datastates: lazy asynchronous multi-level checkpointing for Megatron-style LLM training."""
+"""datastates: lazy asynchronous multi-level checkpointing for Megatron-style LLM training.
+
+The public API is what `__all__` names, plus three public modules: `datastates.megatron` (the adapter to
+megatron-core's sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core)
+and `datastates.logs`. Every other module is the engine's own and may change (docs/architecture.md, "Public API";
+tests/test_import_contract.py holds the tools to it).
+"""
 from . import _native  # noqa: F401  (the native writer is required, never optional)
-from .audit import Audit, audit_checkpoint
+from .audit import RANK_FILE_RE, Audit, NotACheckpointError, audit_checkpoint, box_str
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
+from .format import METADATA, fsync_dir, manifest_file, read_index, read_json, write_file
+from .commit import (DELETING, PARTIAL, TRACKER, Latest, checkpoint_dir, find_latest, is_published, iteration_of,
+                     partial_dir, write_latest)
 from .problems import Problem, Problems
 from .providers import ProviderRegistry, StateProvider, register_provider
 from .restore import CheckpointReader
+from .schema import Box, dtype_from_name
+from .snapshot import built_on_copy
 
-__all__ = ["CheckpointEngine", "SaveHandle", "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems",
-           "CheckpointError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProviderRegistry",
-           "StateProvider", "register_provider"]
+__all__ = [
+    # saving and loading
+    "CheckpointEngine", "SaveHandle", "ProviderRegistry", "StateProvider", "register_provider", "built_on_copy",
+    # reading and checking one checkpoint
+    "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",
+    # errors
+    "CheckpointError", "CheckpointCorruptError", "CheckpointTimeoutError", "NotACheckpointError",
+    # a save root's layout: iteration directories, the tracker, a checkpoint's files
+    "checkpoint_dir", "iteration_of", "partial_dir", "is_published", "find_latest", "Latest", "write_latest",
+    "TRACKER", "PARTIAL", "DELETING", "METADATA", "manifest_file", "RANK_FILE_RE", "read_index",
+    # small files written durably (the tools' other formats), JSON read with a clear error
+    "write_file", "fsync_dir", "read_json",
+]

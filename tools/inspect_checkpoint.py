@@ -33,10 +33,9 @@ import sys
 if __package__ in (None, ""):  # run as `python tools/inspect_checkpoint.py`: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datastates import Audit, Problems, commit  # noqa: E402
-from datastates import format as fmt  # noqa: E402
-from datastates.audit import RANK_FILE_RE  # noqa: E402
-from datastates.audit import NotACheckpointError as UsageError  # noqa: E402  (exit status 2)
+from datastates import (METADATA, PARTIAL, RANK_FILE_RE, Audit, Problems, checkpoint_dir, iteration_of,  # noqa: E402
+                        partial_dir)
+from datastates import NotACheckpointError as UsageError  # noqa: E402  (exit status 2)
 from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.report import iteration_report, scan_root  # noqa: E402
 from tools.checkpoint.text import print_iteration, print_root, progress  # noqa: E402
@@ -48,25 +47,25 @@ log = logging.getLogger("tools.inspect_checkpoint")
 
 def _target(path: str, args, out: dict, problems: Problems) -> str | None:
     """The iteration directory to describe (None: only the save root), filling out["root"] for a save root."""
-    is_iteration = commit.iteration_of(path) is not None or path.endswith(commit.PARTIAL) or \
-        os.path.exists(os.path.join(path, fmt.METADATA)) or any(RANK_FILE_RE.match(n) for n in os.listdir(path))
+    is_iteration = iteration_of(path) is not None or path.endswith(PARTIAL) or \
+        os.path.exists(os.path.join(path, METADATA)) or any(RANK_FILE_RE.match(n) for n in os.listdir(path))
     if is_iteration:
         if args.iteration is not None:
             raise UsageError("--iteration goes with a save root, not an iteration directory")
         return path
     out["root"] = scan_root(path, problems)
     if args.iteration is not None:
-        target = commit.checkpoint_dir(path, args.iteration)
+        target = checkpoint_dir(path, args.iteration)
         if os.path.isdir(target):
             return target
-        if os.path.isdir(commit.partial_dir(target)):
-            return commit.partial_dir(target)
+        if os.path.isdir(partial_dir(target)):
+            return partial_dir(target)
         raise UsageError(f"{path!r} has no iteration {args.iteration} ({target!r} does not exist)")
     if args.verify:
         if out["root"]["latest"] is None:
             problems.add(path, "no published checkpoint to verify under this save root")
             return None
-        return commit.checkpoint_dir(path, out["root"]["latest"])
+        return checkpoint_dir(path, out["root"]["latest"])
     return None
 
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import os
 
-from datastates import commit
-from datastates import format as fmt
+from datastates import METADATA, PARTIAL, checkpoint_dir, find_latest, iteration_of, partial_dir
 
 
 class ConvertError(Exception):
@@ -18,19 +17,19 @@ def resolve_input(path: str, iteration: int | None, what: str) -> str:
         raise ConvertError(f"input {path!r} does not exist")
     if not os.path.isdir(path):
         raise ConvertError(f"input {path!r} is not a directory ({what} checkpoints are directories)")
-    if path.endswith(commit.PARTIAL):
+    if path.endswith(PARTIAL):
         raise ConvertError(f"input {path!r} is not published: a '.partial' directory is an unfinished or failed save")
     if iteration is not None:
-        cand = commit.checkpoint_dir(path, iteration)
+        cand = checkpoint_dir(path, iteration)
         if not os.path.isdir(cand):
-            if os.path.isdir(commit.partial_dir(cand)):
+            if os.path.isdir(partial_dir(cand)):
                 raise ConvertError(f"iteration {iteration} under {path!r} is not published "
-                                   f"({commit.partial_dir(cand)!r} is an unfinished or failed save)")
+                                   f"({partial_dir(cand)!r} is an unfinished or failed save)")
             raise ConvertError(f"input {path!r} has no iteration {iteration} ({cand!r} does not exist)")
         return cand
-    if os.path.isfile(os.path.join(path, fmt.METADATA)) or commit.iteration_of(path) is not None:
+    if os.path.isfile(os.path.join(path, METADATA)) or iteration_of(path) is not None:
         return path
-    latest = commit.find_latest(path)
+    latest = find_latest(path)
     if latest.path is None:
         raise ConvertError(f"input {path!r} is not a {what} checkpoint directory (no metadata.json) nor a save root "
                            f"holding a published one: {latest.why_none()}")
@@ -40,11 +39,11 @@ def resolve_input(path: str, iteration: int | None, what: str) -> str:
 def resolve_output(path: str, iteration) -> tuple[str, str | None]:
     """(checkpoint directory, save root whose tracker to update or None)."""
     path = os.path.normpath(path)
-    if commit.iteration_of(path) is not None:
+    if iteration_of(path) is not None:
         out, root = path, os.path.dirname(path) or "."
     else:
         it = iteration if isinstance(iteration, int) else 0
-        out, root = commit.checkpoint_dir(path, it), path
+        out, root = checkpoint_dir(path, it), path
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConvertError(f"output {out!r} already exists and is not empty: refusing to overwrite it")
     return out, root

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import os
 
-from datastates import Audit, CheckpointError, Problems, commit
-from datastates import format as fmt
-from datastates.audit import RANK_FILE_RE
+from datastates import (DELETING, METADATA, PARTIAL, RANK_FILE_RE, TRACKER, Audit, CheckpointError, Problems,
+                        find_latest, is_published, iteration_of, manifest_file, read_index)
 
 from .summary import experts_summary, optimizer_summary
 
@@ -15,7 +14,7 @@ def iteration_report(found: Audit) -> dict:
     tensors, objects = found.global_tensors(), found.objects()
     index = found.index
     report = {"path": found.path, "published": index is not None,
-              "iteration": index.iteration if index is not None else commit.iteration_of(found.path),
+              "iteration": index.iteration if index is not None else iteration_of(found.path),
               "world_size": found.world_size, "bytes": sum((r["data_bytes"] for r in found.ranks.values()), 0),
               "created_unix": index.created_unix if index is not None else None,
               "ranks": [_rank_report(r, info) for r, info in sorted(found.ranks.items())],
@@ -44,9 +43,9 @@ def _rank_report(r: int, info: dict) -> dict:
 def scan_root(root: str, problems: Problems) -> dict:
     """The iterations under a save root: published, unpublished leftovers, being deleted; the latest."""
     root = os.path.normpath(root)
-    tracker_path = os.path.join(root, commit.TRACKER)
+    tracker_path = os.path.join(root, TRACKER)
     try:
-        found = commit.find_latest(root)
+        found = find_latest(root)
         tracker, latest = found.tracker, found.iteration
     except CheckpointError as e:
         problems.add(tracker_path, str(e))
@@ -66,24 +65,24 @@ def _root_entry(root: str, name: str, latest: int | None, problems: Problems) ->
     full = os.path.join(root, name)
     if not os.path.isdir(full):
         return None
-    it = commit.iteration_of(name[:-len(commit.PARTIAL)] if name.endswith(commit.PARTIAL) else name)
-    if commit.DELETING in name:
+    it = iteration_of(name[:-len(PARTIAL)] if name.endswith(PARTIAL) else name)
+    if DELETING in name:
         return {"name": name, "iteration": it, "state": "being deleted (leftover of retention)"}
     if it is None:
         return None
     e = {"name": name, "iteration": it}
-    if name.endswith(commit.PARTIAL):
+    if name.endswith(PARTIAL):
         ranks = {int(m.group(1)) for n in os.listdir(full) if (m := RANK_FILE_RE.match(n))}
         e["state"] = "UNPUBLISHED leftover (.partial)"
-        e["ranks_done"] = sum(os.path.exists(os.path.join(full, fmt.manifest_file(r))) for r in ranks)
-    elif commit.is_published(full):
+        e["ranks_done"] = sum(os.path.exists(os.path.join(full, manifest_file(r))) for r in ranks)
+    elif is_published(full):
         try:
-            index = fmt.read_index(os.path.join(full, fmt.METADATA))
+            index = read_index(os.path.join(full, METADATA))
             e.update(state="published", world_size=index.world_size, bytes=index.bytes,
                      created_unix=index.created_unix)
         except CheckpointError as err:
             e["state"] = "published, unreadable metadata"
-            problems.add(os.path.join(full, fmt.METADATA), str(err))
+            problems.add(os.path.join(full, METADATA), str(err))
     else:
         e["state"] = "UNPUBLISHED (no metadata.json)"
     e["latest"] = it == latest and e["state"] == "published"

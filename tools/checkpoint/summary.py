@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 import re
 
+from datastates.names import common_path
+
 # names of layer-stacked tensors: a prepended axis per such segment not followed by an index (megatron-core)
 STACK_SEGMENTS = ("layers", "local_experts")
 EXPERT_SEGMENT = "experts"
 _CHAIN = re.compile(r"^chained_(\d+)\.(.+)$")
 _DIST_OPT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.*\.bucket_idx_\d+\.(\w+)$")
 _MODEL_SPACE = re.compile(r"^optimizer\.state\.(\w+)\.(.+)$")
-_CHAIN_OBJECT = re.compile(r"^common:optimizer/(\d+)/optimizer$")
+_CHAIN_PATH = re.compile(r"^optimizer/(\d+)/optimizer$")  # of a common value
 
 DIST_LAYOUT = "distributed optimizer, dp_reshardable (flat bucket shards per TP x PP domain)"
 MODEL_LAYOUT = "model-shaped (fully_reshardable distributed optimizer, or a non-distributed one)"
@@ -85,7 +87,7 @@ def optimizer_summary(tensors: dict[str, dict], objects: dict) -> dict | None:
 
 def _chain_length(objects: dict, parts: dict) -> int:
     """How many optimizers are chained: megatron-core keeps each part's hyper-parameters as its own object."""
-    saved = {int(m[1]) for name in objects.get("global", {}) if (m := _CHAIN_OBJECT.match(name))}
+    saved = {int(m[1]) for name in objects.get("global", {}) if (m := _CHAIN_PATH.match(common_path(name) or ""))}
     prefixed = {int(p) for p in parts if p.isdigit()}
     return len(saved | prefixed) or 1
 

@@ -6,8 +6,7 @@ import os
 import sys
 import time
 
-from datastates.audit import box_str
-from datastates.schema import Box
+from datastates import Box, box_str
 
 log = logging.getLogger("tools.checkpoint")
 

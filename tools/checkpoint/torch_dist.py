@@ -9,8 +9,7 @@ import tempfile
 
 import torch
 
-from datastates import commit
-from datastates import format as fmt
+from datastates import METADATA, iteration_of, read_json, write_latest
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_input, resolve_output
@@ -59,7 +58,7 @@ def read_torch_dist(path: str, iteration: int | None) -> Bundle:
     except Exception as e:  # megatron-core raises many types (CheckpointingException, RuntimeError, OSError)
         raise ConvertError(f"reading torch_dist checkpoint {ckpt!r} failed: {type(e).__name__}: {e}") from None
     it = common.get("iteration") if isinstance(common, dict) else None
-    bundle = Bundle(ckpt, it if isinstance(it, int) else commit.iteration_of(ckpt))
+    bundle = Bundle(ckpt, it if isinstance(it, int) else iteration_of(ckpt))
     bundle.common = common if isinstance(common, dict) else {"state": common}
     for k, sh in meta.items():
         if isinstance(sh, ShardedTensor):
@@ -71,9 +70,9 @@ def read_torch_dist(path: str, iteration: int | None) -> Bundle:
 
 
 def _check_torch_dist(ckpt: str) -> None:
-    meta_path = os.path.join(ckpt, fmt.METADATA)
+    meta_path = os.path.join(ckpt, METADATA)
     try:
-        doc = fmt.read_json(meta_path, "torch_dist metadata")
+        doc = read_json(meta_path, "torch_dist metadata")
     except Exception as e:  # noqa: BLE001 - missing, unreadable or not JSON: named below
         raise ConvertError(f"{ckpt!r} is not a published torch_dist checkpoint: {e}") from None
     if doc.get("sharded_backend") != "torch_dist":
@@ -128,6 +127,6 @@ def write_pieces(tensors: dict[str, Pieces], objects: dict, object_shapes: dict,
     if bad:
         raise ConvertError(f"object keys {bad[:3]} contain '/', which torch_dist cannot name")
     save_torch_dist(tensors, objects, object_shapes, common, out)
-    if root is not None and commit.iteration_of(out) is not None:
-        commit.write_latest(root, commit.iteration_of(out))
+    if root is not None and iteration_of(out) is not None:
+        write_latest(root, iteration_of(out))
     return out

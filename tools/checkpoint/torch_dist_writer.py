@@ -33,8 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from datastates import commit
-from datastates import format as fmt
+from datastates import fsync_dir, partial_dir, write_file
 
 from .paths import ConvertError
 
@@ -113,7 +112,7 @@ def save_torch_dist(tensors: dict[str, Pieces], objects: dict[tuple[str, tuple],
     for name in named:
         if name in tensors:
             raise ConvertError(f"object {name!r} has the name of a tensor")
-    partial = commit.partial_dir(out)
+    partial = partial_dir(out)
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     try:
@@ -124,12 +123,12 @@ def save_torch_dist(tensors: dict[str, Pieces], objects: dict[tuple[str, tuple],
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         common_bytes = io.BytesIO()
         torch.save(common, common_bytes)
-        fmt.write_file(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer(), fsync=True)
+        write_file(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer(), fsync=True)
         config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
-        fmt.write_file(os.path.join(partial, CONFIG_FILE), json.dumps(config).encode(), fsync=True)
-        fmt.fsync_dir(partial)
+        write_file(os.path.join(partial, CONFIG_FILE), json.dumps(config).encode(), fsync=True)
+        fsync_dir(partial)
         os.rename(partial, out)
-        fmt.fsync_dir(os.path.dirname(os.path.abspath(out)))
+        fsync_dir(os.path.dirname(os.path.abspath(out)))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
         shutil.rmtree(partial, ignore_errors=True)
         cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e

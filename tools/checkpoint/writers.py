@@ -6,6 +6,7 @@ import json
 import os
 
 from datastates import CheckpointEngine, CheckpointError
+from datastates.names import is_flat
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_output
@@ -78,7 +79,7 @@ def _weights(bundle: Bundle, exclude_prefixes: list[str], split_layers: bool) ->
     """(safetensors name -> tensor, safetensors name -> where it came from) of the model weights."""
     tensors, name_map = {}, {}
     for key in sorted(bundle.tensors):
-        if any(key.startswith(p) for p in exclude_prefixes) or key.endswith("|flat"):
+        if any(key.startswith(p) for p in exclude_prefixes) or is_flat(key):
             continue
         full = bundle.tensors[key]
         split = stacked_names(key, tuple(full.shape)) if split_layers else None

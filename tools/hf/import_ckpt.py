@@ -10,7 +10,7 @@ model. The engine writes
 """
 from __future__ import annotations
 
-from datastates.errors import CheckpointError
+from datastates import CheckpointError
 
 from . import HFError
 from .lazy import LazyTensors

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from datastates.snapshot import built_on_copy
+from datastates import built_on_copy
 
 # unit index (() for the whole tensor, (layer,) or (layer, expert)) -> the real values of that unit
 Build = Callable[[tuple[int, ...]], torch.Tensor]

@@ -11,109 +11,73 @@ import os
 
 import torch
 
-from datastates import Audit, CheckpointEngine, commit
-from datastates import format as fmt
-from datastates.audit import NotACheckpointError
-from datastates.errors import CheckpointError
-from datastates.plan import ALIGN
-from datastates.schema import dtype_from_name
-from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
-from datastates.restore import resolve_checkpoint
+from datastates import (METADATA, TRACKER, Audit, CheckpointError, CheckpointReader, NotACheckpointError,
+                        find_latest)
+from datastates.names import common_name
 
 from . import HFError
 
-ARGS_OBJECT = "common:args"
-
-
-class _Box:
-    """A box of a global tensor (`dst` at `offset`), or with dst None, the global object `name`."""
-
-    def __init__(self, name, dst=None, global_shape=None, offset=None):
-        self.name, self.dst, self.global_shape, self.offset = name, dst, global_shape, offset
-
-
-class _BoxProvider(StateProvider):
-    def accepts(self, value):
-        return isinstance(value, _Box)
-
-    def flatten(self, value, path, ctx):
-        if value.dst is None:
-            return ctx.add_object(path, None, scope="global", name=value.name)
-        return ctx.add_tensor(path, value.dst, scope="global", name=value.name, global_shape=value.global_shape,
-                              global_offset=value.offset)
-
-
-def _staging_for(audit: Audit, at_least: int) -> int:
-    """A staging budget whose slots (a quarter of it, with one writer thread) hold the largest saved chunk: the
-    reader stages a box read chunk by chunk, and a chunk larger than a slot would take a buffer of its own,
-    whose release the reader does not order after the copies out of it (see docs/huggingface.md)."""
-    chunk = max((it.chunk_bytes for info in audit.ranks.values() for it in info["items"]), default=0)
-    return max(at_least, 4 * (-(-chunk // ALIGN) * ALIGN))
+ARGS_OBJECT = common_name("args")
 
 
 class DatastatesSource:
     """name -> (global shape, dtype) of every global tensor, the saved flags, and reads of boxes."""
 
-    def __init__(self, path: str, min_staging_bytes: int):
+    def __init__(self, path: str, staging_bytes: int):
         try:
-            self.path = resolve_checkpoint(path)
+            self.reader = CheckpointReader.open(path, threads=2, staging_bytes=staging_bytes)
         except CheckpointError as e:
             raise HFError(f"input {path!r}: {e}") from None
+        self.path = self.reader.path
         try:
             audit = Audit(self.path)
         except NotACheckpointError as e:
+            self.reader.close()
             raise HFError(str(e)) from None
         if audit.problems:
+            self.reader.close()
             raise HFError(f"input checkpoint {self.path!r} is unusable:\n{audit.problems.summary()}")
-        tensors = audit.global_tensors()
-        self.tensors = {n: (t["global_shape"], dtype_from_name(t["dtype"])) for n, t in tensors.items()}
-        registry = ProviderRegistry([_BoxProvider(), ContainerProvider(), TensorProvider(), ObjectProvider()])
-        self.staging_bytes = _staging_for(audit, min_staging_bytes)
-        self.engine = CheckpointEngine(host_buffer_bytes=self.staging_bytes, writer_threads=1, rank=0,
-                                       world_size=1, registry=registry, read_threads=2)
-        self.reader = self.engine.reader(self.path)
-        self._objects = set(audit.objects()["global"])
+        self.tensors = self.reader.tensors()
         self._unit_buffer = None
 
     def args(self):
-        if ARGS_OBJECT not in self._objects:
+        if ARGS_OBJECT not in self.reader.objects():
             return None
-        return self._load({"a": _Box(ARGS_OBJECT)})["a"]
+        return self._read(self.reader.object, ARGS_OBJECT)
 
     def read(self, name: str, index: tuple[int, ...] = ()) -> torch.Tensor:
         """The whole tensor, or the unit `index` of a stacked one (a layer, or a layer's expert: its leading
         axes). The units of one tensor are read into the same buffer: a unit is valid until the next read."""
         shape, dtype = self.tensors[name]
         if not index:
-            return self._load({"t": _Box(name, torch.empty(shape, dtype=dtype), shape, (0,) * len(shape))})["t"]
+            return self._read(self.reader.tensor, name)
         unit = (1,) * len(index) + tuple(shape[len(index):])
         if self._unit_buffer is None or self._unit_buffer[0] != name:
             self._unit_buffer = None  # freed before the next is allocated
             self._unit_buffer = (name, torch.empty(unit, dtype=dtype))
-        dst = self._unit_buffer[1]
         offset = tuple(index) + (0,) * (len(shape) - len(index))
-        return self._load({"t": _Box(name, dst, shape, offset)})["t"].reshape(shape[len(index):])
+        return self._read(self.reader.tensor, name, offset, unit, self._unit_buffer[1]).reshape(shape[len(index):])
 
-    def _load(self, template):
+    def _read(self, read, *args):
         try:
-            return self.reader.load(0, template)
+            return read(*args)
         except CheckpointError as e:
             raise HFError(f"reading {self.path!r} failed: {e}") from None
 
     def close(self) -> None:
-        self.engine.close()
+        self.reader.close()
 
 
 def torch_dist_directory(path: str) -> str:
     """An iteration directory of a torch_dist checkpoint, or a save root's latest one."""
     path = os.path.normpath(path)
-    if os.path.isfile(os.path.join(path, fmt.METADATA)):
+    if os.path.isfile(os.path.join(path, METADATA)):
         return path
-    latest = commit.find_latest(path)
-    if latest.path is not None and os.path.isfile(os.path.join(latest.path, fmt.METADATA)):
+    latest = find_latest(path)
+    if latest.path is not None and os.path.isfile(os.path.join(latest.path, METADATA)):
         return latest.path
-    raise HFError(f"input {path!r} is neither a torch_dist checkpoint directory (no {fmt.METADATA}) nor a save "
-                  f"root whose {commit.TRACKER} names one")
+    raise HFError(f"input {path!r} is neither a torch_dist checkpoint directory (no {METADATA}) nor a save "
+                  f"root whose {TRACKER} names one")
 
 
 def _box_planner(name: str, offset: tuple[int, ...]):

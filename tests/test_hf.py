@@ -231,10 +231,11 @@ def test_a_failed_export_leaves_nothing_behind(trained, tmp_path):
 
 
 @pytest.mark.parametrize("build, overrides, message", [
-    (tiny_llama, {"vocab": 100, "rope_theta": 500000.0}, "theta 10000 without scaling"),
+    (tiny_llama, {"vocab": 100, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+     "rope_type 'linear'"),
     (tiny_llama, {"vocab": 100, "hidden_act": "gelu"}, "hidden_act is 'gelu' (needs 'silu')"),
     (tiny_gpt2, {"activation_function": "gelu_new"}, "activation_function is 'gelu_new' (needs 'gelu')"),
-], ids=["llama-rope-theta", "llama-gelu", "gpt2-gelu-new"])
+], ids=["llama-rope-scaling", "llama-gelu", "gpt2-gelu-new"])
 def test_an_import_with_no_exact_equivalent_is_refused(tmp_path, build, overrides, message):
     build(str(tmp_path / "source"), **overrides)
     assert_import_refused(str(tmp_path / "source"), str(tmp_path), message)

@@ -102,8 +102,8 @@ def test_an_export_with_no_exact_mixtral_equivalent_is_refused(changes, named):
     ({"num_experts_per_tok": 1}, "num_experts_per_tok 1"),
     ({"sliding_window": 16}, "sliding_window is 16 (needs None)"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise is 0.1 (needs 0.0)"),
-    ({"rope_theta": 1e6}, "theta 10000 without scaling"),
-], ids=["top-1", "sliding-window", "jitter", "rope-theta"])
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "rope_type 'linear'"),
+], ids=["top-1", "sliding-window", "jitter", "rope-scaling"])
 def test_an_import_with_no_exact_equivalent_is_refused(tmp_path, overrides, named):
     tiny_mixtral(str(tmp_path / "source"), vocab=100, **overrides)
     assert_import_refused(str(tmp_path / "source"), str(tmp_path), named)

@@ -1,9 +1,10 @@
 """Hugging Face transformers in and out: `convert_checkpoint.py --to hf` / `--from hf` (docs/huggingface.md).
 
-arch.py      which transformers architecture a run's flags are, each way, and what is refused
+arch.py      which registered architecture a run's flags or a config.json are, and the flags every one prints
+architectures/  one module per transformers architecture (flags <-> config.json, names, splits, refusals)
+geometry.py  the sizes and choices every architecture's mapping needs, and the checks they share
+mapping.py   what name mappings are made of: rules, the fused-tensor splits, units of stacked tensors
 deepseek.py  the DeepSeek-style (MLA, shared experts, sigmoid routing) flags <-> DeepseekV3's config, each way
-deepseek_mapping.py  its megatron-core <-> transformers names, per layer
-mapping.py   megatron-core sharded keys <-> transformers names, with the fused-tensor splits
 source.py    reads a datastates or torch_dist checkpoint one tensor (one layer of it) at a time
 writer.py    streamed, sharded safetensors in a directory published by one rename
 export.py    checkpoint -> transformers model directory

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from . import HFError
 from . import saved_flag as _get
+from .geometry import ROPE_BASE
 
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which transformers gives the q and kv latent norms
-ROPE_BASE = 10000.0
 # megatron-core's MLATransformerConfig YaRN defaults (0.16 and 0.19); pretrain_gpt.py has no flags for them
 YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                  "rope_theta": ROPE_BASE}
@@ -123,22 +123,20 @@ def _routing_from_args(args) -> tuple[dict, list[str]]:
                 expert_bias=bool(_get(args, "moe_router_enable_expert_bias"))), diffs
 
 
-def deepseek_from_args(args, where: str) -> DeepSeek:
-    """The DeepSeek part of an MLA checkpoint's geometry; refuses what DeepseekV3 does not compute, by flag."""
+def deepseek_differences(args) -> list[str]:
+    """What DeepseekV3 does not compute in an MLA checkpoint's saved flags, by flag."""
     if not _get(args, "num_experts"):
-        raise HFError(f"{where}: multi-latent attention without --num-experts: this converter exports MLA only as "
-                      f"DeepseekV3ForCausalLM, whose MoE layers need experts")
-    rope, rope_diffs = _rope_from_args(args)
-    dense, layer_diffs = _layer_pattern(args)
-    routing, routing_diffs = _routing_from_args(args)
-    diffs = _flag_differences(args) + rope_diffs + layer_diffs + routing_diffs
-    if diffs:
-        raise HFError(f"{where}: this multi-latent attention model has no exact transformers equivalent; DeepseekV3 "
-                      f"(DeepseekV3ForCausalLM) differs: {'; '.join(diffs)}")
+        return ["multi-latent attention without --num-experts (this converter exports MLA only as "
+                "DeepseekV3ForCausalLM, whose MoE layers need experts)"]
+    return _flag_differences(args) + _rope_from_args(args)[1] + _layer_pattern(args)[1] + _routing_from_args(args)[1]
+
+
+def deepseek_from_args(args) -> DeepSeek:
+    """The DeepSeek part of the geometry of an MLA checkpoint in whose flags deepseek_differences finds none."""
     return DeepSeek(q_lora_rank=_get(args, "q_lora_rank"), kv_lora_rank=_get(args, "kv_lora_rank"),
                     qk_nope_dim=_get(args, "qk_head_dim"), qk_rope_dim=_get(args, "qk_pos_emb_head_dim"),
-                    v_head_dim=_get(args, "v_head_dim"), rope=tuple(sorted(rope.items())),
-                    dense_layers=dense, **routing)
+                    v_head_dim=_get(args, "v_head_dim"), rope=tuple(sorted(_rope_from_args(args)[0].items())),
+                    dense_layers=_layer_pattern(args)[0], **_routing_from_args(args)[0])
 
 
 def check_deepseek_shapes(geo, shapes: dict, where: str) -> None:

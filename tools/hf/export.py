@@ -15,8 +15,8 @@ import re
 import torch
 
 from . import HFError, saved_flag
-from .arch import geometry_from_args, hf_config
-from .mapping import Rule, rules_for, unit_indices
+from .arch import geometry_from_args, hf_config, rules_for
+from .mapping import Rule, unit_indices
 from .source import open_source
 from .writer import OutputDirectory, Planned, ShardedWriter, plan_shards
 

@@ -15,8 +15,9 @@ import os
 import torch
 
 from . import HFError
-from .arch import Geometry, geometry_from_config, megatron_flags
-from .mapping import extra_state_objects, pad_rows, padded_vocab, rules_for, unit_indices, unit_sizes
+from .arch import extra_state_objects, geometry_from_config, megatron_flags, rules_for
+from .geometry import Geometry
+from .mapping import pad_rows, padded_vocab, unit_indices, unit_sizes
 from .lazy import LazyTensors
 from .writer import SAFETENSORS_DTYPES
 

@@ -1,4 +1,5 @@
-"""megatron-core's DeepSeek-style layers <-> DeepseekV3ForCausalLM's names, layer by layer.
+"""DeepSeek-V3 (DeepseekV3ForCausalLM): multi-latent attention, dense first layers then routed + shared experts,
+sigmoid routing. The flags and config.json each way are tools/hf/deepseek.py's; the names are here.
 
 megatron-core saves the layers of a model whose layers differ (dense first, then MoE: a --moe-layer-freq list)
 each under its own key, `decoder.layers.<i>.`; layers that are all alike it stacks under `decoder.layers.` (then
@@ -12,7 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from .mapping import EXPERT, Rule, _cat, _halves, _only
+from .. import HFError, saved_flag
+from ..deepseek import (check_deepseek_shapes, deepseek_config, deepseek_differences, deepseek_flags,
+                        deepseek_from_args, deepseek_from_config)
+from ..geometry import Geometry, check_embedding, max_positions, vocab
+from ..mapping import EXPERT, Rule, cat, halves, only
+from .base import Architecture
 
 
 def _with_zero_bias(t: torch.Tensor) -> list[torch.Tensor]:
@@ -42,7 +48,7 @@ def _attention(geo, hf: str) -> list[tuple[str, tuple[str, ...], str | None]]:
 
 
 def _swiglu(megatron: str, hf: str) -> list[tuple]:
-    return [(megatron + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), _halves, _cat),
+    return [(megatron + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), halves, cat),
             (megatron + "linear_fc2.weight", (hf + "down_proj.weight",))]
 
 
@@ -55,7 +61,7 @@ def _mlp(geo, layer: int, hf: str) -> list[tuple]:
         out = [("mlp.router.weight", (gate + "weight",)),
                ("mlp.router.expert_bias", (gate + "e_score_correction_bias",))]
     else:
-        out = [("mlp.router.weight", (gate + "weight", gate + "e_score_correction_bias"), _with_zero_bias, _only)]
+        out = [("mlp.router.weight", (gate + "weight", gate + "e_score_correction_bias"), _with_zero_bias, only)]
     return out + _swiglu("mlp.experts.experts.", f"{hf}mlp.experts.{EXPERT}.") + \
         _swiglu("mlp.shared_experts.", hf + "mlp.shared_experts.")
 
@@ -69,7 +75,7 @@ def _layer_rules(geo, layer: int, present) -> list[Rule]:
             for suffix, names, *fns in [(s, n) for s, n, _ in _attention(geo, hf)] + _mlp(geo, layer, hf)]
 
 
-def deepseek_rules(geo, present) -> list[Rule]:
+def _rules(geo, present) -> list[Rule]:
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True),
              Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
     for layer in range(geo.layers):
@@ -79,7 +85,7 @@ def deepseek_rules(geo, present) -> list[Rule]:
     return rules
 
 
-def deepseek_extra_state(geo) -> dict[str, tuple[int, ...]]:
+def _extra_state(geo) -> dict[str, tuple[int, ...]]:
     """The `_extra_state` objects of the per-layer keys the import writes: key -> grid (one, or one per expert)."""
     q = ("linear_q_proj",) if geo.deepseek.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
     out = {}
@@ -94,3 +100,51 @@ def deepseek_extra_state(geo) -> dict[str, tuple[int, ...]]:
                         for fc in ("linear_fc1", "linear_fc2")})
         out.update({f"{own}{name}._extra_state": (1,) for name in linears})
     return out
+
+
+class DeepSeekV3(Architecture):
+    model_type, hf_class, label, kind = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3", "mla"
+
+    def differences(self, args) -> list[str]:
+        return deepseek_differences(args)
+
+    def geometry(self, args, shapes: dict, where: str) -> Geometry:
+        heads = saved_flag(args, "num_attention_heads")
+        if "embedding.word_embeddings.weight" not in shapes:
+            raise HFError(f"{where} lacks the model weight embedding.word_embeddings.weight")
+        ds = deepseek_from_args(args)
+        geo = Geometry(arch=self.model_type, layers=saved_flag(args, "num_layers"),
+                       hidden=saved_flag(args, "hidden_size"), ffn=saved_flag(args, "ffn_hidden_size"), heads=heads,
+                       groups=heads, head_dim=ds.v_head_dim, vocab=vocab(args, where), bias=False,
+                       tied=not saved_flag(args, "untie_embeddings_and_output_weights"),
+                       max_positions=max_positions(args), norm_eps=saved_flag(args, "norm_epsilon"),
+                       experts=saved_flag(args, "num_experts"), topk=saved_flag(args, "moe_router_topk"), deepseek=ds)
+        check_embedding(geo, shapes, where)
+        check_deepseek_shapes(geo, shapes, where)
+        return geo
+
+    def config(self, geo: Geometry, dtype: str) -> dict:
+        return deepseek_config(geo, dtype)
+
+    def from_config(self, config: dict, where: str) -> Geometry:
+        ds = deepseek_from_config(config, where)
+        heads = config["num_attention_heads"]
+        return Geometry(self.model_type, config["num_hidden_layers"], config["hidden_size"],
+                        config["intermediate_size"], heads, heads, ds.v_head_dim, config["vocab_size"], False,
+                        bool(config.get("tie_word_embeddings", False)), config["max_position_embeddings"],
+                        float(config.get("rms_norm_eps", 1e-6)), experts=config.get("n_routed_experts", 256),
+                        topk=config.get("num_experts_per_tok", 8), deepseek=ds)
+
+    def flags(self, geo: Geometry) -> list:
+        return ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--num-experts",
+                geo.experts, "--moe-router-topk", geo.topk, "--moe-ffn-hidden-size", geo.deepseek.moe_ffn,
+                *deepseek_flags(geo)]
+
+    def rules(self, geo: Geometry, present) -> list[Rule]:
+        return _rules(geo, present)
+
+    def extra_state(self, geo: Geometry) -> dict[str, tuple[int, ...]]:
+        return _extra_state(geo)
+
+
+ARCHITECTURE = DeepSeekV3()

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from datastates.format import fsync_dir
+from datastates import fsync_dir
 
 GB = 1e9  # sizes and bandwidths in the tables are decimal GB and GB/s
 

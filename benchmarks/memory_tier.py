@@ -136,7 +136,7 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
     against mapped (copied straight into the reused pages of SharedMemoryStorage). CPU seconds of the process
     per save, snapshot and durable times."""
     import torch
-    from datastates import CheckpointEngine, commit
+    from datastates import CheckpointEngine, layout
     from datastates.storage import SharedMemoryStorage
     state = {f"t{i}": torch.randn(1_740_000, generator=torch.Generator().manual_seed(i)) for i in range(40)}
     res: dict[str, list] = {"staged": [], "mapped": []}
@@ -147,7 +147,7 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
                                    storage=SharedMemoryStorage() if name == "mapped" else None)
             for it in range(1, 11):
                 cpu0 = time.process_time()
-                stats = eng.save(state, commit.checkpoint_dir(root, it)).wait()
+                stats = eng.save(state, layout.checkpoint_dir(root, it)).wait()
                 eng._deleter.submit(lambda: None).result()  # retention's deletions belong to this save's cost
                 if it > 3:
                     res[name].append((time.process_time() - cpu0, stats["snapshot_s"], stats["durable_s"]))

@@ -140,7 +140,7 @@ def main():
     except Exception:
         mcore = "?"
     try:
-        from datastates.engine import DEFAULT_READ_THREADS as read_threads
+        from datastates.storage import DEFAULT_READ_THREADS as read_threads
     except ImportError:  # the engine may not exist yet in a fresh tree
         read_threads = "?"
     meta = {

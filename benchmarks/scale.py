@@ -87,7 +87,7 @@ def _mark(label: str) -> None:
 def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
     """A real engine as rank 0 or 1: save `iters` checkpoints, then (rank 1) load its row back."""
     import torch
-    from datastates import CheckpointEngine, commit
+    from datastates import CheckpointEngine, layout
     WORLD[0] = world
     store = _store(port)
     out = {}
@@ -96,7 +96,7 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
         for it in range(1, iters + 1):
             store.wait([f"go/{it}"])
             _mark(f"save{it}-begin")
-            eng.save({"w": ("row", rank, _row(rank))}, commit.checkpoint_dir(root, it))
+            eng.save({"w": ("row", rank, _row(rank))}, layout.checkpoint_dir(root, it))
             stats = eng.wait()[0]
             _mark(f"save{it}-end")
         out.update(publish_s=stats.get("publish_s"), durable_s=stats["durable_s"])
@@ -113,27 +113,29 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
 
 def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, queue) -> None:
     """Lightweight ranks: the real file layout and the real Coordinator, without an engine's threads."""
-    from datastates import _native, commit, format as fmt
+    from datastates import _native, layout, write_file, format as fmt
     from datastates.coordination import Coordinator
     store = _store(port)
     coords = {r: Coordinator(store, r, world) for r in ranks}
     times = []
     for it in range(1, iters + 1):
         store.wait([f"go/{it}"])
-        partial = commit.partial_dir(commit.checkpoint_dir(root, it))
+        partial = layout.partial_dir(layout.checkpoint_dir(root, it))
         for r in ranks:
             t0 = time.perf_counter()
             os.makedirs(partial, exist_ok=True)
             data = _row(r).numpy().tobytes()
-            with open(os.path.join(partial, fmt.data_file(r)), "wb") as f:
+            with open(os.path.join(partial, layout.data_file(r)), "wb") as f:
                 f.write(data)
                 os.fsync(f.fileno())
             item = {"id": f"w@{r}", "kind": "tensor", "scope": "global", "name": "w", "dtype": "float32",
                     "shape": [1, ROW], "global_shape": [world, ROW], "global_offset": [r, 0], "write": True,
                     "offset": 0, "nbytes": len(data), "chunk_bytes": len(data), "crcs": [_native.crc32c(data)]}
-            body = {"rank": r, "world_size": world, "data_file": fmt.data_file(r), "data_bytes": len(data),
+            body = {"rank": r, "world_size": world, "data_file": layout.data_file(r), "data_bytes": len(data),
                     "direct_io": False, "items": [item]}
-            coords[r].report(it, fmt.write_manifest(os.path.join(partial, fmt.manifest_file(r)), body), None)
+            manifest = fmt.signed_manifest(body)
+            write_file(os.path.join(partial, layout.manifest_file(r)), fmt.encode_json(manifest), fsync=True)
+            coords[r].report(it, manifest, None)
             times.append(time.perf_counter() - t0)
         for r in ranks:
             coords[r].verdict(it, f"checkpoint {it}", 600)

@@ -9,14 +9,16 @@ from . import _native  # noqa: F401  (the native writer is required, never optio
 from .audit import RANK_FILE_RE, Audit, NotACheckpointError, audit_checkpoint, box_str
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
-from .format import METADATA, fsync_dir, manifest_file, read_index, read_json, write_file
-from .commit import (DELETING, PARTIAL, TRACKER, Latest, checkpoint_dir, find_latest, is_published, iteration_of,
-                     partial_dir, write_latest)
+from .layout import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, iteration_of, manifest_file,
+                     partial_dir)
 from .problems import Problem, Problems
 from .providers import ProviderRegistry, StateProvider, register_provider
 from .restore import CheckpointReader
 from .schema import Box, dtype_from_name
 from .snapshot import built_on_copy
+from .storage import read_index, read_json
+from .storage.posix import fsync_dir, write_file
+from .tracker import Latest, find_latest, is_published, write_latest
 
 __all__ = [
     # saving and loading

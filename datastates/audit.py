@@ -10,19 +10,18 @@ where known, its rank, item and file offset. A load, by contrast, stops at the f
 """
 from __future__ import annotations
 
-import os
-import re
 import time
 from typing import Callable
 
-from . import commit
 from . import format as fmt
+from . import layout
 from .errors import CheckpointError
 from .problems import Problems
 from .restore import CheckpointReader
 from .schema import Box, Index, Manifest, volume
+from .storage import Storage, storage_for
 
-RANK_FILE_RE = re.compile(r"^rank_(\d{5,})\.(data|manifest\.json)$")
+RANK_FILE_RE = layout.RANK_FILE_RE
 
 
 class NotACheckpointError(CheckpointError):
@@ -41,8 +40,9 @@ def audit_checkpoint(path: str, verify: bool = False, threads: int = 4,
 class Audit:
     """What the index and the manifests of one checkpoint directory say, and every problem found in them."""
 
-    def __init__(self, path: str, problems: Problems | None = None):
-        self.path = os.path.normpath(path)
+    def __init__(self, path: str, problems: Problems | None = None, storage: Storage | None = None):
+        self.storage = storage or storage_for(path)
+        self.path = layout.normalize(path)
         self.problems = problems if problems is not None else Problems()
         self.index: Index | None = None
         self.world_size = 0
@@ -51,9 +51,9 @@ class Audit:
         self._scan()
 
     def _scan(self) -> None:
-        if not os.path.isdir(self.path):
+        names = set(self.storage.list(self.path))
+        if not names and not self.storage.exists(self.path):
             raise NotACheckpointError(f"{self.path!r} is not a directory")
-        names = set(os.listdir(self.path))
         self._read_index(names)
         rank_files: dict[int, set] = {}
         for n in names:
@@ -72,7 +72,7 @@ class Audit:
             self._scan_rank(r)
         for r in sorted(rank_files):
             if r >= self.world_size > 0:
-                self.problems.warn(os.path.join(self.path, f"rank_{r:05d}.*"),
+                self.problems.warn(layout.join(self.path, f"rank_{r:05d}.*"),
                                    f"files of rank {r}, beyond world size {self.world_size}: not part of this "
                                    f"checkpoint")
         if self.index is not None and len(self.ranks) == self.world_size:
@@ -86,16 +86,16 @@ class Audit:
 
     @property
     def _meta(self) -> str:
-        return os.path.join(self.path, fmt.METADATA)
+        return layout.join(self.path, layout.METADATA)
 
     def _read_index(self, names: set) -> None:
-        partial = self.path.endswith(commit.PARTIAL)
+        partial = self.path.endswith(layout.PARTIAL)
         if partial:
             self.problems.add(self.path, "checkpoint is not published: a '.partial' directory is a save in "
                                          "progress or one that was killed or failed before every rank finished")
-        if fmt.METADATA in names:
+        if layout.METADATA in names:
             try:
-                self.index = fmt.read_index(self._meta)
+                self.index = fmt.read_index(self.storage, self.path)
             except CheckpointError as e:
                 self.problems.add(self._meta, str(e))
         elif not partial:
@@ -107,23 +107,22 @@ class Audit:
         sizes = []
         for r in sorted(rank_files):
             try:
-                sizes.append(fmt.read_manifest(os.path.join(self.path, fmt.manifest_file(r))).world_size)
+                sizes.append(fmt.read_manifest(self.storage, self._mpath(r)).world_size)
             except CheckpointError:
                 pass
         return max(sizes + [max(rank_files, default=-1) + 1])
 
     def _scan_rank(self, r: int) -> None:
         p = self.problems
-        mpath = os.path.join(self.path, fmt.manifest_file(r))
-        dpath = os.path.join(self.path, fmt.data_file(r))
+        mpath, dpath = self._mpath(r), layout.join(self.path, layout.data_file(r))
         published = self.index.manifest_crcs.get(r) if self.index is not None else None
         if self.index is not None and published is None:
             p.add(self._meta, f"metadata does not list rank {r}'s manifest", rank=r)
-        if not os.path.exists(mpath):
+        if not self.storage.exists(mpath):
             p.add(mpath, f"manifest of rank {r} is missing (world size {self.world_size})", rank=r)
             return
         try:
-            manifest = fmt.read_manifest(mpath)
+            manifest = fmt.read_manifest(self.storage, mpath)
         except CheckpointError as e:
             p.add(mpath, str(e), rank=r)
             return
@@ -135,7 +134,7 @@ class Audit:
         for problem in problems:
             p.add(mpath, f"manifest has a malformed item: {problem}", rank=r)
         try:
-            data_size = os.path.getsize(dpath)
+            data_size = self.storage.size(dpath)
         except OSError as e:
             p.add(dpath, f"data file of rank {r} is missing or unreadable: {e.strerror}", rank=r)
             data_size = None
@@ -248,7 +247,7 @@ class Audit:
                 if it.kind == "tensor" and it.scope == "local"]
 
     def _mpath(self, r: int) -> str:
-        return os.path.join(self.path, fmt.manifest_file(r))
+        return layout.join(self.path, layout.manifest_file(r))
 
     # ----- every byte -----
 
@@ -261,7 +260,7 @@ class Audit:
                                           "(this one has no valid metadata.json)")
             return
         t0 = time.perf_counter()
-        ranks = [r for r in range(self.world_size) if os.path.exists(os.path.join(self.path, fmt.data_file(r)))]
+        ranks = [r for r in range(self.world_size) if self.storage.exists(layout.join(self.path, layout.data_file(r)))]
         try:
             with CheckpointReader.open(self.path, threads=threads) as reader:
                 self.stats = reader.verify_all(self.problems, ranks, progress)

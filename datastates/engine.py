@@ -11,7 +11,6 @@ with the cause, the fence opens, and later saves fail at once: nothing waits for
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -20,30 +19,20 @@ from typing import Any
 
 import torch
 
-from . import _native
 from . import format as fmt
+from . import layout
 from .coordination import Coordinator, default_store
 from .errors import CheckpointError
 from .plan import Entry, Plan
 from .schema import Item
 from .providers import ProviderRegistry, default_registry
-from .restore import CheckpointReader, check_read_mode, resolve_checkpoint
+from .restore import CheckpointReader, resolve_checkpoint
 from .snapshot import CopyBackend, make_backend
 from .stages import STOP, Job, Pages, SaveHandle, SaveStages, _logged
 from .staging import StagingPool
-from .storage import PosixStorage, Storage
+from .storage import DEFAULT_READ_THREADS, PosixStorage, Storage
 
 log = logging.getLogger(__name__)
-
-# Writers run at a lower priority than training and the snapshot copies: a flush may take a little longer,
-# the copies the fence waits for and the next step do not.
-WRITER_NICE = 5
-
-# A load's native read threads: in read_mode "parallel", the 8 MiB reads in flight per rank (a read waits on the
-# device's latency, not the CPU: 2 and 4 ranks sharing this machine's virtual disk loaded 1 GB 1.45-1.6x slower
-# with 4 than with 8, and 12 gained nothing; Lustre's clients keep 8 RPCs in flight per OST by default); in
-# "stream", how many data files are read at once.
-DEFAULT_READ_THREADS = 8
 
 class CheckpointEngine(SaveStages):
     """Lazy asynchronous checkpoints to a parallel file system (or the memory tier), bounded host memory,
@@ -57,20 +46,17 @@ class CheckpointEngine(SaveStages):
                  read_mode: str = "stream", read_threads: int = DEFAULT_READ_THREADS, storage: Storage | None = None):
         """`store` (a torch.distributed Store shared by the ranks) carries the agreement on each save; by
         default the default process group's. `copy_backend` replaces the device backend (see `snapshot`).
-        Loads read as `read_mode` says (see `CheckpointReader`) on `read_threads` native threads. `storage` is
-        where saves go: by default a POSIX file system, fsynced and with O_DIRECT as `fsync` and `direct_io`
-        say."""
+        `storage` is where checkpoints are saved and loaded: by default a POSIX file system (`PosixStorage`),
+        fsynced and with O_DIRECT as `fsync` and `direct_io` say, writing on `writer_threads` and reading as
+        `read_mode` says on `read_threads` native threads."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        check_read_mode(read_mode)  # here, before anything is allocated: the reader is made at the first load
-        if read_threads < 1:
-            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
-        self.direct_io = {True: "on", False: "off", "auto": "auto", "on": "on", "off": "off"}[direct_io]
-        self.storage = storage or PosixStorage(fsync, self.direct_io)
+        direct_io = {True: "on", False: "off", "auto": "auto", "on": "on", "off": "off"}[direct_io]
+        self.storage = storage or PosixStorage(fsync, direct_io, writer_threads, read_threads, read_mode)
         self.keep_last = keep_last
         self.publish_timeout_s = publish_timeout_s
         self.registry = registry or default_registry
@@ -80,9 +66,6 @@ class CheckpointEngine(SaveStages):
         self.coordinator: Coordinator | None = None  # made at the first save: an engine that only loads needs none
         self.backend = copy_backend or make_backend(copy_threads)
         self.pool = StagingPool(host_buffer_bytes, writer_threads, pinned=torch.cuda.is_available())
-        self.io = _native.IOPool(writer_threads, WRITER_NICE)
-        self.read_mode, self._read_threads = read_mode, read_threads
-        self._read_io: _native.IOPool | None = None  # loads run at normal priority: a restart waits on them
         self._copy_threads = copy_threads
         self._load_backend: CopyBackend | None = None  # a load's copies out of the slots, apart from the saves'
         self._reader: tuple[tuple | None, CheckpointReader] | None = None
@@ -118,7 +101,7 @@ class CheckpointEngine(SaveStages):
                 self.backend.check(e.source, f"saving {path!r}: item {e.item.id!r}")
         entries.append(Entry(Item(id=fmt.SKELETON_ID, kind="object"), skeleton))
         plan = self._plan_for([e.item for e in entries])
-        handle = SaveHandle(os.path.normpath(path))
+        handle = SaveHandle(layout.normalize(path))
         self._seq += 1
         job = Job(self._seq, handle, entries, plan, [], self.backend.begin(), t0, _pages_of(pages))
         try:
@@ -127,7 +110,7 @@ class CheckpointEngine(SaveStages):
             if job.pages is not None:
                 job.pages.release()
             raise CheckpointError(f"cannot create checkpoint directory {e.filename!r}: {e.strerror}") from e
-        handle._pages = (self.storage, job) if self.storage.mapped else None
+        handle._pages = (self.storage, job) if self.storage.lends_pages else None
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == "object" and e.item.write]
         with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
@@ -182,22 +165,18 @@ class CheckpointEngine(SaveStages):
     def reader(self, path: str) -> CheckpointReader:
         """A reader of the published checkpoint at `path` (its index, verified reads), on the engine's read pool.
 
-        The last one is kept while its metadata.json is the same file: a resume that loads in several steps
-        reads the index once."""
-        if self._read_io is None:
-            self._read_io = _native.IOPool(self._read_threads)
+        The last one is kept while its metadata.json is the same: a resume that loads in several steps reads the
+        index once."""
+        if self._load_backend is None:
             self._load_backend = make_backend(self._copy_threads)
-        resolved = resolve_checkpoint(path)
-        try:
-            st = os.stat(os.path.join(resolved, fmt.METADATA))
-            key = (resolved, st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            key = None  # gone meanwhile: the reader reports it
+        resolved = resolve_checkpoint(path, self.storage)
+        version = self.storage.version(layout.join(resolved, layout.METADATA))
+        key = None if version is None else (resolved, version)  # None: gone meanwhile, the reader reports it
         if key is None or self._reader is None or self._reader[0] != key:
             if self._reader is not None:
                 self._reader[1].close()
-            self._reader = (key, CheckpointReader(resolved, self._read_io, self.pool, self._load_backend,
-                                                  self.registry, self.read_mode, self.direct_io))
+            self._reader = (key, CheckpointReader(resolved, self.storage, self.pool, self._load_backend,
+                                                  self.registry))
         return self._reader[1]
 
     def close(self) -> None:
@@ -214,13 +193,11 @@ class CheckpointEngine(SaveStages):
             self._pickler.shutdown()
             self._deleter.submit(_logged, self.storage.sweep)
             self._deleter.shutdown()
-            self.storage.close()
-            self.backend.close()
-            self.io.close()
             if self._reader is not None:
                 self._reader[1].close()
-            if self._read_io is not None:
-                self._read_io.close()
+            self.storage.close()
+            self.backend.close()
+            if self._load_backend is not None:
                 self._load_backend.close()
             self.pool.close()
 

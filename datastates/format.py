@@ -1,24 +1,18 @@
-"""On-disk layout of one checkpoint directory, its manifests, and the safe encoding of Python objects.
-
-    iter_0000010/
-        rank_00000.data            items of rank 0, each tensor item 4 KiB aligned, pickled objects after them
-        rank_00000.manifest.json   written last by rank 0: schema, items, offsets, dtypes, shapes, checksums
-        ...
-        metadata.json              the global index, written by rank 0 at publication; its presence makes the
-                                   checkpoint loadable
+"""The encodings of a checkpoint's files: its manifests and index (JSON with checksums of their own), and the
+safe encoding of Python objects. Bytes in, bytes out: the storage reads and writes them (`storage`), and the
+names they go by are `layout`'s.
 
 Schema versions: 1 (metadata.json lists each rank's manifest checksum; loading reads every manifest) and 2
 (metadata.json also holds every rank's items: a load reads this one file, never W manifests). Version 2 is
 written; both are read. A manifest and the metadata each carry a crc32c of their own canonical body, so a
 damaged or hand-edited one is refused rather than trusted; what passes is parsed into the typed records of
-`schema` (`read_index`, `read_manifest`, `rank_part`). Objects are unpickled by a restricted unpickler: a
+`schema` (`parse_index`, `parse_manifest`, `rank_part`). Objects are unpickled by a restricted unpickler: a
 checkpoint cannot run code.
 """
 from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import time
 from typing import Any
@@ -26,19 +20,11 @@ from typing import Any
 import torch
 
 from . import _native
+from . import layout
 from .errors import CheckpointCorruptError, CheckpointError
 from .schema import FORMAT_NAME, SCHEMA_VERSION, Index, Manifest, RankPart, check_schema
 
-METADATA = "metadata.json"
 SKELETON_ID = "__skeleton__"  # the pickled structure of a rank's state, whose leaves are item ids
-
-
-def data_file(rank: int) -> str:
-    return f"rank_{rank:05d}.data"
-
-
-def manifest_file(rank: int) -> str:
-    return f"rank_{rank:05d}.manifest.json"
 
 
 def data_size_problem(path: str, size: int, expected: int) -> str | None:
@@ -54,39 +40,14 @@ def _body_crc(body: dict) -> int:
     return _native.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file(path: str, data: bytes, fsync: bool) -> None:
-    """Create or truncate `path` with `data`, fsynced: plain system calls, no stat of a buffered file object."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def encode_json(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
-def write_manifest(path: str, body: dict, fsync: bool = True) -> dict:
-    """Write a rank's manifest into its unpublished checkpoint directory, fsynced (no temporary name: nobody reads
-    it before publication; its directory entry is left to the publisher's directory fsync); returns the manifest
-    as written, checksum included."""
+def signed_manifest(body: dict) -> dict:
+    """A rank's manifest as written: `body` with the schema and a checksum of itself."""
     body = dict(body, schema_version=SCHEMA_VERSION, format=FORMAT_NAME)
-    doc = dict(body, manifest_crc32c=_body_crc(body))
-    write_file(path, encode_json(doc), fsync)
-    return doc
+    return dict(body, manifest_crc32c=_body_crc(body))
 
 
 def index_metadata(manifests: dict[int, dict], iteration: int | None, world_size: int) -> dict:
@@ -111,45 +72,61 @@ def _checked(doc: dict, path: str, what: str, crc_field: str) -> dict:
     return doc
 
 
-def read_index(path: str) -> Index:
-    """A checkpoint's metadata.json, checked (schema, checksum) and parsed (`schema.Index`)."""
-    return Index.parse(_checked(read_json(path, "checkpoint metadata"), path, "checkpoint metadata",
+def parse_index(data: bytes, directory: str) -> Index:
+    """The metadata.json of the checkpoint `directory`, checked (schema, checksum) and parsed (`schema.Index`)."""
+    path = layout.join(directory, layout.METADATA)
+    return Index.parse(_checked(parse_json(data, path, "checkpoint metadata"), path, "checkpoint metadata",
                                 "metadata_crc32c"), path)
 
 
-def read_manifest(path: str) -> Manifest:
+def parse_manifest(data: bytes, path: str) -> Manifest:
     """A rank's manifest, checked (schema, checksum) and parsed (`schema.Manifest`)."""
-    return Manifest.parse(_checked(read_json(path, "manifest"), path, "manifest", "manifest_crc32c"),
+    return Manifest.parse(_checked(parse_json(data, path, "manifest"), path, "manifest", "manifest_crc32c"),
                           f"manifest {path!r}")
 
 
-def rank_part(index: Index, rank: int) -> RankPart:
+def read_index(storage, directory: str) -> Index:
+    """The index of the checkpoint `directory`, read through `storage`."""
+    return parse_index(read_small(storage, layout.join(directory, layout.METADATA), "checkpoint metadata"),
+                       directory)
+
+
+def read_manifest(storage, path: str) -> Manifest:
+    return parse_manifest(read_small(storage, path, "manifest"), path)
+
+
+def rank_part(storage, index: Index, rank: int) -> RankPart:
     """A rank's part of the checkpoint `index` describes: its entry in the index (schema 2), or its manifest,
     which must be the one the index published (schema 1)."""
     if index.schema_version >= 2:
         return index.part(rank)
     index.check_rank(rank)
-    path = os.path.join(index.directory, manifest_file(rank))
-    manifest = read_manifest(path)
+    path = layout.join(index.directory, layout.manifest_file(rank))
+    manifest = read_manifest(storage, path)
     expected = index.manifest_crcs.get(rank)
     if expected is not None and expected != manifest.crc32c:
         raise CheckpointCorruptError(f"manifest {path!r} is not the one this checkpoint published")
     return manifest
 
 
-def read_json(path: str, what: str) -> dict:
+def read_small(storage, path: str, what: str) -> bytes:
+    """A small object (index, manifest) through `storage`, its absence or failure an error naming it."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
-        if not isinstance(doc, dict):
-            raise CheckpointCorruptError(f"{what} {path!r} is not a JSON object")
-        return doc
+        return storage.read_bytes(path)
     except FileNotFoundError:
         raise CheckpointError(f"{what} is missing: {path!r}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+
+
+def parse_json(data: bytes, path: str, what: str) -> dict:
+    try:
+        doc = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"{what} {path!r} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read {what} {path!r}: {e.strerror}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointCorruptError(f"{what} {path!r} is not a JSON object")
+    return doc
 
 
 # ----- objects -----

@@ -36,14 +36,13 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 
 import torch
 import torch.distributed as dist
 
-from . import commit
 from . import format as fmt
+from .layout import checkpoint_dir, join
 from .engine import CheckpointEngine
 from .errors import CheckpointError
 from .storage import SharedMemoryStorage
@@ -90,20 +89,10 @@ def cliques(world_size: int, factor: int, jump: int) -> list[list[int]]:
 
 
 def _rank_dir(node_dir: str, rank: int) -> str:
-    return os.path.join(node_dir, f"rank_{rank:05d}")
+    return join(node_dir, f"rank_{rank:05d}")
 
 
 _NOTHING = torch.empty(0, dtype=torch.uint8)
-
-
-def _part(path: str) -> tuple[bytes, torch.Tensor]:
-    """A published part as it travels: its index, and the bytes of its data file that the index describes,
-    mapped (read from the tier's pages, never copied here; a reused file may be longer)."""
-    with open(os.path.join(path, fmt.METADATA), "rb") as f:
-        index = f.read()
-    size = fmt.read_index(os.path.join(path, fmt.METADATA)).part(0).data_bytes
-    data = os.path.join(path, fmt.data_file(0))
-    return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
 
 
 class LocalTier:
@@ -117,8 +106,9 @@ class LocalTier:
         cleared, never loaded."""
         self.rank, self.world_size, self.keep, self.job = rank, world_size, keep, job
         self.node, per_node = node_of(rank, world_size)
-        self.root = os.path.join(base_dir, job)
-        self.node_dir = os.path.join(self.root, f"node_{self.node:05d}")
+        self.root = join(base_dir, job)
+        self.node_dir = join(self.root, f"node_{self.node:05d}")
+        self.storage = SharedMemoryStorage()
         self.dir = _rank_dir(self.node_dir, rank)
         self._marker = {"job": job, "world_size": world_size, "layout": list(layout)}
         distributed = dist.is_available() and dist.is_initialized()
@@ -133,20 +123,16 @@ class LocalTier:
         if rank == min(r for r in range(world_size) if self.node_of_rank(r) == self.node):
             if stale:
                 _notice(f"memory tier {self.node_dir} holds checkpoints of another layout: cleared")
-                shutil.rmtree(self.node_dir, ignore_errors=True)
-            for name in os.listdir(self.node_dir) if os.path.isdir(self.node_dir) else []:
-                commit.clean_stale(os.path.join(self.node_dir, name))  # what killed saves left
-        if stale or not os.path.exists(os.path.join(self.root, JOB_FILE)):
-            os.makedirs(self.root, exist_ok=True)
-            tmp = os.path.join(self.root, f"{JOB_FILE}.tmp.{os.getpid()}")
-            fmt.write_file(tmp, fmt.encode_json(self._marker), fsync=False)
-            os.replace(tmp, os.path.join(self.root, JOB_FILE))
+                self.storage.remove_tree(self.node_dir)
+            for name in self.storage.list(self.node_dir):
+                self.storage.clean_leftovers(join(self.node_dir, name))  # what killed saves left
+        if stale or not self.storage.exists(join(self.root, JOB_FILE)):
+            self.storage.make_dirs(self.root)
+            self.storage.replace_file(join(self.root, JOB_FILE), fmt.encode_json(self._marker))
         if distributed:
             dist.barrier()  # cleared before any rank writes again
-        os.makedirs(self.dir, exist_ok=True)
-        self.storage = SharedMemoryStorage()
-        self.engine = CheckpointEngine(rank=0, world_size=1, fsync=False, direct_io="off", keep_last=keep,
-                                       storage=self.storage, **engine_kwargs)
+        self.storage.make_dirs(self.dir)
+        self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, **engine_kwargs)
         self._clique, self._group = [rank], None
         if replication_factor > 1:
             jump = replication_jump or per_node
@@ -166,8 +152,7 @@ class LocalTier:
 
     def _read_marker(self) -> dict | None:
         try:
-            with open(os.path.join(self.root, JOB_FILE)) as f:
-                return json.load(f)
+            return json.loads(self.storage.read_bytes(join(self.root, JOB_FILE)))
         except (OSError, ValueError):
             return None
 
@@ -176,7 +161,7 @@ class LocalTier:
 
     def path(self, iteration: int) -> str:
         """Where this rank saves its part of `iteration` (give it to `self.engine.save`, then `replicate`)."""
-        return commit.checkpoint_dir(self.dir, iteration)
+        return checkpoint_dir(self.dir, iteration)
 
     # ----- replication -----
 
@@ -190,13 +175,13 @@ class LocalTier:
             iteration, handle = job
             try:
                 handle.join()
-                mine = _part(self.path(iteration)) if handle.error is None else (b"", _NOTHING)
+                mine = self.storage.part(self.path(iteration)) if handle.error is None else (b"", _NOTHING)
                 parts = self._exchange(*mine)
                 for peer, (index, data) in zip(self._clique, parts):
                     if self.node_of_rank(peer) != self.node and index:  # a rank of this node has it already
                         peer_dir = _rank_dir(self.node_dir, peer)
-                        os.makedirs(peer_dir, exist_ok=True)
-                        self.storage.receive(commit.checkpoint_dir(peer_dir, iteration), index, data, self.keep)
+                        self.storage.make_dirs(peer_dir)
+                        self.storage.receive(checkpoint_dir(peer_dir, iteration), index, data, self.keep)
             except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
                 log.warning("rank %d: replicating the memory checkpoint of iteration %d failed: %s", self.rank,
                             iteration, e)
@@ -232,16 +217,12 @@ class LocalTier:
 
     def _inventory(self) -> dict[int, list[int]]:
         """rank -> published iterations this node holds, for this job only."""
-        try:
-            if self._read_marker() != self._marker:
-                return {}
-            names = os.listdir(self.node_dir)
-        except OSError:
+        if self._read_marker() != self._marker:
             return {}
         held = {}
-        for name in names:
+        for name in self.storage.list(self.node_dir):
             if name.startswith("rank_") and name[5:].isdigit():
-                its = commit.published_iterations(os.path.join(self.node_dir, name))
+                its = self.storage.published(join(self.node_dir, name))
                 if its:
                     held[int(name[5:])] = its
         return held
@@ -290,7 +271,7 @@ class LocalTier:
                 continue
             sender = holders[(part, iteration)][0]
             if self.rank == sender:
-                index, data = _part(commit.checkpoint_dir(_rank_dir(self.node_dir, part), iteration))
+                index, data = self.storage.part(checkpoint_dir(_rank_dir(self.node_dir, part), iteration))
                 dist.send(torch.tensor([len(index), data.numel()], dtype=torch.int64), part)
                 dist.send(torch.frombuffer(bytearray(index), dtype=torch.uint8), part)
                 dist.send(data, part)
@@ -313,12 +294,9 @@ class LocalTier:
 
     def remove(self) -> None:
         """The job finished: delete this node's tier (after every rank of the node closed its tier)."""
-        shutil.rmtree(self.node_dir, ignore_errors=True)
-        for remove, path in ((os.unlink, os.path.join(self.root, JOB_FILE)), (os.rmdir, self.root)):
-            try:
-                remove(path)
-            except OSError:
-                pass  # another rank got here first, or another node's directory is still there
+        self.storage.remove_tree(self.node_dir)
+        for path in (join(self.root, JOB_FILE), self.root):  # unless another node's directory is there
+            self.storage.remove_empty(path)
 
 
 def _notice(msg: str, any_rank: bool = False) -> None:
@@ -327,9 +305,7 @@ def _notice(msg: str, any_rank: bool = False) -> None:
 
 def check_fits(base_dir: str, need_bytes: int) -> None:
     """Fail before any work when the tier cannot fit in the memory file system it lives on."""
-    os.makedirs(base_dir, exist_ok=True)
-    st = os.statvfs(base_dir)
-    free = st.f_bavail * st.f_frsize
+    free = SharedMemoryStorage().free_bytes(base_dir)
     if need_bytes > free:
         raise CheckpointError(f"the memory tier needs about {need_bytes / 2**30:.2f} GiB in {base_dir!r} but only "
                               f"{free / 2**30:.2f} GiB are free there: lower --replication-factor, or point "

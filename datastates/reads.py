@@ -18,6 +18,7 @@ from .plan import ALIGN
 from .problems import Problems
 from .schema import Item
 from .staging import Slot
+from .storage import Done
 
 if TYPE_CHECKING:
     from .restore import CheckpointReader
@@ -34,7 +35,7 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
 
 
 class _Read(NamedTuple):
-    ticket: int
+    done: Done
     rank: int
     item: Item
     first: int  # chunks [first, first + len(crcs)) of the item
@@ -89,14 +90,14 @@ class Reads:
                                              f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
                                              f"destination")
             segments = [(s - start, n) for s, n in chunks]
-            f = self.reader.data_file(rank, self.problems)
-            ticket = self.reader.io.submit_read(f, dst.data_ptr(), nbytes, item.offset + start, segments)
+            source = self.reader.data_source(rank, self.problems)
+            done = source.submit(dst, nbytes, item.offset + start, segments)
         except BaseException:  # nothing was submitted: the memory goes back now
             self.fresh -= fresh
             if slot is not None:
                 self.pool.release(slot)
             raise
-        self.pending.append(_Read(ticket, rank, item, first, dst, place, slot, fresh))
+        self.pending.append(_Read(done, rank, item, first, dst, place, slot, fresh))
         if slot is not None:
             self.ahead += dst.numel()
 
@@ -127,10 +128,11 @@ class Reads:
     def place(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.backend.copy(dst, src, self.ordering)
 
-    def reads_into(self, dst: torch.Tensor) -> bool:
-        """Whether bytes for `dst` are read straight into it: a stream read copies out of the page cache
-        anyway, and into a contiguous host tensor that copy is the only one (a slot would add a second)."""
-        return self.reader.read_mode == "stream" and dst.device.type == "cpu" and dst.is_contiguous()
+    def reads_into(self, rank: int, dst: torch.Tensor) -> bool:
+        """Whether bytes of `rank` for `dst` are read straight into it: a stream read copies out of the page
+        cache anyway, and into a contiguous host tensor that copy is the only one (a slot would add a second)."""
+        return self.reader.data_source(rank, self.problems).streams and dst.device.type == "cpu" and \
+            dst.is_contiguous()
 
     def complete_oldest(self) -> None:
         read = self.pending.popleft()
@@ -150,7 +152,7 @@ class Reads:
         """Whether the read's bytes arrived and match the index; each problem goes to the policy."""
         item = read.item
         try:
-            crcs = self.reader.io.wait(read.ticket)
+            crcs = read.done()
         except OSError as e:
             path = self.reader.data_path(read.rank)
             self.problems.add(path, f"reading item {item.id!r} from {path!r} failed: {e.strerror or e}",
@@ -206,7 +208,7 @@ class Reads:
         pending, self.pending = self.pending, deque()
         for read in pending:
             try:
-                self.reader.io.wait(read.ticket)
+                read.done()
             except OSError:
                 pass
             if read.slot is not None:

@@ -5,56 +5,43 @@ checkpoints are read through their per-rank manifests). Rank-local items are fou
 items. Global items (shards of a logical tensor) are indexed by name across every rank's items; each target
 shard reads exactly the rows of the saved shards it overlaps, widened to whole checksum chunks so every byte
 read is verified: the load plan (`load_plan`), computed without I/O and executed here. Only the data files
-holding wanted bytes are opened. Each is read through the native pool as
-one sequential stream (read mode "stream") or with several O_DIRECT reads in flight ("parallel"); a whole item
-streams straight into a contiguous host target, other reads land in the staging slots and are copied out into
-the targets while later reads are in flight.
+holding wanted bytes are opened, through the storage (`DataSource`: on a file system one sequential stream, or
+several O_DIRECT reads in flight); a whole item streams straight into a contiguous host target, other reads land
+in the staging slots and are copied out into the targets while later reads are in flight.
 """
 from __future__ import annotations
 
 import copy
 import functools
-import os
 from typing import Any, Callable
 
 import torch
 
-from . import _native
-from . import commit
 from . import format as fmt
+from . import layout, tracker
 from .errors import CheckpointCorruptError, CheckpointError
 from .load_plan import BoxRead, Piece, plan_global, plan_whole
-from .names import common_path
 from .problems import Problems
+from .names import common_path
 from .providers import ProviderRegistry, default_registry, item_ids, unflatten
 from .reads import Reads
 from .schema import Box, Item, RankPart, Shard, dtype_from_name, dtype_name, volume
 from .snapshot import CopyBackend, HostCopyBackend
 from .staging import StagingPool
+from .storage import DataSource, Storage, storage_for
 
 
-# How a load reads the data files (see CheckpointReader). "stream" is the default: on this project's test VM
-# one buffered stream read a rank's file at 2.1-3.3 GB/s where O_DIRECT from 1, 4 or 8 threads reached
-# 1.1-1.9 GB/s (benchmarks/RESULTS.md, the raw reads of each configuration).
-READ_MODES = ("stream", "parallel")
-
-
-def check_read_mode(read_mode: str) -> None:
-    if read_mode not in READ_MODES:
-        raise ValueError(f"read_mode must be one of {READ_MODES}, not {read_mode!r}")
-
-
-def resolve_checkpoint(path: str) -> str:
+def resolve_checkpoint(path: str, storage: Storage) -> str:
     """An iteration directory, or a save root whose latest published iteration is meant."""
-    path = os.path.normpath(path)
-    if commit.is_published(path):
+    path = layout.normalize(path)
+    if storage.is_published(path):
         return path
-    if os.path.isdir(path) and commit.iteration_of(path) is None:
-        latest = commit.find_latest(path)
+    if layout.iteration_of(path) is None and storage.list(path):
+        latest = tracker.find_latest(path, storage)
         if latest.path is not None:
             return latest.path
         raise CheckpointError(f"no published checkpoint under {path!r}")
-    if os.path.isdir(commit.partial_dir(path)) or (os.path.isdir(path) and not commit.is_published(path)):
+    if storage.exists(layout.partial_dir(path)) or storage.list(path):
         raise CheckpointError(f"checkpoint {path!r} is not published (an unfinished or failed save): "
                               f"it cannot be loaded")
     raise CheckpointError(f"no checkpoint at {path!r}")
@@ -66,41 +53,36 @@ class CheckpointReader:
     A load stops at the first problem. A check (`verify_all`, or `load` with a `Problems` to report to) goes on
     and collects every one; `datastates.audit` adds the structural checks and is what the tools use."""
 
-    def __init__(self, path: str, io: _native.IOPool, pool: StagingPool, backend: CopyBackend,
-                 registry: ProviderRegistry, read_mode: str = "stream", direct_io: str = "auto"):
-        """Reads go through `io`; those that cannot land in their target are staged in `pool`'s slots and copied
-        out by `backend` (the engine's pool, pinned with CUDA, and a copy backend of the load's own).
-
-        `read_mode` "stream" reads each data file as one sequential stream through the page cache: the kernel's
-        readahead keeps the device busy, and the pages read are dropped behind. "parallel" keeps as many reads
-        of a file in flight as `io` has threads, with O_DIRECT as `direct_io` ("auto", "on", "off") says."""
-        check_read_mode(read_mode)
-        self.path = resolve_checkpoint(path)
-        self.io = io
+    def __init__(self, path: str, storage: Storage, pool: StagingPool, backend: CopyBackend,
+                 registry: ProviderRegistry):
+        """Reads go through `storage` (how: its read mode and threads); those that cannot land in their target
+        are staged in `pool`'s slots and copied out by `backend` (the engine's pool, pinned with CUDA, and a copy
+        backend of the load's own)."""
+        self.storage = storage
+        self.path = resolve_checkpoint(path, storage)
         self.pool = pool
         self.backend = backend
         self.registry = registry
-        self.read_mode, self.direct_io = read_mode, direct_io
-        self.index = fmt.read_index(os.path.join(self.path, fmt.METADATA))
+        self.index = fmt.read_index(storage, self.path)
         self.world_size = self.index.world_size
         self._parts: dict[int, RankPart] = {}
-        self._files: dict[int, _native.File] = {}
+        self._sources: dict[int, DataSource] = {}
         self._global: dict[str, list[Shard]] | None = None
         self._owned: tuple = ()
 
     @classmethod
     def open(cls, path: str, threads: int = 4, staging_bytes: int = 256 << 20,
              registry: ProviderRegistry | None = None) -> "CheckpointReader":
-        """A reader of its own, for a process that only reads (the tools): `threads` native readers, host
-        staging of `staging_bytes`; `close()` (or leaving a `with` block) frees them."""
-        io, backend = _native.IOPool(threads), HostCopyBackend()
+        """A reader of its own, for a process that only reads (the tools): the storage `path` names with
+        `threads` readers, host staging of `staging_bytes`; `close()` (or leaving a `with` block) frees them."""
+        storage, backend = storage_for(path, read_threads=threads), HostCopyBackend()
         pool = StagingPool(staging_bytes, threads)
         try:
-            reader = cls(path, io, pool, backend, registry or default_registry)
+            reader = cls(path, storage, pool, backend, registry or default_registry)
         except BaseException:
-            io.close(), backend.close(), pool.close()
+            storage.close(), backend.close(), pool.close()
             raise
-        reader._owned = (io, backend, pool)
+        reader._owned = (storage, backend, pool)
         return reader
 
     def __enter__(self) -> "CheckpointReader":
@@ -114,7 +96,7 @@ class CheckpointReader:
     def part(self, rank: int) -> RankPart:
         """A rank's part (`format.rank_part`), read once; its items are parsed only when a load reads them."""
         if rank not in self._parts:
-            self._parts[rank] = fmt.rank_part(self.index, rank)
+            self._parts[rank] = fmt.rank_part(self.storage, self.index, rank)
         return self._parts[rank]
 
     def items(self, rank: int) -> dict[str, Item]:
@@ -123,31 +105,30 @@ class CheckpointReader:
 
     def close(self) -> None:
         """Close the data files this reader opened (and the pools of a reader of its own)."""
-        for f in self._files.values():
-            f.close()
-        self._files = {}
+        for source in self._sources.values():
+            source.close()
+        self._sources = {}
         owned, self._owned = self._owned, ()
         for resource in owned:
             resource.close()
 
     def data_path(self, rank: int) -> str:
-        return os.path.join(self.path, fmt.data_file(rank))
+        return layout.join(self.path, layout.data_file(rank))
 
-    def data_file(self, rank: int, problems: Problems | None = None) -> _native.File:
+    def data_source(self, rank: int, problems: Problems | None = None) -> DataSource:
         """The rank's data file, open (its items validated first); a short one stops the read unless `problems`
         collects."""
-        if rank not in self._files:
+        if rank not in self._sources:
             self.items(rank)  # validated before anything is read
             self._open(rank, problems if problems is not None else Problems.stop())
-        return self._files[rank]
+        return self._sources[rank]
 
     def _open(self, rank: int, problems: Problems) -> int:
         """Open the rank's data file; its size. A file shorter than the index says is a problem: a load stops,
         a check reads what lies within it."""
         data = self.data_path(rank)
         try:
-            f = (_native.File(data, "r", "off", stream=True) if self.read_mode == "stream"
-                 else _native.File(data, "r", self.direct_io))
+            f = self.storage.open_source(data)
             size = f.size()
         except OSError as e:
             raise CheckpointError(f"cannot open {data!r}: {e.strerror or e}") from None
@@ -159,7 +140,7 @@ class CheckpointReader:
             except CheckpointError:
                 f.close()
                 raise
-        self._files[rank] = f
+        self._sources[rank] = f
         return size
 
     def global_index(self) -> dict[str, list[Shard]]:
@@ -355,7 +336,7 @@ class CheckpointReader:
         """The valid written items of `rank` that lie within its data file, which is opened here."""
         try:
             items, _ = self.part(rank).checked_items()
-            size = self._open(rank, problems) if rank not in self._files else self._files[rank].size()
+            size = self._open(rank, problems) if rank not in self._sources else self._sources[rank].size()
         except CheckpointError as e:
             problems.add(self.data_path(rank), str(e), rank=rank)
             return []
@@ -397,11 +378,11 @@ class CheckpointReader:
         A whole saved item bound for a contiguous host view is streamed straight into it (`Reads.reads_into`).
         Otherwise the read goes in pieces through the slots, and each piece's part of the box is copied out. In
         read mode "parallel" even a whole tensor into a contiguous host target goes through the slots: O_DIRECT
-        into the same few hot slots, then a memcpy on the copy threads, loaded 1 GB in 0.68 s against 1.01 s for
-        O_DIRECT straight into the target's own pages (medians of 8 interleaved loads, page cache evicted)."""
+        into the same few hot slots, then a memcpy on the copy threads, was faster than O_DIRECT straight into
+        the target's own pages (benchmarks/RESULTS.md)."""
         if read.whole:
             view = dst[read.dst]
-            if reads.reads_into(view):
+            if reads.reads_into(read.rank, view):
                 reads.read_chunks(read.rank, read.item, 0, len(read.item.crcs), view.reshape(-1).view(torch.uint8))
                 return
         for piece in read.pieces(reads.pool.slot_bytes):

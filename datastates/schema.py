@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Iterator, NamedTuple, Optional
 
 import torch
 
+from . import layout
 from .errors import CheckpointCorruptError, CheckpointError
 
 SCHEMA_VERSION = 2
@@ -289,7 +289,7 @@ class Index:
 
     @classmethod
     def parse(cls, doc: dict, path: str) -> "Index":
-        """Top-level fields only (schema and checksum are `format.read_index`'s): per-rank parts are lazy."""
+        """Top-level fields only (schema and checksum are `format.parse_index`'s): per-rank parts are lazy."""
         where = f"checkpoint metadata {path!r}"
         world_size, iteration, nbytes = doc.get("world_size"), doc.get("iteration"), doc.get("bytes")
         created, crcs, ranks = doc.get("created_unix"), doc.get("manifests"), doc.get("ranks")
@@ -313,7 +313,7 @@ class Index:
 
     @property
     def directory(self) -> str:
-        return os.path.dirname(self.path)
+        return layout.parent(self.path)
 
     def part(self, rank: int) -> RankPart:
         """A rank's part as the index holds it (schema 2; a schema-1 index holds only its manifest's crc32c)."""

@@ -1,11 +1,12 @@
 """The save pipeline: one thread per stage, so that none waits on another's kind of work.
 
-    copier      copies tensors into their destination, then places the pickled objects. The destination is the
-                storage's mapped pages (shared memory: the snapshot lands where it is kept), or staging slots
-                (a file system). A save written from another save's pages (`pages=`) copies nothing: its
-                tensors go to the writers straight from those pages once their snapshot is done.
-    flusher     waits for a slot's copy to land, hands it to the native writer pool (pwrite + crc32c)
-    completer   collects checksums, returns slots to the pool, closes the data, writes the rank's manifest and
+    copier      copies tensors into their destination, then packs the pickled objects into slots after them. The
+                destination is the data sink's own pages where it has them (shared memory: the snapshot lands
+                where it is kept), or staging slots (a file system). A save written from another save's pages
+                (`pages=`) copies nothing: its tensors go to the sink straight from those pages once their
+                snapshot is done.
+    flusher     waits for a slot's copies to land, submits it to the storage's data sink (write + crc32c)
+    completer   collects checksums, returns slots to the pool, closes the sink, writes the rank's manifest and
                 reports it
     publisher   rank 0: gathers every rank's report, publishes with the global index, then tells the others;
                 other ranks: wait for rank 0's verdict (`coordination`, through the torch.distributed store)
@@ -23,12 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native
-from . import commit
 from . import format as fmt
+from . import layout
 from .errors import CheckpointError, CheckpointTimeoutError
 from .plan import Entry, Plan, align_up
 from .snapshot import SlotFiller, copy_tensor_bytes
+from .storage import DataSink
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Job:
         self.partial: str | None = None
         self.entries, self.plan, self.objects, self.ordering, self.t0 = entries, plan, objects, ordering, t0
         self.pages = pages  # the save whose mapped pages this one writes its tensors from
-        self.data = None  # the storage's data file (a `_native.File` or mapped pages)
+        self.data: DataSink | None = None  # this rank's data, as the storage takes it
         self.size = 0
         self.manifest: dict | None = None
 
@@ -93,8 +94,9 @@ class Job:
 
 
 class PageWrite:
-    """A write straight from mapped pages (another save's snapshot), shaped like a staging slot for the
-    flusher and the completer: (offset, length, item, chunk index) segments, nothing to wait on."""
+    """A write straight from mapped pages (this save's sink's, or another save's snapshot), shaped like a staging
+    slot for the flusher and the completer: (offset, length, item, chunk index) segments, and the copies into
+    it to wait on."""
 
     __slots__ = ("buffer", "fill", "file_offset", "segments", "job", "waits")
 
@@ -164,12 +166,39 @@ class SaveStages:
     @torch.no_grad()
     def _copier(self) -> None:
         while (job := self._queues["copy"].get()) is not STOP:
-            if self.storage.mapped:
-                self._copy_to_pages(job)
-            else:
-                self._stage(job)
+            self._copy(job)
             self._queues["flush"].put(job)
         self._queues["flush"].put(STOP)
+
+    def _copy(self, job: Job) -> None:
+        """Copy the tensors to their destination, then pack the pickled objects into slots after them. The
+        destination is the data sink's own pages where it has them (the memory tier: the snapshot lands where it
+        is kept), else staging slots handed to the writers as they fill; a save written from another save's
+        pages (`pages=`) copies nothing and submits those pages."""
+        filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
+        self.pool.reset_peak()
+
+        def copy_tensors():
+            if job.pages is not None:
+                self._write_from_pages(job)
+            elif job.data.pages is not None:
+                self._copy_into_pages(job)
+            else:
+                for e in self._tensors(job):
+                    filler.add(e.item, lambda dst, start, n, src=e.source: copy_tensor_bytes(
+                        dst, src, start, n, self.backend, job.ordering), aligned=True)
+                return
+            filler.position = job.plan.tensor_region
+        pickled = self._snapshot(job, copy_tensors)
+        try:
+            for e, data in pickled:
+                e.item.nbytes = len(data)
+                filler.add(e.item, lambda dst, start, n, data=data: dst.numpy().__setitem__(
+                    slice(None), np.frombuffer(data, np.uint8, n, start)), aligned=False)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        filler.flush()
+        job.size = filler.position
 
     def _snapshot(self, job: Job, copy_tensors) -> list[tuple[Entry, bytes]]:
         """Run `copy_tensors()` and wait for the pickles: then nothing of this save reads the live state any
@@ -192,53 +221,19 @@ class SaveStages:
     def _tensors(self, job: Job):
         return [e for e in job.entries if e.item.kind == "tensor" and e.item.write]
 
-    def _copy_to_pages(self, job: Job) -> None:
-        """The storage's pages are the destination: each tensor chunk is copied straight to its planned offset
-        (the padding up to the next item zeroed), then the objects are appended to the file."""
-        def copy_tensors():
-            pages = job.data.buffer
-            for e in self._tensors(job):
-                item = e.item
-                for start, n in item.chunks():
-                    copy_tensor_bytes(pages[item.offset + start:], e.source, start, n, self.backend, job.ordering)
-                pages[item.offset + item.nbytes:item.offset + align_up(item.nbytes)].zero_()
-        pickled = self._snapshot(job, copy_tensors)
-        position = job.plan.tensor_region
-        try:
-            for e, data in pickled:
-                e.item.nbytes, e.item.offset = len(data), position
-                e.item.chunk_bytes = min(len(data), self.pool.slot_bytes)
-                e.item.crcs = [_native.crc32c(memoryview(data)[s:s + n]) for s, n in e.item.chunks()]
-                job.data.write(position, data)
-                position += len(data)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-        job.size = position
-
-    def _stage(self, job: Job) -> None:
-        """Staging slots are the destination, handed to the writers as they fill; a save written from another
-        save's pages submits those pages instead."""
-        filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
-        self.pool.reset_peak()
-
-        def copy_tensors():
-            if job.pages is not None:
-                self._write_from_pages(job)
-                filler.position = job.plan.tensor_region
-                return
-            for e in self._tensors(job):
-                filler.add(e.item, lambda dst, start, n, src=e.source: copy_tensor_bytes(
-                    dst, src, start, n, self.backend, job.ordering), aligned=True)
-        pickled = self._snapshot(job, copy_tensors)
-        try:
-            for e, data in pickled:
-                e.item.nbytes = len(data)
-                filler.add(e.item, lambda dst, start, n, data=data: dst.numpy().__setitem__(
-                    slice(None), np.frombuffer(data, np.uint8, n, start)), aligned=False)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-        filler.flush()
-        job.size = filler.position
+    def _copy_into_pages(self, job: Job) -> None:
+        """Each tensor's chunks are copied straight to its planned offset in the sink's pages (the padding up to
+        the next item zeroed), and the item goes to the flusher, which submits it once its copies landed."""
+        pages = job.data.pages
+        for e in self._tensors(job):
+            item = e.item
+            for start, n in item.chunks():
+                copy_tensor_bytes(pages[item.offset + start:], e.source, start, n, self.backend, job.ordering)
+            pages[item.offset + item.nbytes:item.offset + align_up(item.nbytes)].zero_()
+            write = PageWrite(pages[item.offset:item.offset + align_up(item.nbytes)], item.offset,
+                              [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())], job)
+            self.backend.mark(write)
+            self._queues["flush"].put(write)
 
     def _write_from_pages(self, job: Job) -> None:
         """Once the snapshot of `job.pages` is taken, hand each tensor of this save to the writers straight from
@@ -248,7 +243,7 @@ class SaveStages:
         if source.failed:
             raise CheckpointError(f"the memory checkpoint it is written from failed: {source.handle.error}")
         saved = {e.item.id: e.item for e in source.entries}
-        pages = source.data.buffer
+        pages = source.data.pages
         for e in self._tensors(job):
             item, held = e.item, saved.get(e.item.id)
             if held is None or (held.kind, held.dtype, held.shape) != (item.kind, item.dtype, item.shape):
@@ -263,28 +258,28 @@ class SaveStages:
     def _flusher(self) -> None:
         flush_q, complete_q = self._queues["flush"], self._queues["complete"]
         while (slot := flush_q.get()) is not STOP:
-            ticket = None
+            done = None
             if not isinstance(slot, Job) and not slot.job.failed:
                 try:
                     self.backend.ready(slot)
-                    ticket = self.io.submit_write(slot.job.data, slot.buffer.data_ptr(), slot.fill,
-                                                  slot.file_offset, [(s[0], s[1]) for s in slot.segments])
+                    done = slot.job.data.submit(slot.buffer[:slot.fill], slot.file_offset,
+                                                [(s[0], s[1]) for s in slot.segments])
                 except BaseException as e:  # noqa: BLE001
                     slot.job.fail(e)
-            complete_q.put((slot, ticket))
+            complete_q.put((slot, done))
         complete_q.put(STOP)
 
     def _completer(self) -> None:
         complete_q = self._queues["complete"]
         while (entry := complete_q.get()) is not STOP:
-            slot, ticket = entry
+            slot, done = entry
             if isinstance(slot, Job):
                 self._finish_rank(slot)
                 self._queues["publish"].put(slot)
                 continue
             try:
-                if ticket is not None:
-                    for (_, _, item, index), crc in zip(slot.segments, self.io.wait(ticket)):
+                if done is not None:
+                    for (_, _, item, index), crc in zip(slot.segments, done()):
                         item.crcs[index] = crc
             except OSError as e:
                 slot.job.fail(CheckpointError(f"writing {slot.job.data.path!r} failed: {e.strerror or e}"))
@@ -301,19 +296,16 @@ class SaveStages:
                             staging_pinned_bytes=self.pool.pinned_bytes)
         try:
             if not job.failed:
-                if self.storage.mapped:  # the copies landed in the pages unchecked: their checksums now
-                    for e in self._tensors(job):
-                        e.item.crcs = [job.data.crc(e.item.offset + s, n) for s, n in e.item.chunks()]
-                direct = job.data.direct  # whether O_DIRECT was in use: closing the file clears it
-                self.storage.close_data(job.data, job.size)
-                body = {"rank": self.rank, "world_size": self.world_size, "data_file": fmt.data_file(self.rank),
-                        "data_bytes": job.size, "direct_io": direct,
-                        "items": [e.item.to_json() for e in job.entries]}
-                job.manifest = self.storage.write_manifest(job.partial, self.rank, body)
+                job.data.close(job.size)
+                job.manifest = fmt.signed_manifest({
+                    "rank": self.rank, "world_size": self.world_size, "data_file": layout.data_file(self.rank),
+                    "data_bytes": job.size, "direct_io": job.data.direct,
+                    "items": [e.item.to_json() for e in job.entries]})
+                self.storage.write_manifest(job.partial, self.rank, fmt.encode_json(job.manifest))
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
-        if job.data is not None and not self.storage.mapped:
-            job.data.close()
+        if job.failed and job.data is not None:
+            job.data.discard()
         handle.stats["bytes"] = job.size
         self._report(job)
 
@@ -332,9 +324,9 @@ class SaveStages:
                     t0 = time.perf_counter()
                     self.coordinator.await_reports(job.seq, what, self.publish_timeout_s)
                     t1 = time.perf_counter()
-                    metadata = fmt.index_metadata(self.coordinator.manifests(job.seq),
-                                                  commit.iteration_of(job.final), self.world_size)
-                    retired = self.storage.publish(job.partial, job.final, metadata, self.keep_last)
+                    index = fmt.index_metadata(self.coordinator.manifests(job.seq),
+                                               layout.iteration_of(job.final), self.world_size)
+                    retired = self.storage.publish(job.partial, job.final, fmt.encode_json(index), self.keep_last)
                     self.coordinator.announce(job.seq, None, retired)
                     job.handle.stats.update(wait_ranks_s=t1 - t0, publish_s=time.perf_counter() - t1)
                 else:

@@ -2,7 +2,7 @@
 
 A small deterministic "training" job (2 ranks, gloo) drives the engine directly: every iteration it fences,
 mutates a few MB of state as a pure function of (rank, iteration), and saves lazily; it resumes from
-`commit.read_latest` after `clean_stale` on rank 0 and a barrier. So the exact content of every checkpoint is
+`tracker.read_latest` after `clean_stale` on rank 0 and a barrier. So the exact content of every checkpoint is
 computable from its iteration number alone.
 
 A trial starts the job (resuming from whatever the previous trial left), SIGKILLs one rank or the whole job after
@@ -105,7 +105,7 @@ def driver(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from datastates import CheckpointEngine, CheckpointError, commit
+    from datastates import CheckpointEngine, CheckpointError, layout, tracker
 
     def log(*words):
         print(*words, flush=True)
@@ -116,12 +116,12 @@ def driver(a: argparse.Namespace) -> int:
     eng = CheckpointEngine(host_buffer_bytes=int(a.budget_mb * (1 << 20)), writer_threads=2,
                            keep_last=a.keep_last, publish_timeout_s=a.publish_timeout, fsync=a.fsync)
     if a.rank == 0:
-        log("CLEANED", json.dumps(sorted(commit.clean_stale(a.root))))
+        log("CLEANED", json.dumps(sorted(tracker.clean_leftovers(a.root))))
     dist.barrier()
-    latest = commit.read_latest(a.root)
+    latest = tracker.read_latest(a.root)
     state = expected_state(a.rank, 0, a.mb)
     if latest is not None:
-        state = eng.load(commit.checkpoint_dir(a.root, latest), template=state)
+        state = eng.load(layout.checkpoint_dir(a.root, latest), template=state)
         if not same(state, expected_state(a.rank, latest, a.mb)):
             log("MISMATCH", latest)
             return 5
@@ -130,7 +130,7 @@ def driver(a: argparse.Namespace) -> int:
     for it in range((latest or 0) + 1, a.iters + 1):
         eng.wait_for_snapshot()  # the fence, right before the step mutates saved state
         mutate(state, a.rank, it, a.mb)
-        eng.save(state, commit.checkpoint_dir(a.root, it))
+        eng.save(state, layout.checkpoint_dir(a.root, it))
         try:  # the "stop" policy: a failed save ends the job (maybe_finalize raises or returns it, by version)
             failed = [h.error for h in eng.maybe_finalize() or [] if getattr(h, "error", None) is not None]
         except CheckpointError as e:
@@ -143,7 +143,7 @@ def driver(a: argparse.Namespace) -> int:
     except CheckpointError as e:
         log("CKPT-ERROR", str(e).replace("\n", " "))
         return 3
-    log("DONE", commit.read_latest(a.root))
+    log("DONE", tracker.read_latest(a.root))
     eng.close()
     return 0
 
@@ -172,7 +172,7 @@ def zygote_main() -> None:
     import torch.distributed  # noqa: F401
 
     import datastates  # noqa: F401
-    from datastates import commit  # noqa: F401
+    from datastates import layout, tracker  # noqa: F401
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -257,16 +257,16 @@ def _field(lines: list[str], word: str):
 
 def inspect_disk(root: str, world: int, keep_last: int) -> tuple[set, list[str]]:
     """(phases the disk shows a save was killed in, leftover paths a next start must remove)."""
-    from datastates import commit, format as fmt
+    from datastates import layout, tracker
     phases, leftovers = set(), []
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     for n in names:
         path = os.path.join(root, n)
-        if n.endswith(commit.PARTIAL):
+        if n.endswith(layout.PARTIAL):
             leftovers.append(path)
             inside = set(os.listdir(path))
-            done = sum(fmt.manifest_file(r) in inside for r in range(world))
-            if fmt.METADATA in inside:
+            done = sum(layout.manifest_file(r) in inside for r in range(world))
+            if layout.METADATA in inside:
                 phases.add("metadata written, not renamed")
             elif done == 0:
                 phases.add("snapshot/flush (.partial, no manifest)")
@@ -274,15 +274,15 @@ def inspect_disk(root: str, world: int, keep_last: int) -> tuple[set, list[str]]
                 phases.add("manifest (some ranks done)")
             else:
                 phases.add("all manifests, unpublished")
-        elif commit.DELETING in n:
+        elif layout.DELETING in n:
             leftovers.append(path)
             phases.add("retention (.deleting leftover)")
-        elif n.startswith(commit.TRACKER) and ".tmp." in n:
+        elif n.startswith(layout.TRACKER) and ".tmp." in n:
             leftovers.append(path)
             phases.add("tracker temp file")
-    published = commit.published_iterations(root)
-    tracker = _tracker(root)
-    if published and (tracker is None or tracker < published[-1]):
+    published = tracker.published_iterations(root)
+    named = _tracker(root)
+    if published and (named is None or named < published[-1]):
         phases.add("published, tracker not updated")
     elif len(published) > keep_last:
         phases.add("retention pending")
@@ -292,9 +292,9 @@ def inspect_disk(root: str, world: int, keep_last: int) -> tuple[set, list[str]]
 
 
 def _tracker(root: str):
-    from datastates import commit
+    from datastates import layout
     try:
-        with open(os.path.join(root, commit.TRACKER)) as f:
+        with open(os.path.join(root, layout.TRACKER)) as f:
             text = f.read().strip()
     except FileNotFoundError:
         return None
@@ -313,19 +313,19 @@ class Verifier:
 
     def check(self, root: str, previous_latest) -> tuple[int | None, list[str]]:
         """Check the invariants on `root`; returns (latest, violations)."""
-        from datastates import commit, format as fmt
+        from datastates import layout, tracker
         bad = []
-        tracker = _tracker(root)
-        if tracker is not None and (not isinstance(tracker, int)
-                                    or not commit.is_published(commit.checkpoint_dir(root, tracker))):
-            bad.append(f"tracker names {tracker!r}, which is not a published checkpoint")
-        latest = commit.read_latest(root)
+        named = _tracker(root)
+        if named is not None and (not isinstance(named, int)
+                                    or not tracker.is_published(layout.checkpoint_dir(root, named))):
+            bad.append(f"tracker names {named!r}, which is not a published checkpoint")
+        latest = tracker.read_latest(root)
         if previous_latest is not None and (latest is None or latest < previous_latest):
             bad.append(f"latest went back from {previous_latest} to {latest}: a published checkpoint was lost")
-        for it in commit.published_iterations(root):
-            path = commit.checkpoint_dir(root, it)
+        for it in tracker.published_iterations(root):
+            path = layout.checkpoint_dir(root, it)
             try:  # a checkpoint directory is identified by its metadata (re-saves replace the directory)
-                stamp = (it, os.stat(os.path.join(path, fmt.METADATA)).st_ino)
+                stamp = (it, os.stat(os.path.join(path, layout.METADATA)).st_ino)
             except FileNotFoundError:
                 bad.append(f"{path} vanished while checking")
                 continue

@@ -14,9 +14,9 @@ crashes during real multi-rank saves, not only SIGKILL (which keeps the page cac
    unsynced directory operation; the newest unsynced write torn) and seeded random subsets with torn writes.
    Identical trees are checked once.
 3. Check. Each distinct state is materialised into a fresh directory, then:
-   - before any clean-up (what a tool sees), `commit.read_latest` never raises and names a checkpoint that
+   - before any clean-up (what a tool sees), `tracker.read_latest` never raises and names a checkpoint that
      verifies;
-   - at the next start (`commit.clean_stale`, then `read_latest`, as the trainer does) latest names an iteration
+   - at the next start (`tracker.clean_leftovers`, then `read_latest`, as the trainer does) latest names an iteration
      no older than the newest durable one, no newer than any saved, and every rank of it loads (crc32c verified
      by `CheckpointEngine.load`) bit-exact with what that iteration saved;
    - `clean_stale` leaves only published checkpoints and the tracker, and every published checkpoint left
@@ -48,7 +48,7 @@ sys.path[:0] = [HERE, ROOT]  # the datastates next to these tests, also in a cop
 import crash_fs  # noqa: E402
 import crash_harness  # noqa: E402
 import fs_trace  # noqa: E402
-from datastates import CheckpointEngine, commit  # noqa: E402
+from datastates import CheckpointEngine, layout, tracker  # noqa: E402
 
 WORLD = 2
 MB = 0.0625  # state per rank: 4 tensors of 16 KiB, plus an index and objects
@@ -82,13 +82,13 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
     eng = CheckpointEngine(host_buffer_bytes=BUDGET, writer_threads=2, keep_last=KEEP_LAST)
     if rank == 0:
-        commit.clean_stale(root)
+        tracker.clean_leftovers(root)
     dist.barrier()
-    start = {"none": 0, "latest": commit.read_latest(root) or 0}.get(resume, None)
+    start = {"none": 0, "latest": tracker.read_latest(root) or 0}.get(resume, None)
     start = int(resume) if start is None else start
     state = crash_harness.expected_state(rank, 0, MB)
     if start:
-        state = eng.load(commit.checkpoint_dir(root, start), template=state)
+        state = eng.load(layout.checkpoint_dir(root, start), template=state)
         assert crash_harness.same(state, crash_harness.expected_state(rank, start, MB)), "resume not bit-exact"
 
     def durable(it):
@@ -100,7 +100,7 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
     for it in range(start + 1, last + 1):
         eng.wait_for_snapshot()
         crash_harness.mutate(state, rank, it, MB)
-        eng.save(state, commit.checkpoint_dir(root, it))
+        eng.save(state, layout.checkpoint_dir(root, it))
         if it in wait_at:
             durable(it)
     durable(last)
@@ -164,7 +164,7 @@ class Checker:
 
     def _verify(self, root: str, it: int) -> list[str]:
         """Problems of checkpoint `it` under `root`: every rank must load bit-exact with what `it` saved."""
-        path = commit.checkpoint_dir(root, it)
+        path = layout.checkpoint_dir(root, it)
         h = hashlib.sha256()
         for name in sorted(os.listdir(path)):  # a checkpoint directory is flat
             with open(os.path.join(path, name), "rb") as f:
@@ -198,16 +198,16 @@ class Checker:
     def _check(self, root: str, durable: int | None, newest: int) -> list[str]:
         bad = []
         try:  # a reader before any clean-up (a tool): never an error, a checkpoint that verifies
-            seen = commit.read_latest(root)
+            seen = tracker.read_latest(root)
         except Exception as e:  # noqa: BLE001
             return [f"read_latest raised {type(e).__name__}: {e}"]
         if seen is not None:
             bad += [f"latest before clean-up: {p}" for p in self._verify(root, seen)]
         try:  # the next start: clean_stale on one rank, then read_latest
-            commit.clean_stale(root)
-            latest = commit.read_latest(root)
-            left = sorted(n for n in os.listdir(root) if n != commit.TRACKER and not (
-                commit.iteration_of(n) is not None and commit.is_published(os.path.join(root, n))))
+            tracker.clean_leftovers(root)
+            latest = tracker.read_latest(root)
+            left = sorted(n for n in os.listdir(root) if n != layout.TRACKER and not (
+                layout.iteration_of(n) is not None and tracker.is_published(os.path.join(root, n))))
         except Exception as e:  # noqa: BLE001
             return bad + [f"the next start's clean-up raised {type(e).__name__}: {e}"]
         if left:
@@ -219,7 +219,7 @@ class Checker:
             bad.append(f"latest is iteration {latest}, older than iteration {durable}, which was durable")
         elif latest > newest:
             bad.append(f"latest is iteration {latest}, which was never saved")
-        for it in commit.published_iterations(root):  # latest, and every other published one: complete
+        for it in tracker.published_iterations(root):  # latest, and every other published one: complete
             bad += [f"{'latest' if it == latest else 'published checkpoint'}: {p}" for p in self._verify(root, it)]
         return bad
 

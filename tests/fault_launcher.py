@@ -20,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from datastates import CheckpointEngine, commit  # noqa: E402
+from datastates import CheckpointEngine, layout  # noqa: E402
 from datastates.local_tier import LocalTier  # noqa: E402
 
 
@@ -42,7 +42,7 @@ _save = CheckpointEngine.save
 
 
 def save(self, state, path, pages=None):
-    it = commit.iteration_of(path)
+    it = layout.iteration_of(path)
     slow, kill, fail = _spec("FAULT_SLOW_SAVE"), _spec("FAULT_KILL_AFTER_SAVE"), _spec("FAULT_FAIL_SAVE")
     if slow and slow[0] == it:
         state = dict(state, _fault_slow=_SlowPickle(slow[1]))

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError
 from datastates import format as fmt
+from datastates import layout
 
 _np_reconstruct = (np._core if hasattr(np, "_core") else np.core).multiarray._reconstruct
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,7 +72,7 @@ def work(saved, tmp_path):
 
 def _paths(root):
     d = root / "iter_0000001"
-    return d, d / fmt.manifest_file(0), d / fmt.data_file(0), d / fmt.METADATA
+    return d, d / layout.manifest_file(0), d / layout.data_file(0), d / layout.METADATA
 
 
 def _load_both(engine, root):

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import crash_harness  # noqa: E402
 from datastates import CheckpointEngine, CheckpointError  # noqa: E402
-from datastates import commit, format as fmt  # noqa: E402
+from datastates import layout, tracker  # noqa: E402
 
 
 def test_random_sigkill_campaign(tmp_path):
@@ -36,7 +36,7 @@ def test_random_sigkill_campaign(tmp_path):
 # ----- every state a crash can leave, built deterministically -----
 
 def _save(eng, root, it):
-    eng.save({"w": torch.full((3000,), float(it)), "it": it}, commit.checkpoint_dir(str(root), it))
+    eng.save({"w": torch.full((3000,), float(it)), "it": it}, layout.checkpoint_dir(str(root), it))
     eng.wait()
 
 
@@ -57,27 +57,27 @@ def _loaded_iteration(eng, root):
 
 def test_killed_between_rename_and_tracker(three):
     eng, root = three
-    (root / commit.TRACKER).write_text("2")  # iter_3 renamed into place, tracker not yet replaced
+    (root / layout.TRACKER).write_text("2")  # iter_3 renamed into place, tracker not yet replaced
     # the tracker names a complete checkpoint: that one is the latest (as in Megatron-LM), not the newest directory
-    assert commit.read_latest(str(root)) == 2
+    assert tracker.read_latest(str(root)) == 2
     assert _loaded_iteration(eng, root) == 2
-    assert commit.clean_stale(str(root)) == []  # nothing to clean: both are complete
+    assert tracker.clean_leftovers(str(root)) == []  # nothing to clean: both are complete
 
 
 def test_tracker_missing_garbage_or_naming_a_missing_dir(three):
     eng, root = three
-    tracker = root / commit.TRACKER
+    tracker_file = root / layout.TRACKER
     # no tracker, an unreadable one, or one naming a missing directory: the newest published iteration (3), never
     # an older one (lost progress); a readable one naming a complete checkpoint wins (surrounding blanks stripped)
     for text, expected in ((None, 3), ("", 3), ("abc", 3), ("17", 3), ("-1", 3), ("3\n3", 3), ("2 ", 2),
                            ("\n1\n", 1)):
         if text is None:
-            tracker.unlink(missing_ok=True)
+            tracker_file.unlink(missing_ok=True)
         else:
-            tracker.write_text(text)
-        latest = commit.read_latest(str(root))
+            tracker_file.write_text(text)
+        latest = tracker.read_latest(str(root))
         assert latest == expected, (text, latest)
-        assert commit.is_published(commit.checkpoint_dir(str(root), latest))
+        assert tracker.is_published(layout.checkpoint_dir(str(root), latest))
         assert _loaded_iteration(eng, root) == latest
 
 
@@ -85,10 +85,10 @@ def test_killed_after_metadata_before_rename(three):
     eng, root = three
     src, partial = root / "iter_0000003", root / "iter_0000004.partial"
     shutil.copytree(src, partial)  # a complete directory, metadata.json included, still under .partial
-    assert commit.read_latest(str(root)) == 3
+    assert tracker.read_latest(str(root)) == 3
     with pytest.raises(CheckpointError, match="not published"):
         eng.load(str(root / "iter_0000004"))
-    assert commit.clean_stale(str(root)) == [str(partial)]
+    assert tracker.clean_leftovers(str(root)) == [str(partial)]
     assert _loaded_iteration(eng, root) == 3
 
 
@@ -96,19 +96,19 @@ def test_killed_during_retention_or_replacement(three):
     eng, root = three
     # retention renamed iter_1 away and died in rmtree; a re-save of iter_3 died after moving the old one aside
     os.rename(root / "iter_0000001", root / "iter_0000001.deleting.123.456")
-    (root / "iter_0000001.deleting.123.456" / fmt.data_file(0)).unlink()
+    (root / "iter_0000001.deleting.123.456" / layout.data_file(0)).unlink()
     os.rename(root / "iter_0000003", root / "iter_0000003.deleting.123.789")
     (root / "iter_0000003.partial").mkdir()
-    (root / f"{commit.TRACKER}.tmp.999").write_text("4")
-    assert commit.published_iterations(str(root)) == [2]
-    assert commit.read_latest(str(root)) == 2  # tracker says 3, which is gone: newest complete one instead
+    (root / f"{layout.TRACKER}.tmp.999").write_text("4")
+    assert tracker.published_iterations(str(root)) == [2]
+    assert tracker.read_latest(str(root)) == 2  # tracker says 3, which is gone: newest complete one instead
     assert _loaded_iteration(eng, root) == 2
-    removed = commit.clean_stale(str(root))
+    removed = tracker.clean_leftovers(str(root))
     assert sorted(os.path.basename(p) for p in removed) == [
-        "iter_0000001.deleting.123.456", "iter_0000003.partial", f"{commit.TRACKER}.tmp.999"]
+        "iter_0000001.deleting.123.456", "iter_0000003.partial", f"{layout.TRACKER}.tmp.999"]
     # the next start rolls the interrupted re-save back: the tracker's iteration 3 is not lost
-    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", commit.TRACKER]
-    assert commit.read_latest(str(root)) == 3
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", layout.TRACKER]
+    assert tracker.read_latest(str(root)) == 3
     assert _loaded_iteration(eng, root) == 3
 
 
@@ -121,10 +121,10 @@ def test_rank0_missing_partial_never_loaded(tmp_path):
         engines[1].save({"w": torch.ones(10)}, str(tmp_path / "iter_0000001"))
         with pytest.raises(CheckpointError, match=r"rank\(s\) \[0\] did not finish"):
             engines[1].wait()
-        assert commit.read_latest(str(tmp_path)) is None
+        assert tracker.read_latest(str(tmp_path)) is None
         with pytest.raises(CheckpointError, match="no published checkpoint"):
             engines[0].load(str(tmp_path))
-        assert commit.clean_stale(str(tmp_path)) == [str(tmp_path / "iter_0000001.partial")]
+        assert tracker.clean_leftovers(str(tmp_path)) == [str(tmp_path / "iter_0000001.partial")]
     finally:
         for e in engines:
             e.close()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError
-from datastates import commit, format as fmt
-from datastates.restore import READ_MODES
+from datastates import layout, read_json, tracker, format as fmt
+from datastates.storage import READ_MODES
 
 Pair = namedtuple("Pair", "left right")
 fmt.allow_unpickle(Pair.__module__, "Pair")  # a user type in a checkpoint must be trusted explicitly
@@ -143,17 +143,17 @@ def test_budget_holds_with_tensor_three_times_larger(tmp_path):
         assert eng.pool.allocated_bytes <= budget
         loaded = eng.load(str(tmp_path))
     assert torch.equal(loaded["big"], big)
-    manifest = fmt.read_manifest(str(tmp_path / "iter_0000001" / fmt.manifest_file(0)))
+    manifest = fmt.read_manifest(eng.storage, str(tmp_path / "iter_0000001" / layout.manifest_file(0)))
     assert len(manifest.items["big"].crcs) > 3  # chunked, one checksum per chunk
 
 
 def test_native_module_does_the_writing(tmp_path, engine):
     state = {"x": torch.randn(300, 300)}
-    before = engine.io.bytes_written
+    before = engine.storage._pool("write").bytes_written
     engine.save(state, str(tmp_path / "iter_0000001"))
     stats = engine.wait()[0]
-    written = engine.io.bytes_written - before
-    data = tmp_path / "iter_0000001" / fmt.data_file(0)
+    written = engine.storage._pool("write").bytes_written - before
+    data = tmp_path / "iter_0000001" / layout.data_file(0)
     assert written == stats["bytes"] == data.stat().st_size
     assert data.read_bytes()[:360000] == state["x"].numpy().tobytes()
 
@@ -161,13 +161,13 @@ def test_native_module_does_the_writing(tmp_path, engine):
 def test_layout_aligned_and_manifest_complete(tmp_path, engine):
     engine.save({"a": torch.randn(3), "b": torch.randn(1000), "obj": {"k": 1}}, str(tmp_path / "iter_0000002"))
     engine.wait()
-    doc = fmt.read_json(str(tmp_path / "iter_0000002" / fmt.manifest_file(0)), "manifest")
+    doc = read_json(str(tmp_path / "iter_0000002" / layout.manifest_file(0)), "manifest")
     assert doc["schema_version"] == fmt.SCHEMA_VERSION
     tensors = [it for it in doc["items"] if it["kind"] == "tensor"]
     assert all(it["offset"] % 4096 == 0 for it in tensors)
     assert {it["id"] for it in doc["items"]} >= {"a", "b", "obj/k", "__skeleton__"}
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-    meta = json.loads((tmp_path / "iter_0000002" / fmt.METADATA).read_text())
+    meta = json.loads((tmp_path / "iter_0000002" / layout.METADATA).read_text())
     assert meta["world_size"] == 1 and meta["iteration"] == 2
 
 
@@ -176,11 +176,11 @@ def test_unpublished_checkpoint_is_not_loadable(tmp_path, engine):
     engine.wait()
     partial = tmp_path / "iter_0000002.partial"
     partial.mkdir()
-    (partial / fmt.data_file(0)).write_bytes(b"junk")
+    (partial / layout.data_file(0)).write_bytes(b"junk")
     with pytest.raises(CheckpointError, match="not published"):
         engine.load(str(tmp_path / "iter_0000002"))
     assert torch.equal(engine.load(str(tmp_path))["a"], torch.ones(4))  # latest still the good one
-    assert commit.clean_stale(str(tmp_path)) == [str(partial)]
+    assert tracker.clean_leftovers(str(tmp_path)) == [str(partial)]
 
 
 def _save_ok(engine, root, it, value):
@@ -190,7 +190,7 @@ def _save_ok(engine, root, it, value):
 
 def test_flipped_byte_is_detected(tmp_path, engine):
     _save_ok(engine, tmp_path, 1, 1.0)
-    data = tmp_path / "iter_0000001" / fmt.data_file(0)
+    data = tmp_path / "iter_0000001" / layout.data_file(0)
     raw = bytearray(data.read_bytes())
     raw[1234] ^= 0x10
     data.write_bytes(bytes(raw))
@@ -200,23 +200,23 @@ def test_flipped_byte_is_detected(tmp_path, engine):
 
 def test_truncated_and_missing_files(tmp_path, engine):
     _save_ok(engine, tmp_path, 1, 1.0)
-    (tmp_path / "iter_0000001" / fmt.manifest_file(0)).unlink()  # a load needs the index, not the manifests
+    (tmp_path / "iter_0000001" / layout.manifest_file(0)).unlink()  # a load needs the index, not the manifests
     assert torch.equal(engine.load(str(tmp_path))["w"], torch.full((1000,), 1.0))
-    data = tmp_path / "iter_0000001" / fmt.data_file(0)
+    data = tmp_path / "iter_0000001" / layout.data_file(0)
     os.truncate(data, 2000)
     with pytest.raises(CheckpointCorruptError, match=r"truncated"):
         engine.load(str(tmp_path))
     data.unlink()
     with pytest.raises(CheckpointError, match=r"rank_00000\.data"):
         engine.load(str(tmp_path))
-    (tmp_path / "iter_0000001" / fmt.METADATA).unlink()
+    (tmp_path / "iter_0000001" / layout.METADATA).unlink()
     with pytest.raises(CheckpointError, match=r"no published checkpoint"):
         engine.load(str(tmp_path))
 
 
 def test_edited_manifest_and_newer_schema_are_refused(tmp_path, engine):
     _save_ok(engine, tmp_path, 1, 1.0)
-    meta = tmp_path / "iter_0000001" / fmt.METADATA
+    meta = tmp_path / "iter_0000001" / layout.METADATA
     pristine = meta.read_text()
     doc = json.loads(pristine)
     doc["ranks"]["0"]["items"][0]["offset"] += 4096
@@ -237,7 +237,7 @@ def test_unpicklable_object_fails_save_and_keeps_previous(tmp_path, engine):
     with pytest.raises(CheckpointError, match=r"iter_0000002.*not picklable"):
         engine.wait()
     assert not (tmp_path / "iter_0000002").exists()
-    assert commit.read_latest(str(tmp_path)) == 1
+    assert tracker.read_latest(str(tmp_path)) == 1
     assert torch.equal(engine.load(str(tmp_path))["w"], torch.full((1000,), 1.0))
 
 
@@ -250,7 +250,7 @@ def test_close_does_not_raise_an_error_the_caller_already_got(tmp_path):
             handle.wait()
         for it in (2, 3):
             eng.save({"w": torch.full((10,), float(it))}, str(tmp_path / f"iter_{it:07d}")).wait()
-    assert commit.read_latest(str(tmp_path)) == 3
+    assert tracker.read_latest(str(tmp_path)) == 3
     eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2)
     eng.save({"fn": lambda x: x}, str(tmp_path / "iter_0000004"))
     with pytest.raises(CheckpointError, match=r"iter_0000004.*not picklable"):
@@ -272,8 +272,8 @@ def test_retention_keeps_newest(tmp_path):
     with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last=2) as eng:
         for it in range(1, 5):
             _save_ok(eng, tmp_path, it, it)
-    assert commit.published_iterations(str(tmp_path)) == [3, 4]
-    assert commit.read_latest(str(tmp_path)) == 4
+    assert tracker.published_iterations(str(tmp_path)) == [3, 4]
+    assert tracker.read_latest(str(tmp_path)) == 4
 
 
 def test_reshard_global_tensor_between_layouts(tmp_path):
@@ -343,7 +343,7 @@ def test_file_size_limit_gives_clear_error_and_previous_loads(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "ERROR: saving" in out.stdout and "iter_0000002" in out.stdout and "too large" in out.stdout, out.stdout
     assert "LOADED: 1.0" in out.stdout
-    assert commit.read_latest(str(tmp_path)) == 1
+    assert tracker.read_latest(str(tmp_path)) == 1
 
 
 @pytest.fixture
@@ -362,7 +362,7 @@ def test_full_disk_gives_clear_error_and_previous_loads(small_tmpfs, engine):
     engine.save({"w": torch.full((1 << 20,), 2.0)}, str(small_tmpfs / "iter_0000002"))  # 4 MiB > 2 MiB disk
     with pytest.raises(CheckpointError, match=r"iter_0000002.*No space left on device"):
         engine.wait()
-    assert commit.read_latest(str(small_tmpfs)) == 1
+    assert tracker.read_latest(str(small_tmpfs)) == 1
     assert torch.equal(engine.load(str(small_tmpfs))["w"], torch.full((1000,), 1.0))
     assert not any(n.endswith(".partial") for n in os.listdir(small_tmpfs))
 

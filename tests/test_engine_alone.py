@@ -16,21 +16,21 @@ try:
     raise SystemExit("megatron-core is visible")
 except ImportError:
     pass
-from datastates import CheckpointEngine, commit
+from datastates import CheckpointEngine, layout, tracker
 root = sys.argv[1]
 store = torch.distributed.HashStore()
 state = lambda r: {"w": torch.arange(1000, dtype=torch.float32) + r, "step": 7}
 engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=2, store=store)
            for r in range(2)]
 for r, eng in enumerate(engines):
-    eng.save(state(r), commit.checkpoint_dir(root, 3))
+    eng.save(state(r), layout.checkpoint_dir(root, 3))
 for eng in engines:
     eng.wait()
 for r, eng in enumerate(engines):
     got = eng.load(root)
     assert torch.equal(got["w"], state(r)["w"]) and got["step"] == 7
     eng.close()
-assert commit.read_latest(root) == 3
+assert tracker.read_latest(root) == 3
 print("ENGINE-ALONE OK")
 """
 

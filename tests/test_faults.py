@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointError, commit
+from datastates import CheckpointEngine, CheckpointError, layout, tracker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -43,7 +43,7 @@ def _assert_is(state, value):
 
 def _no_leftover_checkpoint(root):
     names = os.listdir(root)
-    bad = [n for n in names if commit.iteration_of(n) is not None and not commit.is_published(os.path.join(root, n))]
+    bad = [n for n in names if layout.iteration_of(n) is not None and not tracker.is_published(os.path.join(root, n))]
     assert not bad, f"unpublished directories that look like checkpoints: {bad}"
 
 
@@ -122,7 +122,7 @@ FAULT_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
 from test_faults import _state, _assert_is
-from datastates import CheckpointEngine, CheckpointError, commit
+from datastates import CheckpointEngine, CheckpointError, layout, tracker
 root = {root!r}
 with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last={keep}) as eng:
     eng.save(_state(1), root + "/iter_0000001"); eng.wait()
@@ -132,11 +132,11 @@ with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last={ke
         print("SAVED-2")
     except CheckpointError as e:
         print("ERROR:", e)
-    print("LATEST", commit.read_latest(root))
-    _assert_is(eng.load(root), commit.read_latest(root))
+    print("LATEST", tracker.read_latest(root))
+    _assert_is(eng.load(root), tracker.read_latest(root))
     eng.save(_state(3), root + "/iter_0000003"); eng.wait()      # the next save works
     _assert_is(eng.load(root), 3)
-    print("PUBLISHED", commit.published_iterations(root))
+    print("PUBLISHED", tracker.published_iterations(root))
 """
 
 
@@ -185,13 +185,13 @@ def test_disk_full_mid_flush_then_space_freed(tmpfs):
         with pytest.raises(CheckpointError, match=r"iter_0000002.*No space left on device") as info:
             eng.wait()
         assert "rank_00000.data" in str(info.value)
-        assert commit.read_latest(str(tmpfs)) == 1
+        assert tracker.read_latest(str(tmpfs)) == 1
         _assert_is(eng.load(str(tmpfs)), 1)
         _no_leftover_checkpoint(tmpfs)
         assert not any(n.endswith(".partial") for n in os.listdir(tmpfs))  # the failed save's space is freed
         eng.save(_state(3), str(tmpfs / "iter_0000003"))       # fits again
         eng.wait()
-        assert commit.published_iterations(str(tmpfs)) == [3]
+        assert tracker.published_iterations(str(tmpfs)) == [3]
         _assert_is(eng.load(str(tmpfs)), 3)
 
 
@@ -201,7 +201,7 @@ def test_file_size_limit_mid_flush(tmp_path, limit_mb):
 import resource, signal, sys
 sys.path.insert(0, {HERE!r})
 from test_faults import _state, _assert_is
-from datastates import CheckpointEngine, CheckpointError, commit
+from datastates import CheckpointEngine, CheckpointError, layout, tracker
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 root = {str(tmp_path)!r}
 with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
@@ -215,7 +215,7 @@ with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
         print("ERROR:", e)
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
     _assert_is(eng.load(root), 1)
-    print("LATEST", commit.read_latest(root))
+    print("LATEST", tracker.read_latest(root))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=REPO))
@@ -275,15 +275,15 @@ def test_turns_read_only_mid_save(immutable_ok, what):
             locked.append(target)
             with pytest.raises(CheckpointError, match=r"iter_0000002.*Operation not permitted") as info:
                 eng.wait()
-            assert commit.read_latest(str(root)) == 1
+            assert tracker.read_latest(str(root)) == 1
             _assert_is(eng.load(str(root)), 1)
             _no_leftover_checkpoint(root)
             print(info.value)
     finally:
         for p in locked:
             _set_immutable(p, False)
-    assert commit.clean_stale(str(root)) in ([], [str(root / "iter_0000002.partial")])
-    assert sorted(os.listdir(root)) == ["iter_0000001", commit.TRACKER]
+    assert tracker.clean_leftovers(str(root)) in ([], [str(root / "iter_0000002.partial")])
+    assert sorted(os.listdir(root)) == ["iter_0000001", layout.TRACKER]
 
 
 def test_permission_denied_names_the_path(tmp_path):
@@ -364,18 +364,18 @@ def test_missing_rank_is_named_within_the_timeout(tmp_path, victim, how):
 def test_retention_never_deletes_newest_published_around_failures(tmp_path):
     root = str(tmp_path)
     with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last=1) as eng:
-        eng.save(_state(1, 1000), commit.checkpoint_dir(root, 1))
+        eng.save(_state(1, 1000), layout.checkpoint_dir(root, 1))
         eng.wait()
         for it in (2, 3):  # failing saves (an object that cannot be pickled) newer than the published one
             bad = dict(_state(it, 1000), fn=lambda: None)
-            eng.save(bad, commit.checkpoint_dir(root, it))
+            eng.save(bad, layout.checkpoint_dir(root, it))
             with pytest.raises(CheckpointError):
                 eng.wait()
-            assert commit.published_iterations(root) == [1] and commit.read_latest(root) == 1
+            assert tracker.published_iterations(root) == [1] and tracker.read_latest(root) == 1
             _assert_is(eng.load(root), 1)
-        eng.save(_state(4, 1000), commit.checkpoint_dir(root, 4))
+        eng.save(_state(4, 1000), layout.checkpoint_dir(root, 4))
         eng.wait()
-        assert commit.published_iterations(root) == [4] and commit.read_latest(root) == 4
+        assert tracker.published_iterations(root) == [4] and tracker.read_latest(root) == 4
     # keep_last=2 with a pipeline of saves where a middle one fails
     root2 = str(tmp_path / "two")
     with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last=2) as eng:
@@ -383,16 +383,16 @@ def test_retention_never_deletes_newest_published_around_failures(tmp_path):
             st = _state(it, 1000)
             if it == 5:
                 st["fn"] = lambda: None
-            eng.save(st, commit.checkpoint_dir(root2, it))
+            eng.save(st, layout.checkpoint_dir(root2, it))
         with pytest.raises(CheckpointError, match="iter_0000005"):
             eng.wait()
-        assert commit.published_iterations(root2) == [4, 6] and commit.read_latest(root2) == 6
+        assert tracker.published_iterations(root2) == [4, 6] and tracker.read_latest(root2) == 6
         _assert_is(eng.load(root2), 6)
-        _assert_is(eng.load(commit.checkpoint_dir(root2, 4)), 4)
+        _assert_is(eng.load(layout.checkpoint_dir(root2, 4)), 4)
         # the newest published one survives even when an older iteration is re-saved afterwards
-        eng.save(_state(3, 1000), commit.checkpoint_dir(root2, 3))
+        eng.save(_state(3, 1000), layout.checkpoint_dir(root2, 3))
         eng.wait()
-        assert 6 in commit.published_iterations(root2)
+        assert 6 in tracker.published_iterations(root2)
 
 
 # --------------------------------------------------------------------------------------------------- back-pressure
@@ -411,11 +411,11 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
             with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2, fsync=False, keep_last=2) as eng:
                 for it in range(1, 9):
                     want = {k: v.clone() for k, v in state.items()}
-                    eng.save(state, commit.checkpoint_dir(root, it))
+                    eng.save(state, layout.checkpoint_dir(root, it))
                     eng.wait_for_snapshot()
                     for t in state.values():
                         t.add_(1)
-                    seen.append(commit.read_latest(root))
+                    seen.append(tracker.read_latest(root))
                     stats.extend(h.stats for h in eng.maybe_finalize())
                     allocated.append(eng.pool.allocated_bytes)
                 stats.extend(eng.wait())
@@ -432,7 +432,7 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
     assert len(stats) == 8 and all(st["peak_staging_bytes"] <= budget for st in stats), stats
     published = [x for x in seen if x is not None]
     assert published == sorted(published), f"latest went backwards: {seen}"
-    assert commit.read_latest(root) == 8 and commit.published_iterations(root) == [7, 8]
+    assert tracker.read_latest(root) == 8 and tracker.published_iterations(root) == [7, 8]
     with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2) as eng:
         got = eng.load(root)
     assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -22,14 +22,6 @@ ENGINE = "datastates"
 PUBLIC_MODULES = {"datastates", "datastates.megatron", "datastates.names", "datastates.logs"}
 NATIVE = {"datastates._native"}  # built from csrc/, not a .py file: imports nothing of the repository
 
-# Cycles known when this test was written, each the set of modules of one cycle (a strongly connected component),
-# being removed under issue 33 (the storage seam). An entry that is no longer a cycle fails too: remove it.
-KNOWN_CYCLES = [
-    {"datastates.storage", "datastates.storage.posix", "datastates.storage.shared_memory"},
-]
-# Private imports of tools known when this test was written (tool module, engine module), being removed under
-# issue 33 (tools/hf's registry refactor; `fsync_dir` and `write_file` are public now).
-KNOWN_PRIVATE_IMPORTS = {("tools.hf.writer", "datastates.format")}
 
 
 def _modules() -> dict[str, str]:
@@ -151,11 +143,8 @@ def _shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> str:
 def test_no_import_cycle():
     graph = _graph()
     cycles = _cycles(graph)
-    new = [c for c in cycles if set(c) not in KNOWN_CYCLES]
-    stale = [k for k in KNOWN_CYCLES if sorted(k) not in cycles]
-    assert not new, "import cycles (module-level imports), one per set of modules in a cycle:\n" + "\n".join(
-        f"{_shortest_cycle(graph, c)}   (modules in this cycle: {', '.join(c)})" for c in new)
-    assert not stale, f"KNOWN_CYCLES entries that are no longer cycles (remove them): {stale}"
+    assert not cycles, "import cycles (module-level imports), one per set of modules in a cycle:\n" + "\n".join(
+        f"{_shortest_cycle(graph, c)}   (modules in this cycle: {', '.join(c)})" for c in cycles)
 
 
 def _crossings(modules, allowed) -> list[str]:
@@ -167,21 +156,15 @@ def _crossings(modules, allowed) -> list[str]:
 
 def test_tools_import_only_the_engine_s_public_surface():
     public_names = {m: _all_of(m) for m in PUBLIC_MODULES}
-    private = set()
 
     def allowed(module, target, name):
         if target != ENGINE and not target.startswith(ENGINE + "."):
             return True
-        if target in PUBLIC_MODULES and (name is None or public_names[target] is None
-                                         or name in public_names[target]):
-            return True
-        private.add((module, target))
-        return (module, target) in KNOWN_PRIVATE_IMPORTS
+        return target in PUBLIC_MODULES and (name is None or public_names[target] is None
+                                             or name in public_names[target])
     tools = sorted(m for m in MODULES if m.startswith("tools."))
     bad = _crossings(tools, allowed)
     assert not bad, "tools importing what the engine does not make public:\n" + "\n".join(bad)
-    stale = KNOWN_PRIVATE_IMPORTS - private
-    assert not stale, f"KNOWN_PRIVATE_IMPORTS entries no tool imports any more (remove them): {sorted(stale)}"
 
 
 def test_the_engine_imports_neither_the_trainer_nor_the_tools():

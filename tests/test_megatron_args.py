@@ -109,7 +109,7 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     either way the last published checkpoint stays the latest."""
     import torch
 
-    from datastates import CheckpointError, commit
+    from datastates import CheckpointError, layout, tracker
     from megatron.training.checkpointing import CheckpointManager
 
     save = tmp_path / "ckpt"
@@ -122,8 +122,8 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     logging.getLogger("megatron.training.checkpointing").addHandler(handler)
     try:
         engine = checkpoints.saver.engine  # the manager's pending saves are its engine's
-        good = engine.save({"w": torch.ones(8)}, commit.checkpoint_dir(str(save), 1))
-        bad = engine.save({"w": torch.ones(8), "f": lambda: 0}, commit.checkpoint_dir(str(save), 2))
+        good = engine.save({"w": torch.ones(8)}, layout.checkpoint_dir(str(save), 1))
+        bad = engine.save({"w": torch.ones(8), "f": lambda: 0}, layout.checkpoint_dir(str(save), 2))
         good.join()
         bad.join()
         checkpoints.maybe_finalize()
@@ -134,7 +134,7 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
             checkpoints.agree_on_failures(3)
             assert any("checkpoint of iteration 2 failed, training goes on" in m for m in logged), logged
             assert engine.maybe_finalize() == [] and [r["iteration"] for r in checkpoints.records] == [1]
-        assert commit.read_latest(str(save)) == 1
+        assert tracker.read_latest(str(save)) == 1
     finally:
         logging.getLogger("megatron.training.checkpointing").removeHandler(handler)
         checkpoints.close()

@@ -12,8 +12,7 @@ import shutil
 import pytest
 import torch
 
-from datastates import commit
-from datastates import format as fmt
+from datastates import read_index, tracker
 from datastates.errors import CheckpointError
 from datastates.local_tier import LocalTier, check_fits, cliques
 from megatron_helpers import TINY, losses, torchrun
@@ -42,11 +41,11 @@ def killed(tmp_path_factory, reference):
     rc, log = torchrun(4, _flags(root), env=dict(ENV, FAULT_KILL_JOB_AFTER_LOCAL="8"), faults=True, check=False)
     assert rc != 0 and log.count("FAULT-KILL-JOB") == 4, log[-4000:]
     assert losses(log) == {i: reference[i] for i in range(1, 9)}
-    assert commit.read_latest(str(root / "ck")) == 5
+    assert tracker.read_latest(str(root / "ck")) == 5
     job = root / "mem" / ENV["DATASTATES_JOB_ID"]
     for node, parts in ((0, (0, 1, 2, 3)), (1, (0, 1, 2, 3))):  # own parts and the other node's replicas
         for part in parts:
-            assert commit.is_published(str(job / f"node_{node:05d}" / f"rank_{part:05d}" / "iter_0000008"))
+            assert tracker.is_published(str(job / f"node_{node:05d}" / f"rank_{part:05d}" / "iter_0000008"))
     return root
 
 
@@ -106,7 +105,7 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
     other = _tier(tmp_path, "job-b")
     assert other._inventory() == {}
     other.close()
-    assert commit.is_published(first.path(3))
+    assert tracker.is_published(first.path(3))
     again = _tier(tmp_path, "job-a")
     assert again._inventory() == {0: [3]}
     again.close()
@@ -219,7 +218,7 @@ def _run_tier_world(tmp_path, env, jump, lost_node):
 def _held(job):
     """node -> the ranks whose part of iteration 3 the node holds, published."""
     return {int(node[5:]): sorted(int(r[5:]) for r in os.listdir(os.path.join(job, node))
-                                  if commit.is_published(os.path.join(job, node, r, "iter_0000003")))
+                                  if tracker.is_published(os.path.join(job, node, r, "iter_0000003")))
             for node in os.listdir(job) if node.startswith("node_")}
 
 
@@ -249,7 +248,7 @@ def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_):
         original = job / f"node_{other:05d}" / f"rank_{other:05d}" / "iter_0000003"
         index = (original / "metadata.json").read_bytes()
         assert (replica / "metadata.json").read_bytes() == index
-        size = fmt.read_index(str(original / "metadata.json")).part(0).data_bytes
+        size = read_index(str(original)).part(0).data_bytes
         assert (replica / "rank_00000.data").read_bytes()[:size] == (original / "rank_00000.data").read_bytes()[:size]
 
 

@@ -11,12 +11,13 @@ import os
 import pytest
 import torch
 
-from datastates import CheckpointEngine, _native
+from datastates import CheckpointEngine
 from datastates.errors import CheckpointCorruptError
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
 from datastates.restore import CheckpointReader
 from datastates.snapshot import HostCopyBackend
 from datastates.staging import StagingPool
+from datastates.storage import PosixStorage
 from late_copies import LateAddressCopyBackend, LateCopyBackend
 
 ROWS, COLS, SPLIT = 600, 500, 300  # one logical tensor, saved as two row blocks
@@ -61,12 +62,12 @@ def saved(tmp_path_factory):
 @contextlib.contextmanager
 def _reading(path, budget, backend, read_mode="stream"):
     """(a reader of `path` on a staging pool of `budget` bytes and `backend`, that pool); all closed after."""
-    io, pool = _native.IOPool(2), StagingPool(budget, writer_threads=2)
-    reader = CheckpointReader(path, io, pool, backend, _registry(), read_mode)
+    storage, pool = PosixStorage(read_threads=2, read_mode=read_mode), StagingPool(budget, writer_threads=2)
+    reader = CheckpointReader(path, storage, pool, backend, _registry())
     try:
         yield reader, pool
     finally:
-        reader.close(), backend.close(), io.close(), pool.close()
+        reader.close(), backend.close(), storage.close(), pool.close()
 
 
 def _template():

@@ -149,7 +149,7 @@ def test_copier_death_fails_pending_saves(tmp_path):
 
 def test_completer_death_fails_pending_saves(tmp_path):
     eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1)
-    eng.io = _LosingIO(eng.io)
+    eng.storage._pools["write"] = _LosingIO(eng.storage._pool("write"))
     _dies_cleanly(eng, tmp_path, "complete", "complete thread died.*unknown ticket")
 
 
@@ -158,7 +158,7 @@ def test_dead_rank_stage_fails_the_other_rank_at_once(tmp_path):
     store = torch.distributed.HashStore()
     engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=2, store=store,
                                 publish_timeout_s=300) for r in range(2)]
-    engines[1].io = _LosingIO(engines[1].io)
+    engines[1].storage._pools["write"] = _LosingIO(engines[1].storage._pool("write"))
     path = str(tmp_path / "iter_0000001")
     handles = [eng.save({"w": torch.full((1000,), float(r))}, path) for r, eng in enumerate(engines)]
     assert handles[0].join(30), "rank 0 waited for the dead rank's timeout"

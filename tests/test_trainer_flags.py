@@ -17,8 +17,7 @@ import sys
 import pytest
 import torch
 
-from datastates import commit
-from datastates import format as fmt
+from datastates import layout, tracker
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.validation import validate_args
 from megatron_helpers import ROOT, TINY, iter_dir, losses, torchrun
@@ -54,7 +53,7 @@ def resumed(tmp_path_factory, reference):
 
 
 def _manifests(ckpt_dir: str) -> list[dict]:
-    return [json.load(open(os.path.join(ckpt_dir, fmt.manifest_file(r)))) for r in range(2)]
+    return [json.load(open(os.path.join(ckpt_dir, layout.manifest_file(r)))) for r in range(2)]
 
 
 def test_failed_save_warns_and_training_goes_on(reference):
@@ -64,9 +63,9 @@ def test_failed_save_warns_and_training_goes_on(reference):
     assert ("rank 1: checkpoint of iteration 2 failed, training goes on (--ckpt-on-failure warn); the last "
             "published checkpoint is still 1") in log, log[-4000:]
     assert "stopping at iteration" not in log
-    assert commit.published_iterations(root) == [1, 3, 4, 5, 6]
-    assert not os.path.exists(iter_dir(root, 2)) and not os.path.exists(commit.partial_dir(iter_dir(root, 2)))
-    assert open(os.path.join(root, commit.TRACKER)).read().strip() == str(N)
+    assert tracker.published_iterations(root) == [1, 3, 4, 5, 6]
+    assert not os.path.exists(iter_dir(root, 2)) and not os.path.exists(layout.partial_dir(iter_dir(root, 2)))
+    assert open(os.path.join(root, layout.TRACKER)).read().strip() == str(N)
 
 
 def test_checkpoint_flags_take_effect(reference):
@@ -74,7 +73,7 @@ def test_checkpoint_flags_take_effect(reference):
     disk that takes it), and the saved args hold the flags; every byte of the last checkpoint verifies."""
     root, log, _ = reference
     assert f"saving checkpoint at iteration {N:8d} to {root} in datastates format (lazy async)" in log
-    for it in commit.published_iterations(root):
+    for it in tracker.published_iterations(root):
         assert [m["direct_io"] for m in _manifests(iter_dir(root, it))] == [True, True], it
     saved = read_datastates(root, None)  # the latest; reads every tensor, checking every checksum
     assert saved.iteration == N and saved.tensors
@@ -123,11 +122,11 @@ def test_resume_from_own_format_is_exact(tmp_path, reference, ckpt_format):
     flags = FLAGS + ["--ckpt-format", ckpt_format, "--save", ck, "--load", ck, "--save-interval", str(K)]
     _, log1 = torchrun(2, flags + ["--exit-interval", str(K)])
     assert losses(log1) == {i: ref[i] for i in range(1, K + 1)}, log1[-3000:]
-    assert commit.read_latest(ck) == K
+    assert tracker.read_latest(ck) == K
     if ckpt_format == "torch":  # one file per (tp, pp) rank, from DP rank 0
         assert os.listdir(iter_dir(ck, K)) == ["mp_rank_00"]
     else:
-        assert "sharded_backend" in json.load(open(os.path.join(iter_dir(ck, K), fmt.METADATA)))
+        assert "sharded_backend" in json.load(open(os.path.join(iter_dir(ck, K), layout.METADATA)))
     _, log2 = torchrun(2, flags)
     assert f"({ckpt_format}) at iteration {K}" in log2, log2[-3000:]
     assert losses(log2) == {i: ref[i] for i in range(K + 1, N + 1)}

@@ -190,10 +190,10 @@ class Campaign:
         self.stats["iterations trained"] += len(run.losses)
 
     def _check_disk(self, name: str) -> None:
-        from datastates import commit
+        from datastates import tracker
         phases, _ = crash_harness.inspect_disk(self.save, WORLD, KEEP_LAST)
         self.phases.update(phases)
-        latest = commit.read_latest(self.save)
+        latest = tracker.read_latest(self.save)
         if self.latest is not None and (latest is None or latest < self.latest):
             self.violations.append(f"{name}: latest went back from {self.latest} to {latest}")
         if latest is not None:
@@ -245,13 +245,13 @@ class Campaign:
               published: bool = False) -> None:
         """Wait `seconds` (or, with `published`, until the run publishes a checkpoint after `before`), no longer
         than until the run prints iteration --train-iters - KILL_MARGIN, or ends."""
-        from datastates import commit
+        from datastates import tracker
         deadline, last = time.monotonic() + seconds, self.train_iters - KILL_MARGIN
         while proc.poll() is None and time.monotonic() < deadline:
             with open(log, errors="replace") as f:
                 if max(map(int, ITERATION_RE.findall(f.read())), default=0) >= last:
                     return
-            if published and (commit.read_latest(self.save) or 0) > (before or 0):
+            if published and (tracker.read_latest(self.save) or 0) > (before or 0):
                 return
             time.sleep(0.05)
 

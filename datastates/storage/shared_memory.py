@@ -10,21 +10,22 @@ import threading
 import torch
 
 from .. import _native
-from .. import commit
 from .. import format as fmt
+from .. import layout
 from ..errors import CheckpointCorruptError
 from ..plan import ALIGN, align_up
 from ..staging import cuda_host_register
-from . import Storage
+from .base import DataSink, retention
+from .posix import PosixStorage, retire, write_file
 
-SPARES = "spare" + commit.DELETING  # a memory tier's reusable pages, out of sight of every reader (clean_stale)
+SPARES = "spare" + layout.DELETING  # a memory tier's reusable pages, out of sight of every reader (clean_leftovers)
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
-class MappedData:
+class MappedSink(DataSink):
     """A data file in shared memory and its pages, mapped for the life of the storage that made it: the engine
-    copies into `buffer`, a storage level writes from it, replication sends it."""
-
-    direct = False
+    copies into `pages`, a storage level writes from them, replication sends them. What comes past the pages (the
+    pickled objects) is written to the file."""
 
     def __init__(self, path: str, nbytes: int, pinned: bool):
         self.path, self.nbytes, self.pinned = path, nbytes, pinned
@@ -33,51 +34,60 @@ class MappedData:
             os.posix_fallocate(fd, 0, nbytes)  # a full memory file system fails here, not as SIGBUS in a copy
         finally:
             os.close(fd)
-        self.buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self.pages = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         if pinned:  # the snapshot's device copies land here asynchronously, as in a staging slot
-            cuda_host_register(self.buffer.data_ptr(), nbytes)
+            cuda_host_register(self.pages.data_ptr(), nbytes)
         self.final: str | None = None  # the checkpoint it belongs to, by its published name
 
-    def write(self, offset: int, data: bytes) -> None:
-        """Bytes past the mapped pages (the pickled objects), written to the file."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        finally:
-            os.close(fd)
+    def submit(self, buffer, offset, segments):
+        base = buffer.data_ptr()
+        if base != self.pages.data_ptr() + offset:  # not the pages themselves: bytes for the file
+            _pwrite(self.path, offset, buffer.numpy())
+        crcs = [_native.crc32c_ptr(base + start, n) for start, n in segments]
+        return lambda: crcs
 
-    def crc(self, start: int, nbytes: int) -> int:
-        return _native.crc32c_ptr(self.buffer.data_ptr() + start, nbytes)
+    def close(self, nbytes):
+        os.truncate(self.path, max(nbytes, self.nbytes))  # objects past the pages, and never below the mapping
 
     def unmap(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-        self.buffer = None
+            torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
+        self.pages = None
 
 
-class SharedMemoryStorage(Storage):
-    """One rank's own checkpoints (world size 1) in a memory file system: mapped data files, no fsync.
+def _pwrite(path: str, offset: int, data) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    finally:
+        os.close(fd)
 
-    A published checkpoint's data stays mapped (`data_of`): a storage level writes from those pages. When
+
+class SharedMemoryStorage(PosixStorage):
+    """One rank's own checkpoints (world size 1) in a memory file system: mapped data files, no fsync; read like
+    any file system (`PosixStorage`).
+
+    A published checkpoint's pages stay mapped: a storage level writes from them (`hold`, `release`). When
     retention retires it, its file moves aside as a spare, still mapped, and the next checkpoint that fits
-    takes it over."""
+    takes it over. The memory tier's own bookkeeping (its directories, its job marker, the space left) goes
+    through here too."""
 
-    mapped = True
-    fsync = False
+    lends_pages = True
 
-    def __init__(self, pinned: bool | None = None):
+    def __init__(self, pinned: bool | None = None, **read_options):
+        super().__init__(fsync=False, direct_io="off", **read_options)
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._lock = threading.Lock()  # the engine's stage threads and its deleter share the maps
-        self._live: dict[str, MappedData] = {}  # checkpoint directory (partial or final) -> its data
-        self._spares: list[MappedData] = []
+        self._live: dict[str, MappedSink] = {}  # checkpoint directory (partial or final) -> its data
+        self._spares: list[MappedSink] = []
         self._holds: dict[str, int] = {}  # checkpoint (final name) -> saves writing from its pages
-        self._held_retired: dict[str, list[MappedData]] = {}  # retired while held: dropped at the last release
+        self._held_retired: dict[str, list[MappedSink]] = {}  # retired while held: dropped at the last release
 
     def open_data(self, partial, rank, nbytes):
-        path = os.path.join(partial, fmt.data_file(rank))
+        path = layout.join(partial, layout.data_file(rank))
         nbytes = max(align_up(nbytes), ALIGN)
         with self._lock:
             spare = next((s for s in self._spares if s.nbytes >= nbytes), None)
@@ -88,62 +98,67 @@ class SharedMemoryStorage(Storage):
             spare.path = path
             data = spare
         else:
-            data = MappedData(path, nbytes, self.pinned)
-        data.final = partial[:-len(commit.PARTIAL)]
+            data = MappedSink(path, nbytes, self.pinned)
+        data.final = partial[:-len(layout.PARTIAL)]
         with self._lock:
             self._live[partial] = data
         return data
 
-    def close_data(self, data: MappedData, nbytes: int) -> None:
-        os.truncate(data.path, max(nbytes, data.nbytes))  # objects past the pages, and never below the mapping
-
-    def data_of(self, checkpoint: str) -> MappedData | None:
+    def data_of(self, checkpoint: str) -> MappedSink | None:
         """The mapped data of a checkpoint this storage wrote and still holds."""
         with self._lock:
-            return self._live.get(os.path.normpath(checkpoint))
+            return self._live.get(layout.normalize(checkpoint))
 
-    def publish(self, partial, final, metadata, keep_last):
+    def publish(self, partial, final, index, keep_last):
         with self._lock:
             data = self._live.pop(partial, None)
             if data is not None:
                 self._live[final] = data
-                data.path = os.path.join(final, os.path.basename(data.path))
-        if metadata is not None:  # None: a received replica, whose index is in place
-            fmt.write_file(os.path.join(partial, fmt.METADATA), fmt.encode_json(metadata), fsync=False)
+                data.path = layout.join(final, layout.name(data.path))
+        if index is not None:  # None: a received replica, whose index is in place
+            write_file(layout.join(partial, layout.METADATA), index, fsync=False)
         retired = []
         if os.path.isdir(final):  # re-saving an iteration: the new one wins
             retired.append(self._retire(final))
         os.rename(partial, final)
-        root = os.path.dirname(final) or "."
-        if keep_last is not None:
-            doomed = commit.published_iterations(root)[:-keep_last]
-            retired += [self._retire(commit.checkpoint_dir(root, it)) for it in doomed]
+        root, iteration = layout.parent(final), layout.iteration_of(final)
+        if keep_last is not None and iteration is not None:
+            doomed = retention(self.published(root), keep_last, iteration)
+            retired += [self._retire(layout.checkpoint_dir(root, it)) for it in doomed]
         return retired
+
+    def part(self, final: str) -> tuple[bytes, torch.Tensor]:
+        """A published checkpoint of one rank as it travels: its index, and the bytes of its data file that the
+        index describes, mapped (read from the tier's pages, never copied here; a reused file may be longer)."""
+        index = self.read_bytes(layout.join(final, layout.METADATA))
+        size = fmt.parse_index(index, final).part(0).data_bytes
+        data = layout.join(final, layout.data_file(0))
+        return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
 
     def receive(self, final: str, index: bytes, data: torch.Tensor, keep: int) -> None:
         """Publish a checkpoint another rank sent (a replica): its data file and its index, refused unless the
         index verifies and describes that data; then keep the newest `keep` of its save root."""
-        partial = commit.partial_dir(final)
+        partial = layout.partial_dir(final)
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
         try:
-            fmt.write_file(os.path.join(partial, fmt.data_file(0)), data.numpy(), fsync=False)
-            fmt.write_file(os.path.join(partial, fmt.METADATA), index, fsync=False)
-            part = fmt.read_index(os.path.join(partial, fmt.METADATA)).part(0)
+            part = fmt.parse_index(index, final).part(0)
             if part.data_bytes != data.numel():
                 raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
                                              f"{data.numel()} came")
+            write_file(layout.join(partial, layout.data_file(0)), data.numpy(), fsync=False)
+            write_file(layout.join(partial, layout.METADATA), index, fsync=False)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         self.delete(self.publish(partial, final, None, keep), 0, 1)
 
     def _retire(self, path: str) -> str:
-        doomed = commit.retire(path)
+        doomed = retire(path)
         with self._lock:
             data = self._live.pop(path, None)
             if data is not None:
-                data.path = os.path.join(doomed, os.path.basename(data.path))
+                data.path = layout.join(doomed, layout.name(data.path))
                 self._live[doomed] = data
         return doomed
 
@@ -159,18 +174,18 @@ class SharedMemoryStorage(Storage):
             with self._lock:
                 data = self._live.pop(path, None)
             if data is not None:
-                self._spare(data, os.path.dirname(path))
+                self._spare(data, layout.parent(path))
             shutil.rmtree(path, ignore_errors=True)
 
-    def _spare(self, data: MappedData, root: str) -> None:
+    def _spare(self, data: MappedSink, root: str) -> None:
         """Keep a retired checkpoint's pages for the next one, unless a save still writes from them (then they
         go when it lets go)."""
         with self._lock:
             if self._holds.get(data.final):
                 self._held_retired.setdefault(data.final, []).append(data)
                 return
-        spares = os.path.join(root, SPARES)  # a crash leaves it to commit.clean_stale
-        spare = os.path.join(spares, str(id(data)))
+        spares = layout.join(root, SPARES)  # a crash leaves it to clean_leftovers
+        spare = layout.join(spares, str(id(data)))
         try:
             os.makedirs(spares, exist_ok=True)
             os.rename(data.path, spare)
@@ -195,7 +210,7 @@ class SharedMemoryStorage(Storage):
         for data in gone:
             self._drop(data)
 
-    def _drop(self, data: MappedData) -> None:
+    def _drop(self, data: MappedSink) -> None:
         try:
             os.unlink(data.path)
         except OSError:
@@ -214,3 +229,31 @@ class SharedMemoryStorage(Storage):
             live, self._live = list(self._live.values()), {}
         for data in live:  # the files stay: they are the tier
             data.unmap()
+        super().close()
+
+    # ----- the memory tier's own bookkeeping -----
+
+    def make_dirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def remove_empty(self, path: str) -> None:
+        """`path` goes if it is a file or an empty directory; else (another rank's files are there) it stays."""
+        try:
+            (os.rmdir if os.path.isdir(path) else os.unlink)(path)
+        except OSError:
+            pass
+
+    def replace_file(self, path: str, data: bytes) -> None:
+        """`path` replaced by `data` in one step (a reader sees the old bytes or the new)."""
+        tmp = f"{path}.tmp.{os.getpid()}"
+        write_file(tmp, data, fsync=False)
+        os.replace(tmp, path)
+
+    def free_bytes(self, path: str) -> int:
+        """The space left in the memory file system holding `path` (made if missing)."""
+        os.makedirs(path, exist_ok=True)
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize

@@ -24,9 +24,9 @@ def _loadable(path: str) -> tuple[bool, str]:
     """Whether --load points at something this trainer can load, and why not."""
     if not os.path.isdir(path):
         return False, f"--load {path!r} does not exist or is not a directory"
-    from datastates import CheckpointError, commit  # the one reader of the tracker; only when --load is given
+    from datastates import CheckpointError, tracker  # the one reader of the tracker; only when --load is given
     try:
-        latest = commit.find_latest(path)
+        latest = tracker.find_latest(path)
     except CheckpointError as e:  # an unreadable tracker
         return False, f"--load {path!r}: {e}"
     return latest.path is not None, f"--load {path!r}: {latest.why_none()}"

@@ -77,7 +77,7 @@ def _root_entry(root: str, name: str, latest: int | None, problems: Problems) ->
         e["ranks_done"] = sum(os.path.exists(os.path.join(full, manifest_file(r))) for r in ranks)
     elif is_published(full):
         try:
-            index = read_index(os.path.join(full, METADATA))
+            index = read_index(full)
             e.update(state="published", world_size=index.world_size, bytes=index.bytes,
                      created_unix=index.created_unix)
         except CheckpointError as err:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from datastates import format as fmt
+from datastates import fsync_dir, write_file
 
 from . import HFError
 
@@ -114,7 +114,7 @@ class ShardedWriter:
         weight_map = {e.name: self.files[k] for k, e in self._queue}
         total = sum(e.nbytes for _, e in self._queue)
         doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        fmt.write_file(os.path.join(self.directory, INDEX), json.dumps(doc, indent=2).encode(), True)
+        write_file(os.path.join(self.directory, INDEX), json.dumps(doc, indent=2).encode(), True)
 
     def abort(self) -> None:
         if self._file is not None:
@@ -136,7 +136,7 @@ class OutputDirectory:
         return self
 
     def write_json(self, name: str, doc: dict) -> None:
-        fmt.write_file(os.path.join(self.path, name), (json.dumps(doc, indent=2) + "\n").encode(), True)
+        write_file(os.path.join(self.path, name), (json.dumps(doc, indent=2) + "\n").encode(), True)
 
     def copy_in(self, source: str) -> None:
         target = os.path.join(self.path, os.path.basename(source))
@@ -148,6 +148,6 @@ class OutputDirectory:
         if exc_type is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             return
-        fmt.fsync_dir(self.path)
+        fsync_dir(self.path)
         os.rename(self.path, self.final)  # replaces an empty directory of that name
-        fmt.fsync_dir(os.path.dirname(self.final) or ".")
+        fsync_dir(os.path.dirname(self.final) or ".")

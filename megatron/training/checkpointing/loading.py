@@ -7,7 +7,7 @@ import logging
 import time
 
 from datastates import CheckpointError
-from datastates import commit
+from datastates import tracker
 from datastates.local_tier import LocalTier
 
 from ..optimizer_state import chain_length, load_optimizer_state
@@ -31,7 +31,7 @@ class CheckpointLoader:
         args = self.args
         if args.load is None:
             return 0, 0
-        latest = commit.find_latest(args.load)
+        latest = tracker.find_latest(args.load)
         if self.tier is not None:
             loaded = self._load_from_memory(latest.iteration if isinstance(latest.iteration, int) else None)
             if loaded is not None:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from datastates import CheckpointError
-from datastates import commit
+from datastates import layout, tracker
 from datastates.engine import SaveHandle
 from datastates.local_tier import LocalTier, check_fits, job_id, node_of
 from datastates.megatron import make_registry, save_sharded
@@ -186,7 +186,7 @@ class CheckpointManager:
                 self._finished(level, handle)
 
     def _finished(self, level: str, handle: SaveHandle) -> None:
-        iteration = commit.iteration_of(handle.path)
+        iteration = layout.iteration_of(handle.path)
         if self._newest.get(level) is handle:
             del self._newest[level]
         if handle.error is None:
@@ -200,7 +200,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait until every pending save is durable and published; log them and a cross-rank summary."""
         newest = self._newest.get(STORAGE)
-        last = commit.iteration_of(newest.path) if newest is not None else -1
+        last = layout.iteration_of(newest.path) if newest is not None else -1
         for handle in list(self._newest.values()):
             handle.join()
         self.maybe_finalize()
@@ -217,7 +217,7 @@ class CheckpointManager:
             return
         log.warning("rank %d: checkpoint of iteration %d failed, training goes on (--ckpt-on-failure warn); the "
                     "last published checkpoint is still %s: %s", self.rank, iteration,
-                    commit.read_latest(self.args.save), error)
+                    tracker.read_latest(self.args.save), error)
 
     def agree_on_failures(self, iteration: int) -> None:
         """--ckpt-on-failure stop: at a point every rank reaches (each save, the end of training) the ranks agree

@@ -21,9 +21,9 @@ import torch
 from megatron.core import parallel_state as ps
 
 from datastates import CheckpointEngine, CheckpointError
-from datastates import commit
-from datastates import format as ds_format
-from datastates.engine import DEFAULT_READ_THREADS, SaveHandle
+from datastates import layout, tracker
+from datastates.engine import SaveHandle
+from datastates.storage import DEFAULT_READ_THREADS, storage_for
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
 from ..virtual_pipeline import chunk_keys
@@ -67,10 +67,10 @@ class Saver:
         """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
         the background, else `Written` once it is durable and published. `pages`: the memory tier's save of
         the same state, to write from (given only to a saver that `writes_from_pages`)."""
-        nbytes = self.write(state, commit.checkpoint_dir(self.args.save, iteration))
+        nbytes = self.write(state, layout.checkpoint_dir(self.args.save, iteration))
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
-            commit.write_latest(self.args.save, iteration, fsync=self.args.ckpt_fsync)
+            tracker.write_latest(self.args.save, iteration, fsync=self.args.ckpt_fsync)
         return Written(nbytes)
 
     def write(self, state: dict, ckpt_dir: str) -> int:
@@ -123,11 +123,12 @@ class DatastatesSaver(Saver):
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:  # told apart without reading the index (the engine reads it once, later)
-        return os.path.isfile(os.path.join(ckpt_dir, ds_format.METADATA)) and \
-            os.path.isfile(os.path.join(ckpt_dir, ds_format.data_file(0)))
+        storage = storage_for(ckpt_dir)
+        return storage.exists(layout.join(ckpt_dir, layout.METADATA)) and \
+            storage.exists(layout.join(ckpt_dir, layout.data_file(0)))
 
     def save(self, state: dict, iteration: int, pages: SaveHandle | None = None) -> SaveHandle:
-        return save_sharded(self.engine, state, commit.checkpoint_dir(self.args.save, iteration),
+        return save_sharded(self.engine, state, layout.checkpoint_dir(self.args.save, iteration),
                             ownership=self.ownership, pages=pages)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
@@ -156,8 +157,8 @@ class TorchDistSaver(Saver):
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:
         try:
-            with open(os.path.join(ckpt_dir, ds_format.METADATA)) as f:
-                return "sharded_backend" in json.load(f)
+            return "sharded_backend" in json.loads(storage_for(ckpt_dir).read_bytes(layout.join(ckpt_dir,
+                                                                                              layout.METADATA)))
         except (OSError, ValueError):
             return False
 
@@ -206,7 +207,7 @@ class TorchSaver(Saver):
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:
-        return os.path.isdir(ckpt_dir) and any(n.startswith("mp_rank_") for n in os.listdir(ckpt_dir))
+        return any(n.startswith("mp_rank_") for n in storage_for(ckpt_dir).list(ckpt_dir))
 
     def write(self, state: dict, ckpt_dir: str) -> int:
         nbytes = state_nbytes(state)
@@ -288,7 +289,7 @@ def _clean_leftovers(save_dir: str) -> None:
     """Remove what saves killed before publication left behind; one rank, while no one saves."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
-        for path in commit.clean_stale(save_dir):
+        for path in tracker.clean_leftovers(save_dir):
             log.info("removed the leftovers of an unfinished checkpoint: %s", path)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

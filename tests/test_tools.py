@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from datastates import CheckpointEngine, commit, format as fmt
+from datastates import CheckpointEngine, layout, tracker, format as fmt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSPECT = os.path.join(REPO, "tools", "inspect_checkpoint.py")
@@ -95,7 +95,7 @@ def run_here(main, args, capsys):
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     full = full_tensors()
-    save_two_ranks(str(commit.checkpoint_dir(str(root), 7)), full)
+    save_two_ranks(str(layout.checkpoint_dir(str(root), 7)), full)
     return str(root), full
 
 
@@ -321,7 +321,7 @@ def test_torch_dist_to_datastates_loads_with_the_engine(ckpt, torch_dist_ckpt, t
                        "--output", tmp_path / "ds")
     assert rc == 0, err
     ds = tmp_path / "ds"
-    assert commit.read_latest(str(ds)) == 7
+    assert tracker.read_latest(str(ds)) == 7
     from tools.inspect_checkpoint import main
     assert main([str(ds), "--verify"]) == 0
     from datastates.megatron import load_sharded, make_registry
@@ -411,7 +411,7 @@ def test_convert_refuses_a_tensor_not_fully_saved(tmp_path, capsys):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from datastates.megatron import make_registry, save_sharded
     from tools.convert_checkpoint import main
-    path = commit.checkpoint_dir(str(tmp_path / "half"), 1)
+    path = layout.checkpoint_dir(str(tmp_path / "half"), 1)
     with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, rank=0, world_size=1,
                           registry=make_registry()) as eng:  # one rank saves the first half of a (4, 6) tensor
         save_sharded(eng, {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 6), (0, 0, 2))}, path)

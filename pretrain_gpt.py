@@ -42,7 +42,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         init_method_std=args.init_method_std, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu if args.swiglu else
-        torch.nn.functional.gelu, add_bias_linear=not args.disable_bias_linear,
+        torch.nn.functional.gelu, add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,

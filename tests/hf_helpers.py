@@ -127,19 +127,22 @@ def assert_computes_as_megatron_core(model, ref: dict) -> None:
     assert math.isclose(loss.item(), ref["losses"].mean().item(), rel_tol=1e-4)
 
 
-def assert_finetune_starts_from_transformers(source: str, ckpt: str, printed: set[str], layout: list[str]) -> None:
-    """The transformers model at `source` (vocabulary 128) imported to `ckpt` and fine-tuned on 2 ranks in `layout`:
-    the printed flags include `printed`, and the trainer's first loss is transformers' loss on that global batch."""
+def assert_finetune_starts_from_transformers(source: str, ckpt: str, printed: set[str], layout: list[str],
+                                             save: str | None = None) -> list[str]:
+    """The transformers model at `source` (vocabulary 128) imported to `ckpt` and fine-tuned on 2 ranks in `layout`
+    (its last iteration saved under `save`, if given): the printed flags include `printed`, and the trainer's first
+    loss is transformers' loss on that global batch. Returns the model and training flags of the run."""
     _, out = convert("--from", "hf", "--to", "datastates", "--input", source, "--output", ckpt,
                      "--make-vocab-size-divisible-by", "64")
     flags = finetune_flags(out)
     assert printed <= set(flags), flags
     flags += ["--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *TRAIN]
-    _, log = torchrun(2, flags + layout)
+    _, log = torchrun(2, flags + layout + (["--save", save, "--save-interval", "2"] if save else []))
     assert "for fine-tuning from iteration 0" in log, log[-3000:]
     tokens, labels = first_global_batch(flags, 2, 128)  # DP 2: one micro-batch of 2 a rank
     _, expected = hf_loss(hf_model(source), tokens, labels)
     assert math.isclose(float(losses(log)[1]), expected.item(), rel_tol=1e-5), (losses(log), expected.item())
+    return flags[3:]  # without --finetune --load CKPT
 
 
 def export_refusal(flags: list[str], shapes: dict | None = None, **changes) -> str:

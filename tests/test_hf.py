@@ -24,6 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 from hf_helpers import (TRAIN, assert_bit_equal, assert_computes_as_megatron_core, assert_import_refused,  # noqa: E402
                         assert_round_trip, convert, finetune_flags, first_global_batch, hf_loss, hf_model, hf_tensors,
                         no_leftovers, reference, run_script)
+from test_hf_qwen import tiny_qwen  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -141,10 +142,15 @@ def measured(tmp_path, *args: str, preload: str = "") -> int:
     return peak - base
 
 
-def larger_than(budget: int, directory: str) -> int:
-    """A Llama model of 6 layers, hidden 1024 (about 300 MB in fp32), built in `directory`; its bytes."""
-    tiny_llama(directory, vocab=512, hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
-               num_key_value_heads=8, num_hidden_layers=6)
+def larger_than(budget: int, directory: str, family: str) -> int:
+    """A model of about 300 MB in fp32 built in `directory` (Llama: 6 layers, hidden 1024; Qwen3-MoE: 4 layers of
+    8 experts, hidden 1024); its bytes."""
+    if family == "llama":
+        tiny_llama(directory, vocab=512, hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
+                   num_key_value_heads=8, num_hidden_layers=6)
+    else:
+        tiny_qwen(family, directory, vocab_size=512, hidden_size=1024, num_attention_heads=8, num_key_value_heads=8,
+                  head_dim=128, num_hidden_layers=4, num_experts=8, moe_intermediate_size=704)
     state = sum(t.numel() * t.element_size() for t in load_file(os.path.join(directory, "model.safetensors")).values())
     assert state > 2 * budget
     return state
@@ -157,13 +163,14 @@ PRELOAD = {"datastates": "import megatron.training.arguments, datastates.megatro
                          "from tools.hf import load_hf, import_ckpt\nfrom tools.checkpoint import torch_dist_writer"}
 
 
-@pytest.mark.parametrize("fmt", ["datastates", "torch_dist"])
-def test_import_and_export_of_a_model_larger_than_the_budget_stay_within_it(tmp_path, fmt):
-    """In: one layer of the largest tensor (fc1: 23 MB) and its pieces, beside the engine's 32 MiB staging
-    (datastates) or one chunk being written (torch_dist). Out: one layer's tensors and the shard being written."""
+@pytest.mark.parametrize("fmt, family", [("datastates", "llama"), ("torch_dist", "llama"), ("datastates", "qwen3_moe")])
+def test_import_and_export_of_a_model_larger_than_the_budget_stay_within_it(tmp_path, fmt, family):
+    """In: one layer of the largest tensor (Llama's fc1: 23 MB; one expert's fc1 and a layer's qkv for Qwen3-MoE)
+    and its pieces, beside the engine's 32 MiB staging (datastates) or one chunk being written (torch_dist). Out:
+    one unit's tensors and the shard being written."""
     source, ckpt = str(tmp_path / "source"), str(tmp_path / "ckpt")
     budget = 128 << 20
-    state = larger_than(budget, source)
+    state = larger_than(budget, source, family)
     peak_in = measured(tmp_path, "--from", "hf", "--to", fmt, "--input", source, "--output", ckpt,
                        preload=PRELOAD[fmt])
     peak_out = measured(tmp_path, "--from", fmt, "--to", "hf", "--input", ckpt, "--output", str(tmp_path / "hf"),

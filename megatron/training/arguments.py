@@ -51,6 +51,8 @@ def _add_model_args(p):
                    help="a zero-centred norm gamma (Transformer Engine's norms; not on CPU ranks)")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the query/key/value projections even with --disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)

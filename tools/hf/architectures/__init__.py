@@ -6,7 +6,7 @@ architecture of the checkpoint's kind (dense, MoE, multi-latent attention); impo
 """
 from __future__ import annotations
 
-from . import deepseek_v3, gpt2, llama, mixtral
+from . import deepseek_v3, gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
 
 REGISTERED = {module.ARCHITECTURE.model_type: module.ARCHITECTURE
-              for module in (llama, gpt2, mixtral, deepseek_v3)}
+              for module in (llama, gpt2, mixtral, deepseek_v3, qwen2, qwen3, qwen3_moe)}

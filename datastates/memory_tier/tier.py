@@ -1,0 +1,112 @@
+"""LocalTier: one rank's side of the memory tier of one job, the object the trainer holds.
+
+Its lifecycle: set-up (collective: learn every rank's node, clear a tier of another owner, remove what killed
+saves left, write the owner record), then one part per memory save at `path(iteration)`, sent to the clique by
+`replicate`; at a restart `choose`; at the end `close`, and `remove` when the job finished. Replication and the
+restart choice are delegated to `replication.Replicator` and `restart`, which get what they need from here.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..engine import CheckpointEngine
+from ..errors import CheckpointError
+from ..layout import join
+from ..storage import SharedMemoryStorage
+from . import restart
+from .identity import owner, read_owner, write_owner
+from .notices import notice
+from .paths import NodePaths
+from .replication import Replicator, join_clique
+from .topology import gather_nodes, node_of
+
+
+class LocalTier:
+    """One rank's side of the memory tier of one job; it keeps this rank's newest `keep` parts."""
+
+    def __init__(self, base_dir: str, job: str, rank: int, world_size: int, layout: list, *, keep: int = 2,
+                 replication_factor: int = 1, replication_jump: int | None = None, timeout_s: float = 600.0,
+                 **engine_kwargs):
+        """Collective when the default group is initialised (every rank builds its tier at the same point).
+        `layout` describes how the state is split (e.g. TP, PP, DP sizes): a tier of another layout is
+        cleared, never loaded."""
+        self.rank, self.world_size, self.keep, self.job = rank, world_size, keep, job
+        self.node, per_node = node_of(rank, world_size)
+        self.paths = NodePaths(join(base_dir, job), self.node)
+        self.storage = SharedMemoryStorage()
+        self._owner = owner(job, world_size, layout)
+        self._nodes = gather_nodes(world_size, self.node)
+        self._set_up(distributed=dist.is_available() and dist.is_initialized())
+        self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, **engine_kwargs)
+        clique, group = [rank], None
+        if replication_factor > 1:
+            clique, group = join_clique(rank, world_size, replication_factor, replication_jump or per_node,
+                                        timeout_s, self._nodes)
+        self._replicator = Replicator(self.storage, self.paths, self._nodes, rank, clique, group, keep)
+        self.errors = self._replicator.errors  # replications that failed (each also logged as a warning)
+
+    def _set_up(self, distributed: bool) -> None:
+        """The node's first rank clears a tier of another owner and what killed saves left; the owner record is
+        (re)written; every rank's own directory exists after."""
+        stale = read_owner(self.storage, self.paths.job_file) not in (None, self._owner)
+        if distributed:
+            dist.barrier()  # every rank has read the owner record before any rank rewrites it
+        node_dir = self.paths.node_dir
+        if self.rank == min(r for r in range(self.world_size) if self._nodes[r] == self.node):
+            if stale:
+                notice(f"memory tier {node_dir} holds checkpoints of another layout: cleared")
+                self.storage.remove_tree(node_dir)
+            for name in self.storage.list(node_dir):
+                self.storage.clean_leftovers(join(node_dir, name))
+        if stale or not self.storage.exists(self.paths.job_file):
+            self.storage.make_dirs(self.paths.root)
+            write_owner(self.storage, self.paths.job_file, self._owner)
+        if distributed:
+            dist.barrier()  # cleared before any rank writes again
+        self.storage.make_dirs(self.paths.rank_dir(self.rank))
+
+    def node_of_rank(self, rank: int) -> int:
+        return self._nodes[rank]
+
+    def path(self, iteration: int) -> str:
+        """Where this rank saves its part of `iteration` (give it to `self.engine.save`, then `replicate`)."""
+        return self.paths.part(self.rank, iteration)
+
+    def replicate(self, iteration: int, handle) -> None:
+        """Send this rank's part of `iteration` to its clique once the save is published (background)."""
+        self._replicator.submit(iteration, handle)
+
+    def drain(self) -> None:
+        """Wait until every queued replication is done."""
+        self._replicator.drain()
+
+    def held(self) -> dict[int, list[int]]:
+        """rank -> the published iterations of its parts this node holds for this job (what `choose` offers)."""
+        return restart.held_parts(self.storage, self.paths, self._owner)
+
+    def choose(self, newer_than: int | None) -> str | None:
+        """Collective over the default group: the directory of this rank's part of the newest memory checkpoint
+        that every rank can load and verify and that is newer than storage's `newer_than`; None when storage is
+        the one to load (told in a notice when the tier had something)."""
+        return restart.choose(storage=self.storage, paths=self.paths, nodes=self._nodes, rank=self.rank,
+                              keep=self.keep, engine=self.engine, held=self.held(), newer_than=newer_than)
+
+    def close(self) -> None:
+        """Finish the queued replications and stop."""
+        self.drain()
+        self.engine.close()
+
+    def remove(self) -> None:
+        """The job finished: delete this node's tier (after every rank of the node closed its tier)."""
+        self.storage.remove_tree(self.paths.node_dir)
+        for path in (self.paths.job_file, self.paths.root):  # unless another node's directory is there
+            self.storage.remove_empty(path)
+
+
+def check_fits(base_dir: str, need_bytes: int) -> None:
+    """Fail before any work when the tier cannot fit in the memory file system it lives on."""
+    free = SharedMemoryStorage().free_bytes(base_dir)
+    if need_bytes > free:
+        raise CheckpointError(f"the memory tier needs about {need_bytes / 2**30:.2f} GiB in {base_dir!r} but only "
+                              f"{free / 2**30:.2f} GiB are free there: lower --replication-factor, or point "
+                              f"--non-persistent-local-ckpt-dir at a larger memory file system")

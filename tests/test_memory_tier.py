@@ -14,7 +14,7 @@ import torch
 
 from datastates import read_index, tracker
 from datastates.errors import CheckpointError
-from datastates.local_tier import LocalTier, check_fits, cliques
+from datastates.memory_tier import LocalTier, check_fits, cliques
 from megatron_helpers import TINY, losses, torchrun
 
 FLAGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "10"]
@@ -103,14 +103,14 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
     first.engine.save({"w": torch.ones(10)}, first.path(3)).wait()
     first.close()
     other = _tier(tmp_path, "job-b")
-    assert other._inventory() == {}
+    assert other.held() == {}
     other.close()
     assert tracker.is_published(first.path(3))
     again = _tier(tmp_path, "job-a")
-    assert again._inventory() == {0: [3]}
+    assert again.held() == {0: [3]}
     again.close()
     relaid = _tier(tmp_path, "job-a", layout=(2, 1, 1))  # a restart in another layout cannot use these parts
-    assert relaid._inventory() == {} and not os.path.exists(first.path(3))
+    assert relaid.held() == {} and not os.path.exists(first.path(3))
     relaid.close()
     relaid.remove()
     assert sorted(os.listdir(tmp_path)) == ["job-b"]
@@ -132,7 +132,7 @@ def real_nodes(monkeypatch):
 
 
 def test_node_detection_from_torchrun_and_slurm(real_nodes):
-    from datastates.local_tier import node_of
+    from datastates.memory_tier import node_of
     assert node_of(5, 8) == (0, 8)  # nothing set: one node of every rank
     real_nodes.setenv("LOCAL_WORLD_SIZE", "4")
     assert node_of(5, 8) == (1, 4)  # no node id given: consecutive groups of LOCAL_WORLD_SIZE ranks
@@ -165,7 +165,7 @@ def _tier_rank(rank, base, store, env, jump, lost_node, results):
         warned = []
         handler = logging.Handler(logging.WARNING)
         handler.emit = lambda record: warned.append(record.getMessage())
-        logging.getLogger("datastates.local_tier").addHandler(handler)
+        logging.getLogger("datastates.memory_tier").addHandler(handler)
         for name in ("DATASTATES_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_NODEID"):
             os.environ.pop(name, None)
         os.environ.update({k: v.format(rank=rank, half=rank // 2) for k, v in env.items()})

@@ -8,7 +8,7 @@ import time
 
 from datastates import CheckpointError
 from datastates import tracker
-from datastates.local_tier import LocalTier
+from datastates.memory_tier import LocalTier
 
 from ..optimizer_state import chain_length, load_optimizer_state
 from ..virtual_pipeline import chunks_sharded_state_dict, load_chunks

@@ -1,6 +1,6 @@
-"""Shared by the Hugging Face tests (test_hf.py, test_hf_moe.py, test_hf_deepseek.py): run the converter and
-tests/hf_reference.py, load what they write with transformers, compare tensors bit for bit, and the trainer's
-first global batch."""
+"""Shared by the Hugging Face tests (test_hf.py, test_hf_moe.py, test_hf_deepseek.py, test_hf_qwen.py): run the
+converter and tests/hf_reference.py, load what they write with transformers, compare tensors bit for bit, and the
+trainer's first global batch."""
 from __future__ import annotations
 
 import json

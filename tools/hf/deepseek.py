@@ -179,8 +179,8 @@ def _rope_from_config(config: dict, where: str) -> dict:
     rope.setdefault("rope_theta", config.get("rope_theta", ROPE_BASE))
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if float(rope["rope_theta"]) != ROPE_BASE:
-        raise HFError(f"{where}: rope_theta {rope['rope_theta']!r}: pretrain_gpt.py has no --rotary-base "
-                      f"(megatron-core's default {ROPE_BASE:g})")
+        raise HFError(f"{where}: rope_theta {rope['rope_theta']!r}: the DeepseekV3 import keeps megatron-core's "
+                      f"default rotary base {ROPE_BASE:g} (it prints no --rotary-base)")
     if kind == "default":
         return {"rope_type": "default", "rope_theta": ROPE_BASE}
     if kind != "yarn":

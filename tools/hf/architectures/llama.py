@@ -7,7 +7,7 @@ is permuted; its rotary base is --rotary-base (rope_theta). RoPE scaling has no 
 from __future__ import annotations
 
 from .. import HFError, saved_flag
-from ..geometry import Geometry, differences, require, rope_base, stacked_geometry
+from ..geometry import ROPE_BASE, Geometry, differences, require, rope_base, stacked_geometry
 from ..mapping import Rule, qkv, swiglu_rules
 from .base import Architecture
 
@@ -27,7 +27,7 @@ def rope_base_from_config(config: dict, where: str) -> float:
     if kind != "default":
         raise HFError(f"{where}: rope_type {kind!r}: pretrain_gpt.py has megatron-core's unscaled RoPE only (no "
                       f"flag for RoPE scaling)")
-    theta = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    theta = float(params.get("rope_theta") or config.get("rope_theta") or ROPE_BASE)
     if theta != int(theta):
         raise HFError(f"{where}: rope_theta {theta!r}: pretrain_gpt.py's --rotary-base is an integer")
     return theta
@@ -89,7 +89,7 @@ class LlamaFamily(Architecture):
     def flags(self, geo: Geometry) -> list:
         flags = ["--kv-channels", geo.head_dim] if geo.head_dim * geo.heads != geo.hidden else []
         flags += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]
-        if geo.rope_base != 10000.0:
+        if geo.rope_base != ROPE_BASE:
             flags += ["--rotary-base", int(geo.rope_base)]
         if geo.qkv_bias:
             flags.append("--add-qkv-bias")

@@ -71,7 +71,7 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
                 last_rss = now
             time.sleep(0.005)
 
-    stats: list[dict] = []
+    stats: list = []
     blocking: list[float] = []
     errors: list[BaseException] = []
     eng = CheckpointEngine(host_buffer_bytes=budget, writer_threads=writer_threads, fsync=fsync, keep_last=keep_last)
@@ -113,7 +113,7 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
         elapsed_s=elapsed,
         saved_bytes=res["state_bytes"] * iters,
         throughput_gbps=res["state_bytes"] * iters / elapsed / 1e9,
-        peak_staging_bytes=max((s.get("peak_staging_bytes", 0) for s in stats), default=0),
+        peak_staging_bytes=max((s.peak_staging_bytes for s in stats), default=0),
         allocated_bytes=eng.pool.allocated_bytes,
         rss_base_bytes=rss["base"], rss_peak_bytes=rss["peak"], rss_growth_bytes=max(0, rss["peak"] - rss["base"]),
         blocking_mean_s=sum(blocking) / max(1, len(blocking)), blocking_max_s=max(blocking, default=0.0),

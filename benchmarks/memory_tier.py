@@ -150,7 +150,7 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
                 stats = eng.save(state, layout.checkpoint_dir(root, it)).wait()
                 eng._deleter.submit(lambda: None).result()  # retention's deletions belong to this save's cost
                 if it > 3:
-                    res[name].append((time.process_time() - cpu0, stats["snapshot_s"], stats["durable_s"]))
+                    res[name].append((time.process_time() - cpu0, stats.snapshot_s, stats.durable_s))
             eng.close()
             shutil.rmtree(root, ignore_errors=True)
     out = {k: {m: statistics.median(r[i] for r in v) for i, m in enumerate(("cpu_s", "snapshot_s", "durable_s"))}

@@ -6,7 +6,7 @@ publishes) and rank 1 (an ordinary rank). The other W-2 ranks are lightweight: e
 its manifest with the engine's own format code and reports through the engine's own `Coordinator`, as a real
 rank does once its data is durable. For each W this reports:
 
-    publish_s        rank 0, from the last report to `latest` naming the checkpoint (stats["publish_s"])
+    publish_s        rank 0, from the last report to `latest` naming the checkpoint (SaveStats.publish_s)
     load_s           rank 1 loading its shard of the W-rank checkpoint (reads the index, then one data file)
     report_s         a lightweight rank's report, mean (O(1) store messages)
     syscalls_save    file-metadata syscalls (path-taking calls, fsync, getdents) of rank 1 for one checkpoint
@@ -99,7 +99,7 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
             eng.save({"w": ("row", rank, _row(rank))}, layout.checkpoint_dir(root, it))
             stats = eng.wait()[0]
             _mark(f"save{it}-end")
-        out.update(publish_s=stats.get("publish_s"), durable_s=stats["durable_s"])
+        out.update(publish_s=stats.publish_s, durable_s=stats.durable_s)
         if rank == 1:
             template = torch.zeros(1, ROW)
             _mark("load-begin")
@@ -115,6 +115,7 @@ def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, 
     """Lightweight ranks: the real file layout and the real Coordinator, without an engine's threads."""
     from datastates import _native, layout, write_file, format as fmt
     from datastates.coordination import Coordinator
+    from datastates.schema import Item, Kind, Manifest, Scope
     store = _store(port)
     coords = {r: Coordinator(store, r, world) for r in ranks}
     times = []
@@ -128,12 +129,9 @@ def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, 
             with open(os.path.join(partial, layout.data_file(r)), "wb") as f:
                 f.write(data)
                 os.fsync(f.fileno())
-            item = {"id": f"w@{r}", "kind": "tensor", "scope": "global", "name": "w", "dtype": "float32",
-                    "shape": [1, ROW], "global_shape": [world, ROW], "global_offset": [r, 0], "write": True,
-                    "offset": 0, "nbytes": len(data), "chunk_bytes": len(data), "crcs": [_native.crc32c(data)]}
-            body = {"rank": r, "world_size": world, "data_file": layout.data_file(r), "data_bytes": len(data),
-                    "direct_io": False, "items": [item]}
-            manifest = fmt.signed_manifest(body)
+            item = Item(f"w@{r}", Kind.TENSOR, Scope.GLOBAL, "w", "float32", (1, ROW), (world, ROW), (r, 0),
+                        offset=0, nbytes=len(data), chunk_bytes=len(data), crcs=[_native.crc32c(data)])
+            manifest = fmt.signed_manifest(Manifest.written(r, world, len(data), False, [item]))
             write_file(os.path.join(partial, layout.manifest_file(r)), fmt.encode_json(manifest), fsync=True)
             coords[r].report(it, manifest, None)
             times.append(time.perf_counter() - t0)

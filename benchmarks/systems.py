@@ -258,8 +258,8 @@ class _EngineBase(System):
         self.handle = None
 
     def _stats(self):
-        st = getattr(self.handle, "stats", None) or {}
-        return {f"engine_{k}": v for k, v in dict(st).items() if isinstance(v, (int, float))}
+        st = self.handle.stats.as_dict() if self.handle is not None else {}
+        return {f"engine_{k}": v for k, v in st.items() if isinstance(v, (int, float))}
 
     def load(self, state, path):
         out = self.eng.load(path, template=state)

@@ -307,9 +307,9 @@ def _memory(rank, world, cfg):
                 t.add_(1e-7)
             s.wait()
             common.fsync_tree(path)
-            extra = getattr(getattr(s, "handle", None), "stats", None)
-            if extra and "peak_staging_bytes" in extra:
-                res["engine_peak_staging_bytes"] = extra["peak_staging_bytes"]
+            handle = getattr(s, "handle", None)
+            if handle is not None:
+                res["engine_peak_staging_bytes"] = handle.stats.peak_staging_bytes
             _rm(path)
         s.teardown()
     except Exception as e:

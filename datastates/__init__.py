@@ -7,7 +7,8 @@ tests/test_import_contract.py holds the tools to it).
 """
 from . import _native  # noqa: F401  (the native writer is required, never optional)
 from .audit import RANK_FILE_RE, Audit, NotACheckpointError, audit_checkpoint, box_str
-from .engine import CheckpointEngine, SaveHandle
+from .engine import CheckpointEngine
+from .pipeline import SaveHandle, SaveStats
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
 from .layout import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, iteration_of, manifest_file,
                      partial_dir)
@@ -15,14 +16,15 @@ from .problems import Problem, Problems
 from .providers import ProviderRegistry, StateProvider, register_provider
 from .restore import CheckpointReader
 from .schema import Box, dtype_from_name
-from .snapshot import built_on_copy
+from .copies import built_on_copy
 from .storage import read_index, read_json
 from .storage.posix import fsync_dir, write_file
 from .tracker import Latest, find_latest, is_published, write_latest
 
 __all__ = [
     # saving and loading
-    "CheckpointEngine", "SaveHandle", "ProviderRegistry", "StateProvider", "register_provider", "built_on_copy",
+    "CheckpointEngine", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider", "register_provider",
+    "built_on_copy",
     # reading and checking one checkpoint
     "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",
     # errors

@@ -18,7 +18,7 @@ from . import layout
 from .errors import CheckpointError
 from .problems import Problems
 from .restore import CheckpointReader
-from .schema import Box, Index, Manifest, volume
+from .schema import Box, Index, Kind, Manifest, Scope, volume
 from .storage import Storage, storage_for
 
 RANK_FILE_RE = layout.RANK_FILE_RE
@@ -179,7 +179,7 @@ class Audit:
         out: dict[str, dict] = {}
         for r, info in sorted(self.ranks.items()):
             for it in info["items"]:
-                if it.kind != "tensor" or it.scope != "global":
+                if it.kind != Kind.TENSOR or it.scope != Scope.GLOBAL:
                     continue
                 gshape = tuple(it.global_shape or ())
                 t = out.setdefault(it.name, {"dtype": it.dtype, "global_shape": gshape, "shards": []})
@@ -229,9 +229,9 @@ class Audit:
         local: list = []
         for r, info in sorted(self.ranks.items()):
             for it in info["items"]:
-                if it.kind != "object":
+                if it.kind != Kind.OBJECT:
                     continue
-                if it.scope == "global":
+                if it.scope == Scope.GLOBAL:
                     glob.setdefault(it.name, []).append({"rank": r, "write": it.write, "nbytes": it.nbytes})
                 elif it.id != fmt.SKELETON_ID:
                     local.append({"rank": r, "id": it.id, "nbytes": it.nbytes})
@@ -244,7 +244,7 @@ class Audit:
     def local_tensors(self) -> list:
         return [{"rank": r, "id": it.id, "dtype": it.dtype, "shape": tuple(it.shape), "nbytes": it.nbytes}
                 for r, info in sorted(self.ranks.items()) for it in info["items"]
-                if it.kind == "tensor" and it.scope == "local"]
+                if it.kind == Kind.TENSOR and it.scope == Scope.LOCAL]
 
     def _mpath(self, r: int) -> str:
         return layout.join(self.path, layout.manifest_file(r))

@@ -1,8 +1,8 @@
 """CheckpointEngine: the one stateful object of a checkpointing run.
 
 `save()` runs on the training thread: it flattens the state, binds it to a cached plan, starts pickling the
-objects and queues the save for the stage threads (`stages`), which copy, write and publish it through the
-engine's storage (`storage`: a POSIX file system, or the node-local memory tier's shared memory).
+objects and hands the save to its pipeline (`pipeline`), whose stage threads copy, write and publish it through
+the engine's storage (`storage`: a POSIX file system, or the node-local memory tier's shared memory).
 
 `wait_for_snapshot()` is the fence the training loop calls before it mutates saved state; `wait()` waits until
 everything is durable and published and `latest` names it. If a stage thread dies, every pending save fails
@@ -11,30 +11,28 @@ with the cause, the fence opens, and later saves fail at once: nothing waits for
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from . import format as fmt
 from . import layout
-from .coordination import Coordinator, default_store
+from .coordination import default_store
 from .errors import CheckpointError
 from .plan import Entry, Plan
-from .schema import Item
+from .schema import Item, Kind
 from .providers import ProviderRegistry, default_registry
 from .restore import CheckpointReader, resolve_checkpoint
-from .snapshot import CopyBackend, make_backend
-from .stages import STOP, Job, Pages, SaveHandle, SaveStages, _logged
-from .staging import StagingPool
+from .copies import CopyBackend, make_backend
+from .pipeline import HeldSnapshot, SaveHandle, SavePipeline, SaveStats
+from .slots import StagingPool
 from .storage import DEFAULT_READ_THREADS, PosixStorage, Storage
 
 log = logging.getLogger(__name__)
 
-class CheckpointEngine(SaveStages):
+
+class CheckpointEngine:
     """Lazy asynchronous checkpoints to a parallel file system (or the memory tier), bounded host memory,
     native writers."""
 
@@ -45,7 +43,7 @@ class CheckpointEngine(SaveStages):
                  copy_backend: CopyBackend | None = None, store: torch.distributed.Store | None = None,
                  read_mode: str = "stream", read_threads: int = DEFAULT_READ_THREADS, storage: Storage | None = None):
         """`store` (a torch.distributed Store shared by the ranks) carries the agreement on each save; by
-        default the default process group's. `copy_backend` replaces the device backend (see `snapshot`).
+        default the default process group's. `copy_backend` replaces the device backend (see `copies`).
         `storage` is where checkpoints are saved and loaded: by default a POSIX file system (`PosixStorage`),
         fsynced and with O_DIRECT as `fsync` and `direct_io` say, writing on `writer_threads` and reading as
         `read_mode` says on `read_threads` native threads."""
@@ -57,71 +55,42 @@ class CheckpointEngine(SaveStages):
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         direct_io = {True: "on", False: "off", "auto": "auto", "on": "on", "off": "off"}[direct_io]
         self.storage = storage or PosixStorage(fsync, direct_io, writer_threads, read_threads, read_mode)
-        self.keep_last = keep_last
-        self.publish_timeout_s = publish_timeout_s
         self.registry = registry or default_registry
         if store is None and self.world_size > 1 and initialized:
             store = default_store()
-        self._store = store
-        self.coordinator: Coordinator | None = None  # made at the first save: an engine that only loads needs none
         self.backend = copy_backend or make_backend(copy_threads)
         self.pool = StagingPool(host_buffer_bytes, writer_threads, pinned=torch.cuda.is_available())
+        self.pipeline = SavePipeline(self.rank, self.world_size, self.storage, self.pool, self.backend, store,
+                                     keep_last, publish_timeout_s)
         self._copy_threads = copy_threads
         self._load_backend: CopyBackend | None = None  # a load's copies out of the slots, apart from the saves'
         self._reader: tuple[tuple | None, CheckpointReader] | None = None
         self._plans: dict[tuple, Plan] = {}
-        self._seq = 0
-        self._jobs: dict[SaveHandle, Job] = {}  # saves not finished yet, for failing them if a stage dies
-        self._jobs_lock = threading.Lock()
-        self._broken: CheckpointError | None = None
-        self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete")  # retention, off the save path
         self._pending: list[SaveHandle] = []
-        self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
-        self._start_stages()
         self._closed = False
 
     # ----- the training-thread API -----
 
-    def save(self, state: Any, path: str, pages: SaveHandle | None = None) -> SaveHandle:
+    def save(self, state: Any, path: str, from_save: SaveHandle | None = None) -> SaveHandle:
         """Start saving `state` to the checkpoint directory `path`; returns before anything is copied.
 
-        `pages`: a save of the same state by an engine on mapped storage (the memory tier), just started. This
-        save then copies nothing: it writes its tensors from that save's pages once their snapshot is done."""
+        `from_save`: a save of the same state by an engine on storage that lends its pages (the memory tier),
+        just started. This save then copies nothing: it writes its tensors from that save's pages once their
+        snapshot is done."""
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointEngine")
-        if self._broken is not None:
-            raise CheckpointError(f"cannot save {path!r}: {self._broken}")
+        self.pipeline.check_usable(path)
         t0 = time.perf_counter()
-        if self.coordinator is None:
-            self.coordinator = Coordinator(self._store, self.rank, self.world_size)
         skeleton, entries = self.registry.flatten(state)
         for e in entries:
-            if e.item.kind == "tensor" and e.item.write:
+            if e.item.kind == Kind.TENSOR and e.item.write:
                 self.backend.check(e.source, f"saving {path!r}: item {e.item.id!r}")
-        entries.append(Entry(Item(id=fmt.SKELETON_ID, kind="object"), skeleton))
+        entries.append(Entry(Item(id=fmt.SKELETON_ID, kind=Kind.OBJECT), skeleton))
         plan = self._plan_for([e.item for e in entries])
         handle = SaveHandle(layout.normalize(path))
-        self._seq += 1
-        job = Job(self._seq, handle, entries, plan, [], self.backend.begin(), t0, _pages_of(pages))
-        try:
-            job.partial = self.storage.prepare(handle.path)
-        except OSError as e:
-            if job.pages is not None:
-                job.pages.release()
-            raise CheckpointError(f"cannot create checkpoint directory {e.filename!r}: {e.strerror}") from e
-        handle._pages = (self.storage, job) if self.storage.lends_pages else None
-        job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
-                       for e in entries if e.item.kind == "object" and e.item.write]
-        with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
-            if self._broken is not None:
-                if job.pages is not None:
-                    job.pages.release()
-                raise CheckpointError(f"cannot save {path!r}: {self._broken}")
-            self._jobs[handle] = job
+        self.pipeline.submit(handle, entries, plan, t0, HeldSnapshot.of(from_save))
         self._pending.append(handle)
-        self._queues["copy"].put(job)
-        handle.stats["blocking_s"] += time.perf_counter() - t0
+        handle.stats.blocking_s += time.perf_counter() - t0
         return handle
 
     def wait_for_snapshot(self) -> None:
@@ -129,11 +98,11 @@ class CheckpointEngine(SaveStages):
         t0 = time.perf_counter()
         waiting = [h for h in self._pending if not h.snapshot_done]
         for h in waiting:
-            h._snapshot_done.wait()
+            h.wait_for_snapshot()
         if waiting:
-            waiting[-1].stats["blocking_s"] += time.perf_counter() - t0
+            waiting[-1].stats.blocking_s += time.perf_counter() - t0
 
-    def wait(self) -> list[dict]:
+    def wait(self) -> list[SaveStats]:
         """Block until every pending save is durable and published; raise the first failure not yet raised by
         its handle's `wait()` (so `close()`, and leaving a `with` block, never repeat an error already seen)."""
         handles, self._pending = self._pending, []
@@ -186,13 +155,7 @@ class CheckpointEngine(SaveStages):
             self.wait()
         finally:
             self._closed = True
-            for q in (self._queues.values() if self._broken else [self._queues["copy"]]):
-                q.put(STOP)  # a dead stage cannot pass the stop on
-            for t in self._threads:
-                t.join()
-            self._pickler.shutdown()
-            self._deleter.submit(_logged, self.storage.sweep)
-            self._deleter.shutdown()
+            self.pipeline.close()
             if self._reader is not None:
                 self._reader[1].close()
             self.storage.close()
@@ -225,12 +188,3 @@ class CheckpointEngine(SaveStages):
         cached.apply(items)
         return cached
 
-
-def _pages_of(handle: SaveHandle | None) -> Pages | None:
-    """The snapshot a save writes from: `handle`'s, held until that save finishes."""
-    if handle is None:
-        return None
-    if handle._pages is None:
-        raise CheckpointError(f"save(pages=...) needs a save to mapped storage (the memory tier); "
-                              f"{handle.path!r} is not one")
-    return Pages(*handle._pages)

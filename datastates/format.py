@@ -44,19 +44,18 @@ def encode_json(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
-def signed_manifest(body: dict) -> dict:
-    """A rank's manifest as written: `body` with the schema and a checksum of itself."""
-    body = dict(body, schema_version=SCHEMA_VERSION, format=FORMAT_NAME)
+def signed_manifest(manifest: Manifest) -> dict:
+    """A rank's manifest as written: its record with the schema and a checksum of itself."""
+    body = dict(manifest.to_json(), schema_version=SCHEMA_VERSION, format=FORMAT_NAME)
     return dict(body, manifest_crc32c=_body_crc(body))
 
 
-def index_metadata(manifests: dict[int, dict], iteration: int | None, world_size: int) -> dict:
-    """metadata.json: the global index of every rank's items (schema 2), with a checksum of itself."""
+def index_metadata(manifests: dict[int, Manifest], iteration: int | None, world_size: int) -> dict:
+    """metadata.json: the global index of every rank's part (schema 2), with a checksum of itself."""
     body = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "iteration": iteration,
-            "world_size": world_size, "bytes": sum(m["data_bytes"] for m in manifests.values()),
-            "manifests": {str(r): m["manifest_crc32c"] for r, m in manifests.items()},
-            "ranks": {str(r): {"data_file": m["data_file"], "data_bytes": m["data_bytes"], "items": m["items"]}
-                      for r, m in manifests.items()},
+            "world_size": world_size, "bytes": sum(m.data_bytes for m in manifests.values()),
+            "manifests": {str(r): m.crc32c for r, m in manifests.items()},
+            "ranks": {str(r): RankPart.to_json(m) for r, m in manifests.items()},
             "created_unix": time.time()}
     return dict(body, metadata_crc32c=_body_crc(body))
 

@@ -26,6 +26,7 @@ import torch
 
 from .names import (COMMON_PREFIX, FLAT_SUFFIX, common_name, common_path, flat_name, is_flat, parse_shard_name,
                     shard_name)
+from .schema import Kind, Scope
 from .providers import (ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider,
                         TensorProvider)
 
@@ -173,7 +174,7 @@ class MegatronProvider(StateProvider):
 
     def flatten(self, value, path, ctx):
         if isinstance(value, Common):
-            return ctx.add_object(common_name(path), value.value, scope="global", name=common_name(path),
+            return ctx.add_object(common_name(path), value.value, scope=Scope.GLOBAL, name=common_name(path),
                                   write=self.self_contained or _global_rank() == 0)
         if isinstance(value, (ShardedTensorFactory, LocalNonpersistentObject)):
             raise TypeError(f"{type(value).__name__} at {path!r}: call datastates.megatron.prepare_for_save / "
@@ -182,7 +183,7 @@ class MegatronProvider(StateProvider):
         write = self.self_contained or self.ownership.writes(ident, value.replica_id)
         key = _item_key(ident)
         if isinstance(value, ShardedObject):
-            return ctx.add_object(key, value.data, scope="global", name=key, write=write)
+            return ctx.add_object(key, value.data, scope=Scope.GLOBAL, name=key, write=write)
         data = value.data
         if data is None:
             raise ValueError(f"ShardedTensor {value.key!r} at {path!r} has no data")
@@ -191,13 +192,13 @@ class MegatronProvider(StateProvider):
             # A flattened range of the local shard (distributed optimizer): a 1-D logical tensor per local shard,
             # so DP resharding of the ranges works and TP/PP boxes stay apart.
             name = flat_name(value.key, value.global_offset)
-            return ctx.add_tensor(key, data.reshape(-1), scope="global", name=name,
+            return ctx.add_tensor(key, data.reshape(-1), scope=Scope.GLOBAL, name=name,
                                   global_shape=(math.prod(value.local_shape),), global_offset=(fr[0],),
                                   write=write)
         box = (1,) * value.prepend_axis_num + tuple(value.local_shape)
         if tuple(data.shape) != box:
             data = data.view(box) if data.is_contiguous() else data.reshape(box)
-        return ctx.add_tensor(key, data, scope="global", name=value.key,
+        return ctx.add_tensor(key, data, scope=Scope.GLOBAL, name=value.key,
                               global_shape=tuple(int(x) for x in value.global_shape),
                               global_offset=tuple(int(x) for x in value.global_offset), write=write)
 
@@ -282,18 +283,18 @@ def finalize_load(template: dict, loaded: dict, nonpersistent: dict, factories: 
 
 
 def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optional[ReplicaOwnership] = None,
-                 pages=None):
+                 from_save=None):
     """Save a megatron-core sharded state dict (plus plain objects/tensors) with `engine`; returns the handle.
 
     `ownership` is the ReplicaOwnership of the MegatronProvider in the engine's registry (found on the engine
-    when not given). Collective on first use and whenever the structure changes; otherwise local. `pages`: the
-    memory tier's save of the same state, whose pages this save writes from (`CheckpointEngine.save`).
+    when not given). Collective on first use and whenever the structure changes; otherwise local. `from_save`:
+    the memory tier's save of the same state, whose pages this save writes from (`CheckpointEngine.save`).
     """
     sd = prepare_for_save(sharded_state_dict)
     provider = _provider(engine.registry)
     if not provider.self_contained:
         (ownership or provider.ownership).compute(_sharded_leaves(sd))
-    return engine.save(sd, path, pages=pages)
+    return engine.save(sd, path, from_save=from_save)
 
 
 def _fit_saved_shapes(sharded_state_dict: dict, saved_shapes) -> dict:
@@ -340,7 +341,7 @@ def _saved_global_shapes(engine, path: str):
 
     def shape_of(key):
         shards = index.get(key)
-        return None if not shards or shards[0].kind != "tensor" else shards[0].global_shape
+        return None if not shards or shards[0].kind != Kind.TENSOR else shards[0].global_shape
     return shape_of
 
 

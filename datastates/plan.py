@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .schema import Item
+from .schema import Item, Kind
 
 ALIGN = 4096
 
@@ -36,7 +36,7 @@ class Plan:
         self.layout = []
         offset = 0
         for it in items:
-            if it.kind == "tensor" and it.write:
+            if it.kind == Kind.TENSOR and it.write:
                 self.layout.append((offset, chunk_bytes if it.nbytes > chunk_bytes else it.nbytes))
                 offset += align_up(it.nbytes)
             else:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .plan import Entry
-from .schema import Item, dtype_name
+from .schema import Item, Kind, Scope, dtype_name
 
 
 class ItemRef:
@@ -53,27 +53,27 @@ class FlattenContext:
         self._ids.add(key)
         return key
 
-    def add_tensor(self, key: str, tensor: torch.Tensor, *, scope: str = "local", name: str | None = None,
+    def add_tensor(self, key: str, tensor: torch.Tensor, *, scope: Scope = Scope.LOCAL, name: str | None = None,
                    global_shape: tuple | None = None, global_offset: tuple | None = None,
                    write: bool = True) -> ItemRef:
         """Add a tensor leaf. The same tensor object reached twice (tied weights) is stored once."""
         if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
             raise TypeError(f"cannot checkpoint {tensor.layout} tensor at {key!r}: only dense tensors are supported")
         original = tensor
-        if scope == "local" and id(original) in self._seen_tensors:
+        if scope == Scope.LOCAL and id(original) in self._seen_tensors:
             return self._seen_tensors[id(original)][1]
-        item = Item(id=self._unique(key), kind="tensor", scope=scope, name=name, dtype=dtype_name(tensor.dtype),
+        item = Item(id=self._unique(key), kind=Kind.TENSOR, scope=scope, name=name, dtype=dtype_name(tensor.dtype),
                     shape=tuple(tensor.shape), global_shape=global_shape, global_offset=global_offset,
                     write=write, nbytes=tensor.numel() * tensor.element_size())
         self.entries.append(Entry(item, tensor))
         ref = ItemRef(item.id)
-        if scope == "local":  # keep `original` alive so its id cannot be reused during the walk
+        if scope == Scope.LOCAL:  # keep `original` alive so its id cannot be reused during the walk
             self._seen_tensors[id(original)] = (original, ref)
         return ref
 
-    def add_object(self, key: str, obj: Any, *, scope: str = "local", name: str | None = None,
+    def add_object(self, key: str, obj: Any, *, scope: Scope = Scope.LOCAL, name: str | None = None,
                    write: bool = True) -> ItemRef:
-        item = Item(id=self._unique(key), kind="object", scope=scope, name=name, write=write)
+        item = Item(id=self._unique(key), kind=Kind.OBJECT, scope=scope, name=name, write=write)
         self.entries.append(Entry(item, obj))
         return ItemRef(item.id)
 

@@ -17,7 +17,7 @@ from .errors import CheckpointCorruptError
 from .plan import ALIGN
 from .problems import Problems
 from .schema import Item
-from .staging import Slot
+from .slots import Slot
 from .storage import Done
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from .problems import Problems
 from .names import common_path
 from .providers import ProviderRegistry, default_registry, item_ids, unflatten
 from .reads import Reads
-from .schema import Box, Item, RankPart, Shard, dtype_from_name, dtype_name, volume
-from .snapshot import CopyBackend, HostCopyBackend
-from .staging import StagingPool
+from .schema import Box, Item, Kind, RankPart, Scope, Shard, dtype_from_name, dtype_name, volume
+from .copies import CopyBackend, HostCopyBackend
+from .slots import StagingPool
 from .storage import DataSource, Storage, storage_for
 
 
@@ -170,20 +170,20 @@ class CheckpointReader:
         if template is None:
             skeleton = self._read_object(rank, self._item(own, fmt.SKELETON_ID, rank))
             self._check_skeleton(skeleton, own, rank)
-            wanted = [(it, torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) if it.kind == "tensor" else None)
+            wanted = [(it, torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) if it.kind == Kind.TENSOR else None)
                       for it in own.values() if it.id != fmt.SKELETON_ID]
         else:
             skeleton, entries = self.registry.flatten(template)
-            wanted = [(e.item, _writable(e.source) if e.item.kind == "tensor" else None) for e in entries]
+            wanted = [(e.item, _writable(e.source) if e.item.kind == Kind.TENSOR else None) for e in entries]
         values: dict[str, Any] = {}
         with Reads(self, problems) as reads:
             for target, dst in wanted:
-                if target.kind == "object":
+                if target.kind == Kind.OBJECT:
                     self._queue_object(*self._saved_object(target, own, rank), reads,
                                        lambda value, key=target.id: values.__setitem__(key, value))
                     continue
                 values[target.id] = dst
-                if target.scope == "global":
+                if target.scope == Scope.GLOBAL:
                     self._read_global(target, dst, reads)
                 else:
                     self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
@@ -208,9 +208,9 @@ class CheckpointReader:
         return items[key]
 
     def _saved_object(self, target: Item, own: dict[str, Item], rank: int) -> tuple[int, Item]:
-        if target.scope == "local":
+        if target.scope == Scope.LOCAL:
             saved = self._item(own, target.id, rank)
-            if saved.kind != "object":
+            if saved.kind != Kind.OBJECT:
                 raise CheckpointError(f"checkpoint {self.path!r} item {target.id!r} is a {saved.kind}, "
                                       f"the target wants an object")
             return rank, saved
@@ -227,7 +227,7 @@ class CheckpointReader:
     @torch.no_grad()
     def read_item(self, rank: int, item: Item) -> Any:
         """One stored item of `rank`, verified: a new CPU tensor, or the unpickled object."""
-        if item.kind == "object":
+        if item.kind == Kind.OBJECT:
             return self._read_object(rank, item)
         dst = torch.empty(item.shape, dtype=dtype_from_name(item.dtype))
         with Reads(self) as reads:
@@ -263,11 +263,11 @@ class CheckpointReader:
     def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every global tensor: name -> (global shape, dtype), from the index alone."""
         return {name: (tuple(shards[0].global_shape), dtype_from_name(shards[0].dtype))
-                for name, shards in self.global_index().items() if shards[0].kind == "tensor"}
+                for name, shards in self.global_index().items() if shards[0].kind == Kind.TENSOR}
 
     def objects(self) -> list[str]:
         """The names of every global object, sorted."""
-        return sorted(name for name, shards in self.global_index().items() if shards[0].kind == "object")
+        return sorted(name for name, shards in self.global_index().items() if shards[0].kind == Kind.OBJECT)
 
     @torch.no_grad()
     def tensor(self, name: str, offset: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None,
@@ -306,7 +306,7 @@ class CheckpointReader:
         values: dict[str, Any] = {}
         with Reads(self, problems) as reads:
             for item in wanted:
-                if item.kind == "object":
+                if item.kind == Kind.OBJECT:
                     self._queue_object(*self._saved_object(item, own, 0), reads,
                                        functools.partial(values.__setitem__, item.id))
                 else:
@@ -324,7 +324,7 @@ class CheckpointReader:
 
     def _global_object(self, name: str, rank: int) -> tuple[int, Item]:
         """The saved copy of the global object `name` to read: `rank`'s own when it wrote one."""
-        holders = [sh for sh in self.global_index().get(name, []) if sh.kind == "object"]
+        holders = [sh for sh in self.global_index().get(name, []) if sh.kind == Kind.OBJECT]
         if not holders:
             raise CheckpointError(f"checkpoint {self.path!r} has no object named {name!r}")
         shard = min(holders, key=lambda sh: sh.rank != rank)
@@ -425,8 +425,8 @@ def _box_within(name: str, global_shape: tuple, offset, shape) -> Box:
 
 def _in_common(item: Item) -> bool:
     """Whether rank 0's `item` is part of the common state: a rank-local item or a common value."""
-    return item.id != fmt.SKELETON_ID and (item.scope == "local" or (
-        item.kind == "object" and common_path(item.name) is not None))
+    return item.id != fmt.SKELETON_ID and (item.scope == Scope.LOCAL or (
+        item.kind == Kind.OBJECT and common_path(item.name) is not None))
 
 
 def _pruned(state: Any, dropped: object) -> Any:

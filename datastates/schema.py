@@ -8,6 +8,7 @@ load reads from that rank (`RankPart.items`). No I/O happens here (`format` read
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from typing import Iterator, NamedTuple, Optional
@@ -64,6 +65,24 @@ class Box(NamedTuple):
         return tuple(slice(o - base, o - base + n) for o, base, n in zip(self.offset, origin, self.shape))
 
 
+class Kind(enum.StrEnum):
+    """What an item's bytes are."""
+    TENSOR = "tensor"
+    OBJECT = "object"  # pickled
+
+
+class Scope(enum.StrEnum):
+    """How a load finds an item again."""
+    LOCAL = "local"  # rank-private: restored from the same rank's part, by id
+    GLOBAL = "global"  # a shard of a logical tensor, or a named object: restored from any rank, by name
+
+
+def _member(enum_type: type[enum.StrEnum], value) -> enum.StrEnum:
+    if value not in set(enum_type):
+        raise ValueError(f"{enum_type.__name__.lower()} {value!r} is not one of {', '.join(enum_type)}")
+    return enum_type(value)
+
+
 def _ints(name, value, n=None) -> None:
     if not isinstance(value, (list, tuple)) or (n is not None and len(value) != n) or \
             not all(type(v) is int and v >= 0 for v in value):
@@ -74,15 +93,14 @@ def _ints(name, value, n=None) -> None:
 class Item:
     """One leaf of the state: a tensor's bytes or a pickled object.
 
-    `id` is unique within a rank's checkpoint. `scope` says how a load finds it again: "local" items are
-    rank-private (restored from the same rank's part by id); "global" items are shards of a logical tensor
-    (`name`, `global_shape`, `global_offset`) or a named object, and may be restored from any rank.
+    `id` is unique within a rank's checkpoint. `scope` says how a load finds it again (`Scope`); a global item
+    is a shard of a logical tensor (`name`, `global_shape`, `global_offset`) or a named object.
     `write` is False for a replica some other rank writes (it is restored, not saved, here).
     """
 
     id: str
-    kind: str  # "tensor" | "object"
-    scope: str = "local"  # "local" | "global"
+    kind: Kind
+    scope: Scope = Scope.LOCAL
     name: Optional[str] = None  # logical name of a global item (shared by its shards)
     dtype: Optional[str] = None
     shape: Optional[tuple] = None
@@ -96,7 +114,8 @@ class Item:
     crcs: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return {k: str(v) if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(self).items()
+                if v is not None}
 
     @classmethod
     def from_json(cls, d: dict) -> "Item":
@@ -105,6 +124,7 @@ class Item:
         if unknown:
             raise ValueError(f"unknown item fields {sorted(unknown)}")
         d = dict(d)
+        d["kind"], d["scope"] = _member(Kind, d["kind"]), _member(Scope, d.get("scope", Scope.LOCAL))
         for k in ("shape", "global_shape", "global_offset"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
@@ -113,7 +133,7 @@ class Item:
     @property
     def box(self) -> Box:
         """Where a tensor item's elements sit: its box in the logical tensor, or its own shape for a local one."""
-        offset = self.global_offset if self.scope == "global" else (0,) * len(self.shape)
+        offset = self.global_offset if self.scope == Scope.GLOBAL else (0,) * len(self.shape)
         return Box(tuple(offset), tuple(self.shape))
 
     @property
@@ -122,23 +142,21 @@ class Item:
 
     def validate(self, data_bytes: int) -> None:
         """Raise ValueError unless this (loaded) item describes itself consistently and lies within the file."""
-        if self.kind not in ("tensor", "object") or self.scope not in ("local", "global"):
-            raise ValueError(f"kind {self.kind!r} / scope {self.scope!r}")
-        if not isinstance(self.id, str) or (self.scope == "global" and not isinstance(self.name, str)):
+        if not isinstance(self.id, str) or (self.scope == Scope.GLOBAL and not isinstance(self.name, str)):
             raise ValueError("id and (for global items) name must be strings")
         for name in ("offset", "nbytes", "chunk_bytes"):
             if type(getattr(self, name)) is not int:
                 raise ValueError(f"{name} must be an int")
         if type(self.write) is not bool:
             raise ValueError(f"write must be a bool, got {self.write!r}")
-        if self.kind == "tensor":
+        if self.kind == Kind.TENSOR:
             _ints("shape", self.shape)
             expected = volume(self.shape) * self.element_size
             if self.nbytes != expected:
                 raise ValueError(f"nbytes {self.nbytes} does not match {self.dtype} {self.shape}")
             if expected and self.chunk_bytes % self.element_size:
                 raise ValueError(f"chunk_bytes {self.chunk_bytes} splits {self.dtype} elements")
-            if self.scope == "global":
+            if self.scope == Scope.GLOBAL:
                 _ints("global_shape", self.global_shape, len(self.shape))
                 _ints("global_offset", self.global_offset, len(self.shape))
                 if any(o + n > g for o, n, g in zip(self.global_offset, self.shape, self.global_shape)):
@@ -241,6 +259,10 @@ class RankPart:
         except _MALFORMED as e:
             raise CheckpointCorruptError(f"{self.where} is malformed: {type(e).__name__}: {e}") from None
 
+    def to_json(self) -> dict:
+        """The part as the index holds it."""
+        return {"data_file": self.data_file, "data_bytes": self.data_bytes, "items": self.raw_items}
+
     def same_record(self, other: "RankPart") -> bool:
         return (self.data_file, self.data_bytes, self.raw_items) == (other.data_file, other.data_bytes,
                                                                      other.raw_items)
@@ -263,6 +285,15 @@ class Manifest(RankPart):
                                          f"direct_io {direct_io!r}")
         return super().parse(doc, where, rank=rank, world_size=world_size, direct_io=direct_io,
                              crc32c=doc.get("manifest_crc32c"))
+
+    @classmethod
+    def written(cls, rank: int, world_size: int, data_bytes: int, direct_io: bool, items: list[Item]) -> "Manifest":
+        """The manifest of what `rank` just wrote (its checksum is `format.signed_manifest`'s)."""
+        return cls(f"manifest of rank {rank}", layout.data_file(rank), data_bytes, [it.to_json() for it in items],
+                   rank=rank, world_size=world_size, direct_io=direct_io)
+
+    def to_json(self) -> dict:
+        return dict(super().to_json(), rank=self.rank, world_size=self.world_size, direct_io=self.direct_io)
 
 
 def check_schema(doc: dict, path: str) -> None:

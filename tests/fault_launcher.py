@@ -41,7 +41,7 @@ def _spec(name):
 _save = CheckpointEngine.save
 
 
-def save(self, state, path, pages=None):
+def save(self, state, path, from_save=None):
     it = layout.iteration_of(path)
     slow, kill, fail = _spec("FAULT_SLOW_SAVE"), _spec("FAULT_KILL_AFTER_SAVE"), _spec("FAULT_FAIL_SAVE")
     if slow and slow[0] == it:
@@ -50,7 +50,7 @@ def save(self, state, path, pages=None):
         state = dict(state, _fault_fail=lambda: None)
     if kill and kill[0] == it:
         self.wait()  # exactly the save of <it> is in flight when the process dies
-    handle = _save(self, state, path, pages=pages)
+    handle = _save(self, state, path, from_save=from_save)
     if kill and kill[0] == it:
         print(f"FAULT-KILL rank {self.rank} after the save call of iteration {it}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from datastates.snapshot import CopyBackend
+from datastates.copies import CopyBackend
 
 POISON = 0xAB
 

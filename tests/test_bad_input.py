@@ -197,8 +197,8 @@ STRUCTURAL = [
     ("rank", {"data_bytes": lambda n: n + 1}, r"rank_00000.data' is truncated: (\d+) bytes, the checkpoint's index "
                                               r"says (?!\1)\d+"),
     ("w", {"extra": 1}, r"item 'w': ValueError: unknown item fields \['extra'\]"),
-    ("w", {"kind": "blob"}, r"item 'w': ValueError: kind 'blob' / scope 'local'"),
-    ("w", {"scope": "everywhere"}, r"item 'w': ValueError: kind 'tensor' / scope 'everywhere'"),
+    ("w", {"kind": "blob"}, r"item 'w': ValueError: kind 'blob' is not one of tensor, object"),
+    ("w", {"scope": "everywhere"}, r"item 'w': ValueError: scope 'everywhere' is not one of local, global"),
     ("w", {"id": 5}, r"ValueError: id and \(for global items\) name must be strings"),
     ("w", {"scope": "global"}, r"item 'w': ValueError: id and \(for global items\) name must be strings"),
     ("w", {"nbytes": "8192"}, r"item 'w': ValueError: nbytes must be an int"),

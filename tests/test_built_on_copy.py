@@ -1,11 +1,11 @@
-"""The engine saves tensors built on copy (`datastates.snapshot.built_on_copy`): shape-only tensors whose values
+"""The engine saves tensors built on copy (`datastates.copies.built_on_copy`): shape-only tensors whose values
 are asked for range by range as the copier stages them, each range at most a staging slot, every element asked
 for once; the checkpoint on disk then loads back as exactly those values, views of them included."""
 import pytest
 import torch
 
 from datastates import CheckpointEngine, CheckpointError
-from datastates.snapshot import built_on_copy
+from datastates.copies import built_on_copy
 
 BUDGET = 1 << 20
 

@@ -85,7 +85,7 @@ def test_each_rank_deletes_its_share_of_retired_checkpoints(tmp_path):
         for it in range(1, 5):
             _save_all(engines, tmp_path, it)
             for eng in engines:
-                eng._deleter.submit(lambda: None).result()  # the deletions of this publication are done
+                eng.pipeline._deleter.submit(lambda: None).result()  # the deletions of this publication are done
             retired = [n for n in sorted(tmp_path.iterdir()) if layout.DELETING in n.name]
             assert all(not any(d.iterdir()) for d in retired), "a retired checkpoint still has files"
             assert len(retired) <= 1, retired  # rank 0 removed the directories emptied before this save

@@ -21,7 +21,7 @@ def test_device_state_snapshot_is_lazy_pinned_and_fenced(tmp_path):
         for t in state.values():  # the optimizer step after the fence
             t.add_(1)
         stats = eng.wait()[0]
-        assert stats["peak_staging_bytes"] <= 16 << 20
+        assert stats.peak_staging_bytes <= 16 << 20
         template = {k: torch.zeros_like(v) for k, v in state.items()}
         out = eng.load(str(tmp_path), template=template)
     for k, v in expected.items():

@@ -139,7 +139,7 @@ def test_budget_holds_with_tensor_three_times_larger(tmp_path):
     with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2) as eng:
         eng.save({"big": big, "small": torch.arange(5)}, str(tmp_path / "iter_0000001"))
         stats = eng.wait()[0]
-        assert stats["peak_staging_bytes"] <= budget
+        assert stats.peak_staging_bytes <= budget
         assert eng.pool.allocated_bytes <= budget
         loaded = eng.load(str(tmp_path))
     assert torch.equal(loaded["big"], big)
@@ -154,7 +154,7 @@ def test_native_module_does_the_writing(tmp_path, engine):
     stats = engine.wait()[0]
     written = engine.storage._pool("write").bytes_written - before
     data = tmp_path / "iter_0000001" / layout.data_file(0)
-    assert written == stats["bytes"] == data.stat().st_size
+    assert written == stats.bytes == data.stat().st_size
     assert data.read_bytes()[:360000] == state["x"].numpy().tobytes()
 
 

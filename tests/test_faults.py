@@ -429,7 +429,7 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
         raise errors[0]
     # checked here, not in the worker: an assert failing there would only end the thread
     assert len(allocated) == 8 and max(allocated) <= budget, f"the staging pool grew past {budget}: {allocated}"
-    assert len(stats) == 8 and all(st["peak_staging_bytes"] <= budget for st in stats), stats
+    assert len(stats) == 8 and all(st.peak_staging_bytes <= budget for st in stats), stats
     published = [x for x in seen if x is not None]
     assert published == sorted(published), f"latest went backwards: {seen}"
     assert tracker.read_latest(root) == 8 and tracker.published_iterations(root) == [7, 8]

@@ -15,8 +15,8 @@ from datastates import CheckpointEngine
 from datastates.errors import CheckpointCorruptError
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
 from datastates.restore import CheckpointReader
-from datastates.snapshot import HostCopyBackend
-from datastates.staging import StagingPool
+from datastates.copies import HostCopyBackend
+from datastates.slots import StagingPool
 from datastates.storage import PosixStorage
 from late_copies import LateAddressCopyBackend, LateCopyBackend
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from datastates import CheckpointEngine, CheckpointError
-from datastates.snapshot import HostCopyBackend
-from datastates.staging import StagingPool
+from datastates.copies import HostCopyBackend
+from datastates.slots import StagingPool
 from late_copies import LateCopyBackend
 
 
@@ -77,8 +77,8 @@ def test_native_host_copies_hold_the_state_at_save(tmp_path):
         stats = eng.wait()[-1]
         for it, want in enumerate(wanted, 1):
             _assert_equal(eng.load(str(tmp_path / f"iter_{it:07d}")), want)
-    assert 0 < stats["peak_staging_bytes"] <= stats["staging_allocated_bytes"] <= 512 << 10
-    assert stats["staging_pinned_bytes"] == 0  # no CUDA here: nothing page-locked
+    assert 0 < stats.peak_staging_bytes <= stats.staging_allocated_bytes <= 512 << 10
+    assert stats.staging_pinned_bytes == 0  # no CUDA here: nothing page-locked
 
 
 def test_staging_costs_exactly_its_slots():

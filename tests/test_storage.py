@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError, layout, tracker
-from datastates.snapshot import HostCopyBackend
+from datastates.copies import HostCopyBackend
 from datastates.storage import SPARES, SharedMemoryStorage
 from late_copies import LateCopyBackend
 from test_engine import assert_same, every_kind_of_state
@@ -61,7 +61,7 @@ def test_storage_writes_from_the_memory_pages_without_a_copy_of_its_own(tmp_path
     counting = CountingCopies()
     with _memory(tmp_path, copy_backend=LateCopyBackend(seed=3)) as mem, _disk(copy_backend=counting) as disk:
         memory_save = mem.save(live, layout.checkpoint_dir(str(tmp_path / "mem"), 4))
-        disk.save(live, layout.checkpoint_dir(str(tmp_path / "ck"), 4), pages=memory_save)
+        disk.save(live, layout.checkpoint_dir(str(tmp_path / "ck"), 4), from_save=memory_save)
         mem.wait_for_snapshot()
         disk.wait_for_snapshot()
         live["w"].add_(1000)  # the optimizer step after the fence
@@ -73,20 +73,20 @@ def test_storage_writes_from_the_memory_pages_without_a_copy_of_its_own(tmp_path
         assert_same(mem.load(str(tmp_path / "mem")), expected)
 
 
-def test_a_storage_save_needs_pages_of_mapped_storage(tmp_path):
+def test_a_save_from_another_needs_one_to_storage_that_lends_its_pages(tmp_path):
     with _disk() as disk:
         first = disk.save({"w": torch.ones(4)}, layout.checkpoint_dir(str(tmp_path), 1))
-        with pytest.raises(CheckpointError, match="needs a save to mapped storage"):
-            disk.save({"w": torch.ones(4)}, layout.checkpoint_dir(str(tmp_path), 2), pages=first)
+        with pytest.raises(CheckpointError, match="needs a save to storage that lends its pages"):
+            disk.save({"w": torch.ones(4)}, layout.checkpoint_dir(str(tmp_path), 2), from_save=first)
 
 
 def test_a_failed_memory_snapshot_fails_the_storage_save_and_spares_the_last_good_one(tmp_path):
     ck = str(tmp_path / "ck")
     with _memory(tmp_path) as mem, _disk() as disk:
         good = mem.save({"w": torch.ones(1000)}, layout.checkpoint_dir(str(tmp_path / "mem"), 1))
-        disk.save({"w": torch.ones(1000)}, layout.checkpoint_dir(ck, 1), pages=good).wait()
+        disk.save({"w": torch.ones(1000)}, layout.checkpoint_dir(ck, 1), from_save=good).wait()
         bad = mem.save({"w": torch.ones(1000), "f": lambda: None}, layout.checkpoint_dir(str(tmp_path / "mem"), 2))
-        handle = disk.save({"w": torch.ones(1000)}, layout.checkpoint_dir(ck, 2), pages=bad)
+        handle = disk.save({"w": torch.ones(1000)}, layout.checkpoint_dir(ck, 2), from_save=bad)
         with pytest.raises(CheckpointError, match="the memory checkpoint it is written from failed"):
             handle.wait()
         with pytest.raises(CheckpointError, match="not picklable"):
@@ -102,7 +102,7 @@ def test_retired_pages_are_reused_but_never_under_a_save_writing_from_them(tmp_p
         inodes = []
         for it in range(1, 6):
             mem.save({"w": torch.full((100_000,), float(it))}, layout.checkpoint_dir(mem_root, it)).wait()
-            mem._deleter.submit(lambda: None).result()  # retention's deletions done
+            mem.pipeline._deleter.submit(lambda: None).result()  # retention's deletions done
             inodes.append(os.stat(os.path.join(layout.checkpoint_dir(mem_root, it), layout.data_file(0))).st_ino)
         assert tracker.published_iterations(mem_root) == [4, 5]
         assert len(set(inodes)) == 3  # 2 kept, and the retired one taken over by each next save
@@ -112,7 +112,7 @@ def test_retired_pages_are_reused_but_never_under_a_save_writing_from_them(tmp_p
         pages = storage.data_of(held)
         for it in (6, 7):
             mem.save({"w": torch.full((100_000,), float(it))}, layout.checkpoint_dir(mem_root, it)).wait()
-            mem._deleter.submit(lambda: None).result()
+            mem.pipeline._deleter.submit(lambda: None).result()
         assert tracker.published_iterations(mem_root) == [6, 7]
         assert torch.equal(pages.pages[:400_000].view(torch.float32), torch.full((100_000,), 4.0))
         assert pages not in storage._spares

@@ -14,7 +14,7 @@ from .. import format as fmt
 from .. import layout
 from ..errors import CheckpointCorruptError
 from ..plan import ALIGN, align_up
-from ..staging import cuda_host_register
+from ..slots import cuda_host_register
 from .base import DataSink, retention
 from .posix import PosixStorage, retire, write_file
 

@@ -24,7 +24,7 @@ import torch
 
 from datastates import CheckpointError
 from datastates import layout, tracker
-from datastates.engine import SaveHandle
+from datastates.pipeline import SaveHandle, SaveStats
 from datastates.memory_tier import LocalTier, check_fits, job_id, node_of
 from datastates.megatron import make_registry, save_sharded
 
@@ -66,9 +66,10 @@ class CheckpointManager:
         # per level, the newest save not finalized yet: the engine finishes saves in the order they were made,
         # so waiting for it waits for all
         self._newest: dict[str, SaveHandle] = {}
+        self._outside_engine_s: dict[SaveHandle, float] = {}  # each save's stall outside the engine
 
     def _memory_tier(self) -> LocalTier:
-        """The node-local memory tier (`datastates.local_tier`), after checking that it fits in memory."""
+        """The node-local memory tier (`datastates.memory_tier`), after checking that it fits in memory."""
         args = self.args
         world = torch.distributed.get_world_size()
         factor = args.replication_factor if args.replication else 1
@@ -107,14 +108,14 @@ class CheckpointManager:
         t0 = time.perf_counter()
         state = self._state(iteration, consumed, wrap_common=self.saver.wraps_common)
         self.agree_on_failures(iteration)
-        pages = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
+        memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
         if self.tier is not None and self.saver.writes_from_pages:
             self._one_storage_save_on_pages()
-            pages = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
-        started = self.saver.save(state, iteration, pages=pages)
+            memory = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
+        started = self.saver.save(state, iteration, from_save=memory)
         if isinstance(started, Written):
             dt = time.perf_counter() - t0
-            self._record(iteration, dict(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
+            self._record(iteration, SaveStats(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
             return
         log.info(f"saving checkpoint at iteration {iteration:8d} to {self.args.save} in {self.saver.name} format "
                  f"({self.mode})")
@@ -153,9 +154,9 @@ class CheckpointManager:
                            wrap_common=wrap_common)
 
     def _started(self, level: str, handle: SaveHandle, t0: float) -> None:
-        """Note on the handle the training thread's time outside the engine (building the state, a synchronous
+        """Note the training thread's time outside the engine (building the state, a synchronous
         wait): with the engine's `blocking_s` (its save call and every fence wait) it is the save's stall."""
-        handle.stats["outside_engine_s"] = time.perf_counter() - t0 - handle.stats["blocking_s"]
+        self._outside_engine_s[handle] = time.perf_counter() - t0 - handle.stats.blocking_s
         self._newest[level] = handle
 
     def _finish_param_gather(self) -> None:
@@ -189,8 +190,9 @@ class CheckpointManager:
         iteration = layout.iteration_of(handle.path)
         if self._newest.get(level) is handle:
             del self._newest[level]
+        outside = self._outside_engine_s.pop(handle, 0.0)
         if handle.error is None:
-            stall = handle.stats.get("outside_engine_s", 0.0) + handle.stats["blocking_s"]
+            stall = outside + handle.stats.blocking_s
             self._record(iteration, handle.stats, stall, level)
         elif level == MEMORY:
             log.warning("rank %d: memory checkpoint of iteration %d failed: %s", self.rank, iteration, handle.error)
@@ -239,11 +241,11 @@ class CheckpointManager:
 
     # ----- records -----
 
-    def _record(self, iteration: int, stats: dict, stall_s: float, level: str = STORAGE) -> None:
+    def _record(self, iteration: int, stats: SaveStats, stall_s: float, level: str = STORAGE) -> None:
         rec = dict(iteration=iteration, tier=level, format=self.saver.name, mode=self.mode.value,
-                   stall_ms=stall_s * 1e3, blocking_ms=stats.get("blocking_s", stall_s) * 1e3,
-                   snapshot_ms=stats.get("snapshot_s", 0.0) * 1e3, durable_ms=stats.get("durable_s", 0.0) * 1e3,
-                   bytes=int(stats.get("bytes", 0)))
+                   stall_ms=stall_s * 1e3, blocking_ms=stats.blocking_s * 1e3,
+                   snapshot_ms=(stats.snapshot_s or 0.0) * 1e3, durable_ms=(stats.durable_s or 0.0) * 1e3,
+                   bytes=stats.bytes)
         rec["throughput_gbps"] = rec["bytes"] / (rec["durable_ms"] / 1e3) / 1e9 if rec["durable_ms"] > 0 else 0.0
         self.records.append(rec)
         log.info(f"{'memory ' if level == MEMORY else ''}checkpoint iteration {iteration:8d} | format: "

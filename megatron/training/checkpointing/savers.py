@@ -22,7 +22,7 @@ from megatron.core import parallel_state as ps
 
 from datastates import CheckpointEngine, CheckpointError
 from datastates import layout, tracker
-from datastates.engine import SaveHandle
+from datastates.pipeline import SaveHandle
 from datastates.storage import DEFAULT_READ_THREADS, storage_for
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
@@ -63,10 +63,10 @@ class Saver:
         """A reader of the common state for one process, before the distributed start (--use-checkpoint-args)."""
         return cls(None, None, None, None)
 
-    def save(self, state: dict, iteration: int, pages: SaveHandle | None = None) -> SaveHandle | Written:
+    def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None) -> SaveHandle | Written:
         """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
-        the background, else `Written` once it is durable and published. `pages`: the memory tier's save of
-        the same state, to write from (given only to a saver that `writes_from_pages`)."""
+        the background, else `Written` once it is durable and published. `from_save`: the memory tier's save
+        of the same state, to write from (given only to a saver that `writes_from_pages`)."""
         nbytes = self.write(state, layout.checkpoint_dir(self.args.save, iteration))
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
@@ -127,9 +127,9 @@ class DatastatesSaver(Saver):
         return storage.exists(layout.join(ckpt_dir, layout.METADATA)) and \
             storage.exists(layout.join(ckpt_dir, layout.data_file(0)))
 
-    def save(self, state: dict, iteration: int, pages: SaveHandle | None = None) -> SaveHandle:
+    def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None) -> SaveHandle:
         return save_sharded(self.engine, state, layout.checkpoint_dir(self.args.save, iteration),
-                            ownership=self.ownership, pages=pages)
+                            ownership=self.ownership, from_save=from_save)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
         return load_sharded(self.engine, template, ckpt_dir)

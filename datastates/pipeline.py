@@ -1,9 +1,10 @@
-"""The save pipeline: one thread per stage, so that none waits on another's kind of work.
+"""The save pipeline: one thread per stage, so that none waits on another's kind of work. The engine owns one
+(`SavePipeline`) and hands it each save; what a save cost comes back on its handle (`SaveStats`).
 
     copier      copies tensors into their destination, then packs the pickled objects into slots after them. The
                 destination is the data sink's own pages where it has them (shared memory: the snapshot lands
                 where it is kept), or staging slots (a file system). A save written from another save's pages
-                (`pages=`) copies nothing: its tensors go to the sink straight from those pages once their
+                (`from_save=`) copies nothing: its tensors go to the sink straight from those pages once their
                 snapshot is done.
     flusher     waits for a slot's copies to land, submits it to the storage's data sink (write + crc32c)
     completer   collects checksums, returns slots to the pool, closes the sink, writes the rank's manifest and
@@ -15,25 +16,48 @@ If a stage thread dies, every pending save fails with the cause, the fence opens
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from . import format as fmt
 from . import layout
+from .coordination import Coordinator
 from .errors import CheckpointError, CheckpointTimeoutError
 from .plan import Entry, Plan, align_up
-from .snapshot import SlotFiller, copy_tensor_bytes
-from .storage import DataSink
+from .schema import Kind, Manifest
+from .copies import CopyBackend, SlotFiller, copy_tensor_bytes
+from .slots import StagingPool
+from .storage import DataSink, Storage
 
 log = logging.getLogger(__name__)
 
 STOP = object()
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """What one save cost this rank (seconds from its `save()` call, bytes)."""
+
+    blocking_s: float = 0.0  # the training thread inside the engine: the save() call and its fence waits
+    snapshot_s: float | None = None  # until nothing of the save read the live state any more (the fence open)
+    durable_s: float | None = None  # until published, durable where the storage syncs
+    bytes: int = 0  # this rank's data
+    throughput_gbps: float = 0.0  # bytes / durable_s
+    peak_staging_bytes: int = 0  # the staging slots the save held at most
+    staging_allocated_bytes: int = 0  # the host memory the staging pool holds
+    staging_pinned_bytes: int = 0
+    wait_ranks_s: float | None = None  # rank 0: from its own report to every rank's
+    publish_s: float | None = None  # rank 0: from every rank's report to the tracker naming the checkpoint
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class SaveHandle:
@@ -43,14 +67,17 @@ class SaveHandle:
         self.path = path
         self.error: BaseException | None = None
         self.delivered = False  # the error was raised to the caller (by this handle's or the engine's wait)
-        self.stats: dict[str, Any] = {"blocking_s": 0.0}
+        self.stats = SaveStats()
         self._snapshot_done = threading.Event()
         self._done = threading.Event()
-        self._pages = None  # (storage, job) of a save to mapped storage: what `save(pages=)` writes from
+        self._lender: tuple | None = None  # (storage, job) of a save whose pages another save may write from
 
     @property
     def snapshot_done(self) -> bool:
         return self._snapshot_done.is_set()
+
+    def wait_for_snapshot(self) -> None:
+        self._snapshot_done.wait()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -59,7 +86,7 @@ class SaveHandle:
         """Wait until the save finished, successfully or not (see `.error`); False on timeout."""
         return self._done.wait(timeout)
 
-    def wait(self, timeout: float | None = None) -> dict:
+    def wait(self, timeout: float | None = None) -> SaveStats:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save of {self.path!r} still running after {timeout} s")
         if self.error is not None:
@@ -71,15 +98,16 @@ class SaveHandle:
 class Job:
     """One save on this rank, as the stages see it."""
 
-    def __init__(self, seq: int, handle: SaveHandle, entries: list[Entry], plan: Plan,
-                 objects: list[tuple[Entry, Future]], ordering, t0: float, pages: "Pages | None" = None):
+    def __init__(self, seq: int, handle: SaveHandle, entries: list[Entry], plan: Plan, ordering, t0: float,
+                 source: "HeldSnapshot | None" = None):
         self.seq = seq  # the same on every rank: ranks save in the same order
         self.handle = handle
         self.reported = False
         self.final = handle.path
         self.partial: str | None = None
-        self.entries, self.plan, self.objects, self.ordering, self.t0 = entries, plan, objects, ordering, t0
-        self.pages = pages  # the save whose mapped pages this one writes its tensors from
+        self.entries, self.plan, self.ordering, self.t0 = entries, plan, ordering, t0
+        self.objects: list[tuple[Entry, Future]] = []  # the objects being pickled
+        self.source = source  # the save whose pages this one writes its tensors from
         self.data: DataSink | None = None  # this rank's data, as the storage takes it
         self.size = 0
         self.manifest: dict | None = None
@@ -105,13 +133,23 @@ class PageWrite:
         self.segments, self.job, self.waits = segments, job, []
 
 
-class Pages:
-    """The snapshot of a save to mapped storage, held (not reused by its storage) while another save writes
-    from it."""
+class HeldSnapshot:
+    """The snapshot of a save to storage that lends its pages (the memory tier), held (not reused by its
+    storage) while another save writes from it."""
 
-    def __init__(self, storage, job: Job):
+    def __init__(self, storage: Storage, job: Job):
         self.storage, self.job, self.held = storage, job, True
         storage.hold(job.final)
+
+    @classmethod
+    def of(cls, handle: SaveHandle | None) -> "HeldSnapshot | None":
+        """The snapshot a save writes from: `handle`'s, held until that save finishes."""
+        if handle is None:
+            return None
+        if handle._lender is None:
+            raise CheckpointError(f"save(from_save=...) needs a save to storage that lends its pages (the memory "
+                                  f"tier); {handle.path!r} is not one")
+        return cls(*handle._lender)
 
     def release(self) -> None:
         """Let go of the pages (once, whichever of a finished save or a dying engine comes first)."""
@@ -120,16 +158,71 @@ class Pages:
             self.storage.release(self.job.final)
 
 
-class SaveStages:
-    """The stage threads of `CheckpointEngine` (its attributes: storage, pool, backend, io, coordinator...)."""
+class SavePipeline:
+    """The stage threads of one engine and the saves in flight through them. If a stage thread dies, every
+    pending save fails with the cause, the fence opens, and later saves fail at once (`check_usable`)."""
 
-    def _start_stages(self) -> None:
+    def __init__(self, rank: int, world_size: int, storage: Storage, pool: StagingPool, backend: CopyBackend,
+                 store, keep_last: int | None, publish_timeout_s: float):
+        """`store` carries the agreement on each save (`coordination`); the coordinator is made at the first
+        save: an engine that only loads needs none."""
+        self.rank, self.world_size, self.storage, self.pool, self.backend = rank, world_size, storage, pool, backend
+        self.keep_last, self.publish_timeout_s = keep_last, publish_timeout_s
+        self._store = store
+        self.coordinator: Coordinator | None = None
+        self._seq = 0
+        self._jobs: dict[SaveHandle, Job] = {}  # saves not finished yet, for failing them if a stage dies
+        self._jobs_lock = threading.Lock()
+        self._broken: CheckpointError | None = None
+        self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete")  # retention, off the save path
+        self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
         self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
                          for name, fn in (
             ("copy", self._copier), ("flush", self._flusher), ("complete", self._completer),
             ("publish", self._publisher))]
         for t in self._threads:
             t.start()
+
+    def check_usable(self, path: str) -> None:
+        """A save of `path` fails at once when a stage thread died."""
+        if self._broken is not None:
+            raise CheckpointError(f"cannot save {path!r}: {self._broken}")
+
+    def submit(self, handle: SaveHandle, entries: list[Entry], plan: Plan, t0: float,
+               source: HeldSnapshot | None) -> None:
+        """Start saving `entries` laid out by `plan` to `handle.path` (its tensors from `source` when given):
+        the unpublished directory is made and the objects start pickling here, the rest on the stage threads."""
+        if self.coordinator is None:
+            self.coordinator = Coordinator(self._store, self.rank, self.world_size)
+        self._seq += 1
+        job = Job(self._seq, handle, entries, plan, self.backend.begin(), t0, source)
+        try:
+            job.partial = self.storage.prepare(handle.path)
+        except OSError as e:
+            if source is not None:
+                source.release()
+            raise CheckpointError(f"cannot create checkpoint directory {e.filename!r}: {e.strerror}") from e
+        handle._lender = (self.storage, job) if self.storage.lends_pages else None
+        job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
+                       for e in entries if e.item.kind == Kind.OBJECT and e.item.write]
+        with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
+            if self._broken is not None:
+                if source is not None:
+                    source.release()
+                raise CheckpointError(f"cannot save {handle.path!r}: {self._broken}")
+            self._jobs[handle] = job
+        self._queues["copy"].put(job)
+
+    def close(self) -> None:
+        """Stop the stage threads (after the saves queued), then finish retention's deletions."""
+        for q in (self._queues.values() if self._broken else [self._queues["copy"]]):
+            q.put(STOP)  # a dead stage cannot pass the stop on
+        for t in self._threads:
+            t.join()
+        self._pickler.shutdown()
+        self._deleter.submit(_logged, self.storage.sweep)
+        self._deleter.shutdown()
 
     def _guard(self, name: str, stage) -> None:
         """Run a stage; if it dies (an error outside its handlers), fail everything pending instead of hanging."""
@@ -153,8 +246,8 @@ class SaveStages:
                     self._report(job)
                 except BaseException:  # noqa: BLE001 - the store may be what broke; they will time out
                     pass
-            if job.pages is not None:
-                job.pages.release()
+            if job.source is not None:
+                job.source.release()
             job.handle._snapshot_done.set()
             job.handle._done.set()
         self.pool.close()  # wakes a copier waiting for a slot that will never come back
@@ -174,12 +267,12 @@ class SaveStages:
         """Copy the tensors to their destination, then pack the pickled objects into slots after them. The
         destination is the data sink's own pages where it has them (the memory tier: the snapshot lands where it
         is kept), else staging slots handed to the writers as they fill; a save written from another save's
-        pages (`pages=`) copies nothing and submits those pages."""
+        pages (`from_save=`) copies nothing and submits those pages."""
         filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
         self.pool.reset_peak()
 
         def copy_tensors():
-            if job.pages is not None:
+            if job.source is not None:
                 self._write_from_pages(job)
             elif job.data.pages is not None:
                 self._copy_into_pages(job)
@@ -214,12 +307,12 @@ class SaveStages:
             for _, f in job.objects:
                 f.cancel()
             pickled = []
-        job.handle.stats["snapshot_s"] = time.perf_counter() - job.t0
+        job.handle.stats.snapshot_s = time.perf_counter() - job.t0
         job.handle._snapshot_done.set()
         return pickled
 
     def _tensors(self, job: Job):
-        return [e for e in job.entries if e.item.kind == "tensor" and e.item.write]
+        return [e for e in job.entries if e.item.kind == Kind.TENSOR and e.item.write]
 
     def _copy_into_pages(self, job: Job) -> None:
         """Each tensor's chunks are copied straight to its planned offset in the sink's pages (the padding up to
@@ -236,9 +329,9 @@ class SaveStages:
             self._queues["flush"].put(write)
 
     def _write_from_pages(self, job: Job) -> None:
-        """Once the snapshot of `job.pages` is taken, hand each tensor of this save to the writers straight from
+        """Once the snapshot of `job.source` is taken, hand each tensor of this save to the writers straight from
         its bytes there (whole aligned blocks: O_DIRECT takes them as they are)."""
-        source = job.pages.job
+        source = job.source.job
         source.handle._snapshot_done.wait()
         if source.failed:
             raise CheckpointError(f"the memory checkpoint it is written from failed: {source.handle.error}")
@@ -292,21 +385,20 @@ class SaveStages:
         """All of this rank's data is written: close it (durable where the storage syncs), write the manifest
         (the rank's written proof of its part), and report it."""
         handle = job.handle
-        handle.stats.update(peak_staging_bytes=self.pool.peak_bytes, staging_allocated_bytes=self.pool.allocated_bytes,
-                            staging_pinned_bytes=self.pool.pinned_bytes)
+        stats = handle.stats
+        stats.peak_staging_bytes, stats.staging_allocated_bytes, stats.staging_pinned_bytes = (
+            self.pool.peak_bytes, self.pool.allocated_bytes, self.pool.pinned_bytes)
         try:
             if not job.failed:
                 job.data.close(job.size)
-                job.manifest = fmt.signed_manifest({
-                    "rank": self.rank, "world_size": self.world_size, "data_file": layout.data_file(self.rank),
-                    "data_bytes": job.size, "direct_io": job.data.direct,
-                    "items": [e.item.to_json() for e in job.entries]})
+                job.manifest = fmt.signed_manifest(Manifest.written(self.rank, self.world_size, job.size,
+                                                                    job.data.direct, [e.item for e in job.entries]))
                 self.storage.write_manifest(job.partial, self.rank, fmt.encode_json(job.manifest))
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         if job.failed and job.data is not None:
             job.data.discard()
-        handle.stats["bytes"] = job.size
+        handle.stats.bytes = job.size
         self._report(job)
 
     def _report(self, job: Job) -> None:
@@ -324,11 +416,13 @@ class SaveStages:
                     t0 = time.perf_counter()
                     self.coordinator.await_reports(job.seq, what, self.publish_timeout_s)
                     t1 = time.perf_counter()
-                    index = fmt.index_metadata(self.coordinator.manifests(job.seq),
+                    reports = self.coordinator.manifests(job.seq)
+                    index = fmt.index_metadata({r: Manifest.parse(doc, f"rank {r}'s report of {what}")
+                                                for r, doc in reports.items()},
                                                layout.iteration_of(job.final), self.world_size)
                     retired = self.storage.publish(job.partial, job.final, fmt.encode_json(index), self.keep_last)
                     self.coordinator.announce(job.seq, None, retired)
-                    job.handle.stats.update(wait_ranks_s=t1 - t0, publish_s=time.perf_counter() - t1)
+                    job.handle.stats.wait_ranks_s, job.handle.stats.publish_s = t1 - t0, time.perf_counter() - t1
                 else:
                     retired = self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
                 self._deleter.submit(_logged, self.storage.delete, retired, self.rank, self.world_size)
@@ -356,10 +450,10 @@ class SaveStages:
         handle = job.handle
         with self._jobs_lock:
             self._jobs.pop(handle, None)
-        if job.pages is not None:
-            job.pages.release()
-        handle.stats["durable_s"] = time.perf_counter() - job.t0
-        handle.stats["throughput_gbps"] = job.size / handle.stats["durable_s"] / 1e9
+        if job.source is not None:
+            job.source.release()
+        handle.stats.durable_s = time.perf_counter() - job.t0
+        handle.stats.throughput_gbps = job.size / handle.stats.durable_s / 1e9
         handle._done.set()
 
 

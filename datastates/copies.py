@@ -29,7 +29,7 @@ from . import _native
 from .errors import CheckpointError
 from .plan import align_up
 from .schema import Item
-from .staging import Slot, StagingPool
+from .slots import Slot, StagingPool
 
 
 # (first element, count) -> those elements of a tensor's row-major contents, on the host

@@ -17,9 +17,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RE_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
-RE_CKPT = re.compile(r"checkpoint iteration\s+\d+ \| format: \S+ \(\w+\) \| blocking ms: ([\d.]+).*"
+RE_CKPT = re.compile(r"checkpoint iteration\s+\d+ \| format: \S+ \(\w+\) \| stall ms: ([\d.]+).*"
                      r"time to durable ms: ([\d.]+) \| bytes: (\d+)")
-RE_CKPT_SUM = re.compile(r"checkpoint summary iteration\s+\d+ .*max blocking ms over ranks: ([\d.]+) \| "
+RE_CKPT_SUM = re.compile(r"checkpoint summary iteration\s+\d+ .*max stall ms over ranks: ([\d.]+) \| "
                          r"max time to durable ms: ([\d.]+) \| bytes all ranks: (\d+)")
 
 MODEL = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",

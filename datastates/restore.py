@@ -378,8 +378,8 @@ class CheckpointReader:
         A whole saved item bound for a contiguous host view is streamed straight into it (`Reads.reads_into`).
         Otherwise the read goes in pieces through the slots, and each piece's part of the box is copied out. In
         read mode "parallel" even a whole tensor into a contiguous host target goes through the slots: O_DIRECT
-        into the same few hot slots, then a memcpy on the copy threads, was faster than O_DIRECT straight into
-        the target's own pages (benchmarks/RESULTS.md)."""
+        into the same few hot slots, then a memcpy on the copy threads, is faster than O_DIRECT straight into
+        the target's own pages (measured: docs/architecture.md, "A load")."""
         if read.whole:
             view = dst[read.dst]
             if reads.reads_into(read.rank, view):

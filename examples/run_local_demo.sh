@@ -53,7 +53,7 @@ echo "== 4/4 training stall per checkpoint (max over ranks, ms)"
 "$PY" - "$OUT" "$HALF" "$ITERS" <<'PYEOF'
 import re, sys
 out = sys.argv[1]
-pat = re.compile(r"checkpoint summary iteration\s+(\d+) .*max blocking ms over ranks: ([\d.]+) \| max time to durable ms: ([\d.]+) \| bytes all ranks: (\d+)")
+pat = re.compile(r"checkpoint summary iteration\s+(\d+) .*max stall ms over ranks: ([\d.]+) \| max time to durable ms: ([\d.]+) \| bytes all ranks: (\d+)")
 def read(*names):
     rows = {}
     for n in names:

@@ -125,7 +125,7 @@ compare_losses() {
 import re, sys
 half, iters, a, b = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
 loss = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([^ ]+) \|")
-stall = re.compile(r"checkpoint summary iteration\s+\d+ .*max blocking ms over ranks: ([\d.]+)")
+stall = re.compile(r"checkpoint summary iteration\s+\d+ .*max stall ms over ranks: ([\d.]+)")
 def losses(path):
     return {int(k): v for k, v in loss.findall(open(path).read())}
 problems = []

@@ -19,7 +19,7 @@ crashes during real multi-rank saves, not only SIGKILL (which keeps the page cac
    - at the next start (`tracker.clean_leftovers`, then `read_latest`, as the trainer does) latest names an iteration
      no older than the newest durable one, no newer than any saved, and every rank of it loads (crc32c verified
      by `CheckpointEngine.load`) bit-exact with what that iteration saved;
-   - `clean_stale` leaves only published checkpoints and the tracker, and every published checkpoint left
+   - `clean_leftovers` leaves only published checkpoints and the tracker, and every published checkpoint left
      loads bit-exact (a published checkpoint is complete).
 
     python tests/crash_states.py --summary            # ~2,500 distinct states, under a minute on 2 cores

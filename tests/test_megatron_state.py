@@ -73,7 +73,7 @@ def test_bit_exact_resume(tmp_path, straight, name):
     assert sorted(second) == [5, 6, 7, 8]
     assert second == {i: reference[i] for i in range(5, 9)}
     if name == "tp2_dp2":  # what every run logs, checked once
-        assert "checkpoint iteration" in log1 and "blocking ms" in log1 and "(rank 0)" not in log1
+        assert "checkpoint iteration" in log1 and "stall ms" in log1 and "(rank 0)" not in log1
         for rank in range(nproc):  # a warning is logged at WARNING: every rank shows it, not rank 0 alone
             assert re.search(rf"\[rank {rank}\] WARNING \S+: could not find a checkpoint at {re.escape(root)}",
                              log1), log1[-3000:]

@@ -19,14 +19,13 @@ from .base import DataSink, DataSource, Storage, retention
 WRITER_NICE = 5
 
 # How a load reads the data files. "stream" (the default): each file as one sequential stream through the page
-# cache; on this project's test VM one buffered stream read a rank's file at 2.1-3.3 GB/s where O_DIRECT from 1,
-# 4 or 8 threads reached 1.1-1.9 GB/s (benchmarks/RESULTS.md). "parallel": as many reads of a file in flight as
-# the read pool has threads, with O_DIRECT as `direct_io` says.
+# cache. "parallel": as many reads of a file in flight as the read pool has threads, with O_DIRECT as `direct_io`
+# says. Why stream is the default, measured: docs/architecture.md, "A load".
 READ_MODES = ("stream", "parallel")
 
 # A load's native read threads: in read mode "parallel", the 8 MiB reads in flight per rank (a read waits on the
-# device's latency, not the CPU; Lustre's clients keep 8 RPCs in flight per OST by default, and the measurements
-# are in benchmarks/RESULTS.md); in "stream", how many data files are read at once.
+# device's latency, not the CPU; measured in docs/architecture.md, "A load"); in "stream", how many data files
+# are read at once.
 DEFAULT_READ_THREADS = 8
 
 
@@ -316,14 +315,16 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_file(path: str, data, fsync: bool) -> None:
-    """Create or truncate `path` with `data` (bytes-like), fsynced: plain system calls, no stat of a buffered file
-    object."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+def write_file(path: str, data, fsync: bool, offset: int | None = None) -> None:
+    """Create or truncate `path` with `data` (bytes-like), or with `offset` write `data` there into the existing
+    file; fsynced as asked: plain system calls, no stat of a buffered file object."""
+    flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if offset is None else 0)
+    fd = os.open(path, flags, 0o644)
     try:
-        view = memoryview(data).cast("B")
+        view, at = memoryview(data).cast("B"), offset or 0
         while view:
-            view = view[os.write(fd, view):]
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
         if fsync:
             os.fsync(fd)
     finally:

@@ -42,7 +42,7 @@ class MappedSink(DataSink):
     def submit(self, buffer, offset, segments):
         base = buffer.data_ptr()
         if base != self.pages.data_ptr() + offset:  # not the pages themselves: bytes for the file
-            _pwrite(self.path, offset, buffer.numpy())
+            write_file(self.path, buffer.numpy(), fsync=False, offset=offset)
         crcs = [_native.crc32c_ptr(base + start, n) for start, n in segments]
         return lambda: crcs
 
@@ -53,17 +53,6 @@ class MappedSink(DataSink):
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
         self.pages = None
-
-
-def _pwrite(path: str, offset: int, data) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
-    finally:
-        os.close(fd)
 
 
 class SharedMemoryStorage(PosixStorage):

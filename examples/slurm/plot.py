@@ -6,9 +6,9 @@
 Each log (one trainer run) starts with a `RUN key=value ...` line and ends with `RUN_END rc=.. wall_s=..`; every
 line is prefixed with the wall-clock time (epoch seconds). From pretrain_gpt.py's output it reads:
   iteration lines  ` [date] iteration N/M | ... | elapsed time per iteration (ms): X | ...`
-  per checkpoint   `checkpoint summary iteration N | format: F (mode) | max blocking ms over ranks: B |
+  per checkpoint   `checkpoint summary iteration N | format: F (mode) | max stall ms over ranks: B |
                     max time to durable ms: D | bytes all ranks: S | throughput GB/s: T`
-                   (or, when the summary is absent, rank 0's `checkpoint iteration N | ... | blocking ms: B |
+                   (or, when the summary is absent, rank 0's `checkpoint iteration N | ... | stall ms: B |
                     ... | time to durable ms: D | bytes: S | ...`)
   the end          `> training done at iteration N`
 Writes summary.csv and model_size.png, dp_scale.png, e2e.png (those with data) into --out.
@@ -24,9 +24,9 @@ import statistics
 
 SIZES = {"tiny": 0, "3B": 3, "7B": 7, "13B": 13, "30B": 30, "70B": 70}
 RE_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*elapsed time per iteration \(ms\): ([\d.]+)")
-RE_SUMMARY = re.compile(r"checkpoint summary iteration\s+(\d+) \| format: (\S+) \((\w+)\) \| max blocking ms over "
+RE_SUMMARY = re.compile(r"checkpoint summary iteration\s+(\d+) \| format: (\S+) \((\w+)\) \| max stall ms over "
                         r"ranks: ([\d.]+) \| max time to durable ms: ([\d.]+) \| bytes all ranks: (\d+)")
-RE_CKPT = re.compile(r"checkpoint iteration\s+(\d+) \| format: (\S+) \((\w+)\) \| blocking ms: ([\d.]+) \|.*"
+RE_CKPT = re.compile(r"checkpoint iteration\s+(\d+) \| format: (\S+) \((\w+)\) \| stall ms: ([\d.]+) \|.*"
                      r"time to durable ms: ([\d.]+) \| bytes: (\d+)")
 RE_DONE = re.compile(r"> training done at iteration (\d+)")
 

@@ -67,6 +67,7 @@ class CheckpointManager:
         # so waiting for it waits for all
         self._newest: dict[str, SaveHandle] = {}
         self._outside_engine_s: dict[SaveHandle, float] = {}  # each save's stall outside the engine
+        self._published_before_run: int | None = None  # the tracker's iteration at this run's first save
 
     def _memory_tier(self) -> LocalTier:
         """The node-local memory tier (`datastates.memory_tier`), after checking that it fits in memory."""
@@ -105,6 +106,8 @@ class CheckpointManager:
 
     def save(self, iteration: int, consumed: int) -> None:
         """Checkpoint `iteration` to --save; in LAZY_ASYNC mode this returns before anything is copied."""
+        if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
+            self._published_before_run = tracker.read_latest(self.args.save)
         t0 = time.perf_counter()
         state = self._state(iteration, consumed, wrap_common=self.saver.wraps_common)
         self.agree_on_failures(iteration)
@@ -217,9 +220,11 @@ class CheckpointManager:
         if self.args.ckpt_on_failure == "stop":
             self.failures.append((iteration, error))  # acted on where every rank agrees: agree_on_failures()
             return
+        # saves finish in order: the newest one recorded is the last published before this one
+        published = [r["iteration"] for r in self.records if r["tier"] == STORAGE]
         log.warning("rank %d: checkpoint of iteration %d failed, training goes on (--ckpt-on-failure warn); the "
                     "last published checkpoint is still %s: %s", self.rank, iteration,
-                    tracker.read_latest(self.args.save), error)
+                    published[-1] if published else self._published_before_run, error)
 
     def agree_on_failures(self, iteration: int) -> None:
         """--ckpt-on-failure stop: at a point every rank reaches (each save, the end of training) the ranks agree
@@ -249,7 +254,7 @@ class CheckpointManager:
         rec["throughput_gbps"] = rec["bytes"] / (rec["durable_ms"] / 1e3) / 1e9 if rec["durable_ms"] > 0 else 0.0
         self.records.append(rec)
         log.info(f"{'memory ' if level == MEMORY else ''}checkpoint iteration {iteration:8d} | format: "
-                 f"{rec['format']} ({rec['mode']}) | blocking ms: {rec['stall_ms']:.2f} | snapshot ms: "
+                 f"{rec['format']} ({rec['mode']}) | stall ms: {rec['stall_ms']:.2f} | snapshot ms: "
                  f"{rec['snapshot_ms']:.2f} | time to durable ms: {rec['durable_ms']:.2f} | bytes: {rec['bytes']} | "
                  f"throughput GB/s: {rec['throughput_gbps']:.3f}")
 
@@ -266,7 +271,7 @@ class CheckpointManager:
             stall = max(r["stall_ms"] for r in per_rank)
             durable = max(r["durable_ms"] for r in per_rank)
             log.info(f"checkpoint summary iteration {rec['iteration']:8d} | format: {rec['format']} "
-                     f"({rec['mode']}) | max blocking ms over ranks: {stall:.2f} | max time to durable ms: "
+                     f"({rec['mode']}) | max stall ms over ranks: {stall:.2f} | max time to durable ms: "
                      f"{durable:.2f} | bytes all ranks: {total} | throughput GB/s: "
                      f"{(total / (durable / 1e3) / 1e9) if durable > 0 else 0.0:.3f}")
 

@@ -7,8 +7,8 @@
     python tools/convert_checkpoint.py --from datastates --to hf          --input ckpt     --output hf_model
     python tools/convert_checkpoint.py --from hf         --to datastates  --input hf_model --output ckpt_ft
 
---to hf / --from hf: a transformers model directory (Llama, Mixtral, DeepSeek-V3 or GPT-2), streamed layer by layer, see
-docs/huggingface.md.
+--to hf / --from hf: a transformers model directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 or GPT-2),
+streamed layer by layer, see docs/huggingface.md.
 
 --input is a save root (its latest published iteration is converted; --iteration N picks another) or an
 iteration directory. A datastates input must be published (metadata.json present, no `.partial`) and complete

@@ -6,6 +6,8 @@
   mapped, the snapshot copies straight into its pages, nothing is fsynced. Pages of a retired checkpoint are kept
   mapped and reused by the next one: a fresh tmpfs page costs a fault and a zeroing on every save, a reused one
   nothing.
+- `s3.S3Storage` (s3://bucket/prefix, and msc://profile/prefix through `msc.py`): object stores, multipart
+  uploads from the staging slots, publication by the index's PUT, ranged GETs (docs/object-stores.md).
 
 `storage_for(path)` is the backend a path names (its URL scheme; a plain path is a file system's).
 """
@@ -24,6 +26,12 @@ def storage_for(path: str, **options) -> Storage:
     scheme = layout.scheme(path)
     if scheme is None:
         return PosixStorage(**options)
+    if scheme == "s3":
+        from .s3 import s3_storage  # boto3 only where an s3:// path is used
+        return s3_storage(**options)
+    if scheme == "msc":
+        from .msc import msc_storage
+        return msc_storage(path, **options)
     raise CheckpointError(f"{path!r}: no storage backend for {scheme}:// paths")
 
 

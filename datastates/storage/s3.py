@@ -1,0 +1,502 @@
+"""The S3 backend: AWS S3 and the stores that speak its API (SeaweedFS, MinIO, Ceph RGW; msc:// profiles of an S3
+provider through `msc.py`), on boto3's low-level client (docs/object-stores.md).
+
+An object store has no rename, no directories and no fsync; the protocol maps onto it thus:
+- a checkpoint is a key prefix and is written in place: `prepare` returns the final prefix itself, after deleting
+  the index an earlier save of the same iteration left there (that one is invisible from then on);
+- a rank's data file is one multipart upload whose parts are the submitted buffers themselves when they are
+  S3-sized (a staging slot of 5 MiB or more: no copy); smaller submits are copied into a part buffer (at most one
+  copy, at most `2 * upload threads` part buffers alive);
+- publication is the index's PUT (a prefix without it is invisible to every reader), then retention (a retired
+  checkpoint's index is deleted first), then the tracker's PUT; a PUT is durable once acknowledged and visible
+  to every later read (S3's read-after-write consistency);
+- reads are ranged GETs in parallel, straight into the buffer they fill; a reset connection resumes the range
+  where it broke.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import io
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+from .. import _native
+from .. import layout
+from ..errors import CheckpointError
+from .base import DataSink, DataSource, Storage, retention
+
+PART_MIN = 5 << 20  # S3's smallest part, but for the last one
+MAX_PARTS = 10_000
+PART_BYTES = 16 << 20  # a part coalesced from small submits (larger when a file would need more than MAX_PARTS)
+DIRECT_PART_MAX = 64 << 20  # a large submit goes up in parts of at most this (uploaded in parallel)
+GET_BYTES = 16 << 20  # one ranged GET
+READ_RETRIES = 5  # a broken GET resumes at most this often, with doubling sleeps
+DELETE_BATCH = 1000  # DeleteObjects takes at most this many keys
+
+
+@functools.cache
+def boto_errors():
+    """The exceptions boto3 and urllib3 raise for a failed request, and those of a broken response stream."""
+    from botocore import exceptions as bx
+    from urllib3 import exceptions as ux
+    request = (bx.ClientError, bx.BotoCoreError)
+    stream = (bx.ResponseStreamingError, bx.ReadTimeoutError, ux.ProtocolError, ux.ReadTimeoutError, ConnectionError,
+              TimeoutError)
+    return request, stream
+
+
+def as_oserror(e: Exception, url: str) -> OSError:
+    """A boto3 failure as the OSError the engine reports, naming `url` and what to check."""
+    from botocore import exceptions as bx
+    if isinstance(e, bx.ClientError):
+        code = e.response.get("Error", {}).get("Code", "")
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            return OSError(errno.ENXIO, f"the bucket of {url} does not exist", url)
+        if code in ("NoSuchKey", "NoSuchUpload", "404", "NotFound"):
+            return FileNotFoundError(errno.ENOENT, "no such object", url)
+        if status == 403:
+            return PermissionError(errno.EACCES, f"access denied to {url} ({code}): check AWS_ACCESS_KEY_ID, "
+                                                 f"AWS_SECRET_ACCESS_KEY or AWS_PROFILE", url)
+        return OSError(errno.EIO, f"{url}: {code or status}: {e.response.get('Error', {}).get('Message', e)}", url)
+    if isinstance(e, bx.NoCredentialsError):
+        return PermissionError(errno.EACCES, f"no credentials for {url}: set AWS_ACCESS_KEY_ID and "
+                                             f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE", url)
+    if isinstance(e, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
+        return ConnectionRefusedError(errno.ECONNREFUSED, f"cannot reach the S3 endpoint for {url}: {e}", url)
+    return OSError(errno.EIO, f"{url}: {type(e).__name__}: {e}", url)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def memory_of(buffer, nbytes: int) -> memoryview:
+    """The first `nbytes` of a host tensor's memory as a writable byte view, without a copy."""
+    return memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
+
+
+def segment_crcs(view: memoryview, segments: list[tuple[int, int]]) -> list[int]:
+    return [_native.crc32c(view[start:start + n]) for start, n in segments]
+
+
+class PartBody(io.RawIOBase):
+    """A part's bytes as the seekable file boto3 sends (and rewinds for a retry), served as views: no copy."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self.view, self.pos = view, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, pos, whence=io.SEEK_SET):
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence] + pos
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def read(self, n=-1):
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        chunk, self.pos = self.view[self.pos:end], max(self.pos, end)
+        return chunk
+
+    def readinto(self, b):
+        chunk = self.read(len(b))
+        b[:len(chunk)] = chunk
+        return len(chunk)
+
+    def __len__(self):
+        return len(self.view)
+
+
+class MultipartSink(DataSink):
+    """A rank's data object, written in order as a multipart upload (or one PUT when it stays under a part).
+
+    A submit of `PART_MIN` bytes or more that starts a part is uploaded from its own memory (`done()` waits for
+    it: the slot is lent until then); smaller ones are copied into the part being coalesced, which goes up once
+    it holds `part_bytes` (`done()` returns once the copy is made). Failures of coalesced parts surface at
+    `close`."""
+
+    def __init__(self, storage: S3Storage, url: str, nbytes: int):
+        self.storage, self.path = storage, url
+        self.bucket, self.key = storage.locate(url)
+        # big enough that the planned bytes take at most half of MAX_PARTS: room for the objects after them
+        self.part_bytes = max(PART_BYTES, round_up(-(-nbytes // (MAX_PARTS // 2)), 1 << 20))
+        self.upload_id: str | None = None
+        self.parts: list[tuple[int, Future]] = []  # (part number, the future of its ETag)
+        self.end = 0  # bytes submitted
+        self.pending: bytearray | None = None  # the part being coalesced
+        self.fill = 0
+        self.buffers = threading.Semaphore(2 * storage.upload_threads)
+
+    def submit(self, buffer, offset, segments):
+        if offset != self.end:
+            raise OSError(errno.EINVAL, f"an object is written in order: {offset} submitted after {self.end} bytes",
+                          self.path)
+        n = buffer.numel()
+        view = memory_of(buffer, n)
+        crcs = segment_crcs(view, segments)
+        self.end += n
+        direct, pos = [], 0
+        while pos < n:
+            if self.fill == 0 and n - pos >= PART_MIN:
+                take = min(n - pos, DIRECT_PART_MAX)
+                direct.append(self._upload(view[pos:pos + take]))
+            else:
+                take = min(n - pos, self.part_bytes - self.fill)
+                if self.pending is None:
+                    self.buffers.acquire()
+                    self.pending = bytearray(self.part_bytes)
+                self.pending[self.fill:self.fill + take] = view[pos:pos + take]
+                self.fill += take
+                if self.fill == self.part_bytes:
+                    self._ship_pending()
+            pos += take
+        return functools.partial(self._done, direct, crcs)
+
+    def _done(self, direct: list[Future], crcs: list[int]) -> list[int]:
+        for f in direct:
+            f.result()
+        return crcs
+
+    def _upload(self, view: memoryview, release=None) -> Future:
+        if self.upload_id is None:
+            self.upload_id = self.storage.call(self.path, "create_multipart_upload", Bucket=self.bucket,
+                                               Key=self.key)["UploadId"]
+        number = len(self.parts) + 1
+        if number > MAX_PARTS:
+            raise OSError(errno.EFBIG, f"more than {MAX_PARTS} parts: the object is too large for S3", self.path)
+        future = self.storage.uploads.submit(self._put_part, number, view)
+        if release is not None:
+            future.add_done_callback(lambda _: release())
+        self.parts.append((number, future))
+        return future
+
+    def _put_part(self, number: int, view: memoryview) -> str:
+        return self.storage.call(self.path, "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                                 PartNumber=number, Body=PartBody(view), ContentLength=len(view))["ETag"]
+
+    def _ship_pending(self) -> None:
+        pending, fill, self.pending, self.fill = self.pending, self.fill, None, 0
+        self._upload(memoryview(pending)[:fill], release=self.buffers.release)
+
+    def close(self, nbytes):
+        if nbytes != self.end:
+            raise OSError(errno.EINVAL, f"{self.end} bytes were submitted, {nbytes} closed", self.path)
+        if self.upload_id is None:  # under one part: a single PUT
+            body = memoryview(self.pending or b"")[:self.fill]
+            self.storage.call(self.path, "put_object", Bucket=self.bucket, Key=self.key, Body=PartBody(body),
+                              ContentLength=len(body))
+            self.pending, self.fill = None, 0
+            return
+        if self.fill:
+            self._ship_pending()
+        done = [{"PartNumber": number, "ETag": future.result()} for number, future in self.parts]
+        self.storage.call(self.path, "complete_multipart_upload", Bucket=self.bucket, Key=self.key,
+                          UploadId=self.upload_id, MultipartUpload={"Parts": done})
+        self.upload_id = None
+
+    def discard(self):
+        """Let the parts in flight end, then abort the upload (its parts are freed, no object appears)."""
+        wait([f for _, f in self.parts])
+        if self.upload_id is not None:
+            self.storage.call(self.path, "abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                              UploadId=self.upload_id)
+            self.upload_id = None
+
+
+class RangedSource(DataSource):
+    """A published data object: a read is ranged GETs of `GET_BYTES` in parallel, each straight into its slice
+    of the target buffer; the segments' crc32c is computed once all have landed."""
+
+    streams = True
+
+    def __init__(self, storage: S3Storage, url: str):
+        self.storage, self.path = storage, url
+        self.bucket, self.key = storage.locate(url)
+        self._size: int | None = None
+
+    def size(self):
+        if self._size is None:
+            self._size = self.storage.size(self.path)
+        return self._size
+
+    def submit(self, buffer, nbytes, offset, segments):
+        view = memory_of(buffer, nbytes)
+        gets = [self.storage.downloads.submit(self._get, view[p:p + GET_BYTES], offset + p)
+                for p in range(0, nbytes, GET_BYTES)]
+        return functools.partial(self._done, gets, view, segments)
+
+    @staticmethod
+    def _done(gets: list[Future], view: memoryview, segments: list[tuple[int, int]]) -> list[int]:
+        for f in gets:
+            f.result()
+        return segment_crcs(view, segments)
+
+    def _get(self, view: memoryview, offset: int) -> None:
+        """GET `len(view)` bytes at `offset` into `view`; a connection that breaks mid-body is asked again for
+        the bytes still missing (READ_RETRIES times, sleeping 0.1 s, 0.2 s, ...)."""
+        _, broken = boto_errors()
+        got, failures = 0, 0
+        while got < len(view):
+            try:
+                end = offset + len(view) - 1
+                body = self.storage.call(self.path, "get_object", Bucket=self.bucket, Key=self.key,
+                                         Range=f"bytes={offset + got}-{end}")["Body"]
+                while got < len(view):
+                    k = body.readinto(view[got:])
+                    if not k:
+                        raise OSError(errno.EIO, f"short read: the object ends before byte {offset + got}",
+                                      self.path)
+                    got += k
+            except broken as e:
+                failures += 1
+                if failures > READ_RETRIES:
+                    raise OSError(errno.EIO, f"reading bytes {offset}-{offset + len(view) - 1} of {self.path} "
+                                             f"broke {failures} times: {e}", self.path) from e
+                time.sleep(0.1 * 2 ** (failures - 1))
+
+
+class S3Storage(Storage):
+    """Checkpoints under URLs that `locate` maps to (bucket, key), reached with `client` (a boto3 S3 client,
+    thread-safe and shared). Uploads run on `writer_threads` threads, ranged GETs on `read_threads`; `fsync`,
+    `direct_io` and `read_mode` are the file system's and mean nothing here (an acknowledged PUT is durable, a
+    read lands straight in its target): they are accepted so that one set of --ckpt-* flags serves both.
+
+    Retired checkpoints are deleted by rank 0 alone: one listing and one DeleteObjects per 1000 keys, fewer
+    requests than a DELETE per object from each rank, and it also removes the files of a larger earlier world."""
+
+    fsync = False
+
+    def __init__(self, locate, client, writer_threads: int = 4, read_threads: int = 8, fsync: bool = True,
+                 direct_io: str = "auto", read_mode: str = "stream"):
+        if writer_threads < 1 or read_threads < 1:
+            raise ValueError(f"writer_threads and read_threads must be >= 1, got {writer_threads}, {read_threads}")
+        self.locate, self.client = locate, client
+        self.upload_threads = writer_threads
+        self.uploads = ThreadPoolExecutor(writer_threads, thread_name_prefix="ds-s3-put")
+        self.downloads = ThreadPoolExecutor(read_threads, thread_name_prefix="ds-s3-get")
+        self._published: dict[str, list[int]] = {}
+
+    def call(self, url: str, operation: str, **params):
+        """One S3 request about `url` (boto3 retries throttling and transient failures with backoff); a failure
+        as an OSError naming `url`."""
+        try:
+            return getattr(self.client, operation)(**params)
+        except boto_errors()[0] as e:
+            raise as_oserror(e, url) from None
+
+    def _prefix(self, url: str) -> tuple[str, str]:
+        bucket, key = self.locate(url)
+        return bucket, key.rstrip("/") + "/" if key else ""
+
+    # ----- saving -----
+
+    def prepare(self, final):
+        final = layout.normalize(final)
+        self._delete_key(layout.join(final, layout.METADATA))
+        return final
+
+    def open_data(self, partial, rank, nbytes):
+        return MultipartSink(self, layout.join(partial, layout.data_file(rank)), nbytes)
+
+    def write_manifest(self, partial, rank, doc):
+        self._put(layout.join(partial, layout.manifest_file(rank)), doc)
+
+    def publish(self, partial, final, index, keep_last):
+        """The index makes the checkpoint visible; then retention retires old checkpoints (each index deleted,
+        so none is visible, before `delete` removes the rest), then the tracker names the new one. A crash after
+        the index leaves the tracker naming an older checkpoint or a retired one: `tracker.find_latest` then
+        takes the newest published, the new one."""
+        self._put(layout.join(final, layout.METADATA), index)
+        root = layout.parent(final)
+        iteration = layout.iteration_of(final)
+        retired = []
+        if iteration is not None:
+            if keep_last is not None:
+                if root not in self._published:
+                    self._published[root] = self.published(root)
+                for doomed in retention(self._published[root], keep_last, iteration):
+                    path = layout.checkpoint_dir(root, doomed)
+                    self._delete_key(layout.join(path, layout.METADATA))
+                    retired.append(path)
+            self.write_tracker(root, iteration)
+        return retired
+
+    def abandon(self, partial):
+        self._remove_prefix(partial)
+
+    def delete(self, retired, rank, world_size):
+        if rank == 0:
+            for path in retired:
+                self._remove_prefix(path)
+
+    def close(self):
+        self.uploads.shutdown()
+        self.downloads.shutdown()
+
+    # ----- reading -----
+
+    def open_source(self, path):
+        return RangedSource(self, path)
+
+    def read_bytes(self, path):
+        bucket, key = self.locate(path)
+        return self.call(path, "get_object", Bucket=bucket, Key=key)["Body"].read()
+
+    def version(self, path):
+        head = self._head(path)
+        return None if head is None else (head["ETag"], head["LastModified"], head["ContentLength"])
+
+    # ----- the save root -----
+
+    def list(self, path):
+        bucket, prefix = self._prefix(path)
+        names = []
+        for page in self._pages(path, "list_objects_v2", "ContinuationToken", "NextContinuationToken",
+                                Bucket=bucket, Prefix=prefix, Delimiter="/"):
+            names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+            names += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
+        return names
+
+    def exists(self, path):
+        if self._head(path) is not None:
+            return True
+        bucket, prefix = self._prefix(path)
+        return self.call(path, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
+
+    def size(self, path):
+        head = self._head(path)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        return head["ContentLength"]
+
+    def write_tracker(self, root, iteration):
+        self._put(layout.join(root, layout.TRACKER), str(iteration).encode())
+
+    def clean_leftovers(self, root):
+        """Prefixes of iterations without an index that the tracker does not name go (killed saves, retired
+        checkpoints whose deletion was cut short), and every multipart upload still open under `root`."""
+        try:
+            tracked = self.read_bytes(layout.join(root, layout.TRACKER)).decode().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            tracked = ""
+        removed = []
+        for name in self.list(root):
+            path = layout.join(root, name)
+            iteration = layout.iteration_of(name)
+            unfinished = name.endswith(layout.PARTIAL) or layout.DELETING in name
+            doomed = unfinished or (iteration is not None and str(iteration) != tracked and not self.is_published(path))
+            if doomed and self._remove_prefix(path):  # an emptied prefix may still be listed (SeaweedFS)
+                removed.append(path)
+        bucket, prefix = self._prefix(root)
+        for upload in self._uploads(root, bucket, prefix):
+            self.call(root, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            removed.append(f"{root} (an open multipart upload of {upload['Key']})")
+        return removed
+
+    # ----- requests -----
+
+    def _put(self, url: str, data: bytes) -> None:
+        bucket, key = self.locate(url)
+        self.call(url, "put_object", Bucket=bucket, Key=key, Body=data)
+
+    def _head(self, url: str) -> dict | None:
+        bucket, key = self.locate(url)
+        try:
+            return self.call(url, "head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return None
+
+    def _delete_key(self, url: str) -> None:
+        bucket, key = self.locate(url)
+        self.call(url, "delete_object", Bucket=bucket, Key=key)
+
+    def _pages(self, url: str, operation: str, token_in: str, token_out: str, **params):
+        """Every page of a listing request."""
+        while True:
+            page = self.call(url, operation, **params)
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            params[token_in] = page[token_out]
+
+    def _uploads(self, url: str, bucket: str, prefix: str) -> list[dict]:
+        uploads, params = [], {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            page = self.call(url, "list_multipart_uploads", **params)
+            uploads += page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return uploads
+            params.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+
+    def _remove_prefix(self, url: str) -> int:
+        """Everything under the prefix `url`: its open multipart uploads aborted, its objects deleted; how many
+        there were."""
+        bucket, prefix = self._prefix(url)
+        uploads = self._uploads(url, bucket, prefix)
+        for upload in uploads:
+            self.call(url, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        keys = [o["Key"] for page in self._pages(url, "list_objects_v2", "ContinuationToken",
+                                                 "NextContinuationToken", Bucket=bucket, Prefix=prefix)
+                for o in page.get("Contents", [])]
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": k} for k in keys[start:start + DELETE_BATCH]]
+            reply = self.call(url, "delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+            if reply.get("Errors"):
+                first = reply["Errors"][0]
+                raise OSError(errno.EIO, f"cannot delete {first.get('Key')}: {first.get('Message')}", url)
+        return len(uploads) + len(keys)
+
+
+def client(endpoint: str | None, region: str | None, profile: str | None, connections: int, credentials=None):
+    """A boto3 S3 client: standard retries (throttling and transient errors, with backoff; AWS_MAX_ATTEMPTS,
+    default 5), path-style addressing (a bucket need not be a host name: SeaweedFS, MinIO), and no checksum of
+    its own on requests (every chunk carries this engine's crc32c, checked at every load). Clients are shared
+    per configuration: making one costs tens of milliseconds."""
+    return _client(endpoint, region, profile, connections, tuple(credentials or ()),
+                   int(os.environ.get("AWS_MAX_ATTEMPTS", 5)))
+
+
+@functools.lru_cache(maxsize=16)
+def _client(endpoint, region, profile, connections, credentials, attempts):
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise ImportError("s3:// and msc:// checkpoints need boto3: pip install 'datastates-llm[s3]'") from None
+    keys = dict(zip(("aws_access_key_id", "aws_secret_access_key", "aws_session_token"), credentials))
+    session = boto3.Session(profile_name=profile, region_name=region, **keys)
+    config = Config(retries={"mode": "standard", "max_attempts": attempts},
+                    max_pool_connections=connections, s3={"addressing_style": "path"},
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    return session.client("s3", endpoint_url=endpoint, config=config)
+
+
+def s3_url_location(url: str) -> tuple[str, str]:
+    """s3://bucket/key -> (bucket, key)."""
+    bucket, _, key = layout.normalize(url)[len("s3://"):].partition("/")
+    if not bucket:
+        raise CheckpointError(f"{url!r}: an s3:// path names a bucket: s3://bucket/prefix")
+    return bucket, key
+
+
+def s3_storage(writer_threads: int = 4, read_threads: int = 8, **options) -> S3Storage:
+    """The backend of s3:// paths: endpoint, region, profile and credentials from the standard AWS variables and
+    files (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE, AWS_ACCESS_KEY_ID, ...)."""
+    env = os.environ.get
+    profile = env("AWS_PROFILE")
+    keys = None if profile else tuple(env(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                        "AWS_SESSION_TOKEN") if env(k))
+    c = client(env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL"), env("AWS_REGION") or env("AWS_DEFAULT_REGION"),
+               profile, max(writer_threads, read_threads) + 2, keys)
+    return S3Storage(s3_url_location, c, writer_threads, read_threads, **options)

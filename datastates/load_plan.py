@@ -34,6 +34,13 @@ class Piece(NamedTuple):
     stop: int
     copies: tuple
 
+    def place(self, buffer, dst, copy: Callable) -> None:
+        """Hand each of the piece's runs in `buffer` (its verified bytes) to `copy(target view, run)`."""
+        src = buffer[:self.stop - self.start].view(dst.dtype)
+        for c in self.copies:
+            run = src[c.start:c.start + volume(c.run)].view(c.run)
+            copy(dst[c.dst], run[c.src])
+
 
 @dataclasses.dataclass(frozen=True)
 class BoxRead:
@@ -54,22 +61,33 @@ class BoxRead:
         """The box as slices of the target."""
         return self.box.index(self.origin)
 
-    def pieces(self, piece_bytes: int) -> Iterator[Piece]:
-        """The rows of the item that hold the box, widened to whole checksum chunks, in pieces of as many chunks
-        as `piece_bytes` allows (at least one)."""
+    def span(self) -> tuple[int, int]:
+        """The checksum chunks [first, end) of the item that hold the rows of the box."""
         item, (s_off, s_shape) = self.item, self.item.box
         esize = item.element_size
         row_bytes = esize * volume(s_shape[1:])
         rows = self.box.offset[0] - s_off[0] if s_shape else 0
         lo, hi = (rows * row_bytes, (rows + self.box.shape[0]) * row_bytes) if s_shape else (0, esize)
-        local = Box(tuple(o - so for o, so in zip(self.box.offset, s_off)), self.box.shape)
         cb = item.chunk_bytes or item.nbytes
-        first, end = lo // cb, -(-hi // cb)
+        return lo // cb, -(-hi // cb)
+
+    def pieces(self, piece_bytes: int, span: tuple[int, int] | None = None) -> Iterator[Piece]:
+        """The rows of the item that hold the box, widened to whole checksum chunks (or the chunks `span` of
+        them), in pieces of as many chunks as `piece_bytes` allows (at least one)."""
+        cb = self.item.chunk_bytes or self.item.nbytes
+        first, end = span or self.span()
         while first < end:
             last = max(first + 1, min(end, first + max(1, piece_bytes // cb)))
-            start, stop = first * cb, min(last * cb, item.nbytes)
-            yield Piece(first, last, start, stop, tuple(self._copies(local, start // esize, stop // esize)))
+            yield self.piece(first, last)
             first = last
+
+    def piece(self, first: int, last: int) -> Piece:
+        """Chunks [first, last) of the item, and the copies of their elements that lie in the box."""
+        item, s_off = self.item, self.item.box.offset
+        esize, cb = item.element_size, item.chunk_bytes or item.nbytes
+        local = Box(tuple(o - so for o, so in zip(self.box.offset, s_off)), self.box.shape)
+        start, stop = first * cb, min(last * cb, item.nbytes)
+        return Piece(first, last, start, stop, tuple(self._copies(local, start // esize, stop // esize)))
 
     def _copies(self, local: Box, lo: int, hi: int) -> Iterator[Copy]:
         """The copies out of the item's elements [lo, hi) into the target: `local` is the box in the item's own

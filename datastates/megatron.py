@@ -26,6 +26,7 @@ import torch
 
 from .names import (COMMON_PREFIX, FLAT_SUFFIX, common_name, common_path, flat_name, is_flat, parse_shard_name,
                     shard_name)
+from .exchange import Exchange
 from .schema import Kind, Scope
 from .providers import (ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider,
                         TensorProvider)
@@ -349,10 +350,17 @@ def _any_shape_mismatch_allowed(state) -> bool:
     return any(isinstance(x, ShardedTensor) and x.allow_shape_mismatch for x in _sharded_leaves(state))
 
 
-def load_sharded(engine, sharded_state_dict: dict, path: str) -> dict:
-    """Load into the tensors of `sharded_state_dict` (in place) and return a megatron-style state dict."""
+def load_sharded(engine, sharded_state_dict: dict, path: str, exchange: Optional[Exchange] = None) -> dict:
+    """Load into the tensors of `sharded_state_dict` (in place) and return a megatron-style state dict.
+
+    `exchange`: every rank of its group loads at once, and each saved byte several of them want is read by one
+    and passed to the others (--ckpt-fully-parallel-load)."""
     if _any_shape_mismatch_allowed(sharded_state_dict):
         sharded_state_dict = _fit_saved_shapes(sharded_state_dict, _saved_global_shapes(engine, path))
     template, nonpersistent, factories = prepare_for_load(sharded_state_dict)
-    loaded = engine.load(path, template=template)
+    if exchange is None:
+        loaded = engine.load(path, template=template)
+    else:
+        engine.wait_for_snapshot()  # as engine.load: a save still copying the live state finishes first
+        loaded = engine.reader(path).load(engine.rank, template, exchange=exchange)
     return finalize_load(template, loaded, nonpersistent, factories)

@@ -8,6 +8,7 @@ straight into is undefined).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -28,10 +29,28 @@ if TYPE_CHECKING:
 READ_AHEAD_BYTES = 256 << 20
 
 
-def _aligned_empty(nbytes: int) -> torch.Tensor:
+def aligned_empty(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes]
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What a reader moved since it was opened: bytes and requests read from storage (each verified), and the
+    bytes it passed to and received from other ranks (`exchange`) instead of reading them."""
+
+    bytes_read: int = 0
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def describe(self) -> str:
+        text = f"read {self.bytes_read / 1e6:.1f} MB from storage in {self.requests} requests"
+        if self.bytes_sent or self.bytes_received:
+            text += (f", {self.bytes_received / 1e6:.1f} MB received from and {self.bytes_sent / 1e6:.1f} MB "
+                     f"passed to other ranks")
+        return text
 
 
 class _Read(NamedTuple):
@@ -92,6 +111,8 @@ class Reads:
             segments = [(s - start, n) for s, n in chunks]
             source = self.reader.data_source(rank, self.problems)
             done = source.submit(dst, nbytes, item.offset + start, segments)
+            self.reader.stats.bytes_read += nbytes
+            self.reader.stats.requests += 1
         except BaseException:  # nothing was submitted: the memory goes back now
             self.fresh -= fresh
             if slot is not None:
@@ -110,7 +131,7 @@ class Reads:
                 else:
                     self.complete_oldest()
             self.fresh += nbytes
-            return _aligned_empty(nbytes), None, nbytes
+            return aligned_empty(nbytes), None, nbytes
         if self.ahead + nbytes > self.window:  # never with nothing pending: a slot fits in the window
             while self.pending and self.ahead + nbytes > self.window:
                 self.complete_oldest()

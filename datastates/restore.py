@@ -20,13 +20,14 @@ import torch
 from . import format as fmt
 from . import layout, tracker
 from .errors import CheckpointCorruptError, CheckpointError
-from .load_plan import BoxRead, Piece, plan_global, plan_whole
+from .load_plan import BoxRead, plan_global, plan_whole
 from .problems import Problems
 from .names import common_path
 from .providers import ProviderRegistry, default_registry, item_ids, unflatten
-from .reads import Reads
-from .schema import Box, Item, Kind, RankPart, Scope, Shard, dtype_from_name, dtype_name, volume
+from .reads import LoadStats, Reads
+from .schema import Box, Item, Kind, RankPart, Scope, Shard, dtype_from_name, dtype_name
 from .copies import CopyBackend, HostCopyBackend
+from .exchange import Exchange
 from .slots import StagingPool
 from .storage import DataSource, Storage, storage_for
 
@@ -69,6 +70,7 @@ class CheckpointReader:
         self._sources: dict[int, DataSource] = {}
         self._global: dict[str, list[Shard]] | None = None
         self._owned: tuple = ()
+        self.stats = LoadStats()  # what this reader read from storage and passed between ranks
 
     @classmethod
     def open(cls, path: str, threads: int = 4, staging_bytes: int = 256 << 20,
@@ -161,10 +163,43 @@ class CheckpointReader:
     # ----- load -----
 
     @torch.no_grad()
-    def load(self, rank: int, template: Any = None, problems: Problems | None = None) -> Any:
+    def load(self, rank: int, template: Any = None, problems: Problems | None = None,
+             exchange: Exchange | None = None) -> Any:
         """The state `rank` saved, or `template` filled in place from any layout. With `problems`, a damaged
         read is reported there and the load goes on: the damaged part of its target is undefined (an object
-        is None)."""
+        is None). With `exchange` (a template's load, on every rank of its group at once) each saved byte
+        that several ranks want is read by one of them and passed to the others."""
+        values: dict[str, Any] = {}
+        get = values.__getitem__ if problems is None else values.get
+        problems = problems if problems is not None else Problems.stop()
+        try:
+            skeleton, tensors, objects = self._load_plan(rank, template, values, problems, exchange is not None)
+        except CheckpointError as e:
+            if exchange is None:
+                raise
+            exchange.agree(self, [], [], e)  # raises on every rank, naming this one
+        if exchange is None:
+            with Reads(self, problems) as reads:
+                for read, dst in tensors:
+                    self._execute(read, dst, reads)
+                for saved_rank, item, take in objects:
+                    self._queue_object(saved_rank, item, reads, take)
+        else:
+            plan, error = exchange.agree(self, tensors, objects), None
+            try:
+                with Reads(self, problems) as reads:
+                    for read, dst, span in plan.local_tensors:
+                        self._execute(read, dst, reads, span)
+                    for saved_rank, item, take in plan.local_objects:
+                        self._queue_object(saved_rank, item, reads, take)
+            except CheckpointError as e:
+                error = e
+            exchange.move(self, plan, error)
+        return unflatten(skeleton, get)
+
+    def _load_plan(self, rank: int, template: Any, values: dict, problems: Problems, shared: bool):
+        """(skeleton, tensor reads, object reads) of a load; `values` receives each target (an object once it is
+        read). `shared`: every rank reads a global object from the same saved copy (the exchange passes it)."""
         # a rank beyond the saved world (loading into more ranks) can still fill global items
         own = self.items(rank) if template is None or rank < self.world_size else {}
         if template is None:
@@ -175,19 +210,22 @@ class CheckpointReader:
         else:
             skeleton, entries = self.registry.flatten(template)
             wanted = [(e.item, _writable(e.source) if e.item.kind == Kind.TENSOR else None) for e in entries]
-        values: dict[str, Any] = {}
-        with Reads(self, problems) as reads:
-            for target, dst in wanted:
-                if target.kind == Kind.OBJECT:
-                    self._queue_object(*self._saved_object(target, own, rank), reads,
-                                       lambda value, key=target.id: values.__setitem__(key, value))
-                    continue
-                values[target.id] = dst
-                if target.scope == Scope.GLOBAL:
-                    self._read_global(target, dst, reads)
-                else:
-                    self._read_whole(rank, self._saved_tensor(target, own, rank), dst, reads)
-        return unflatten(skeleton, values.__getitem__ if problems is None else values.get)
+        tensors: list[tuple[BoxRead, torch.Tensor]] = []
+        objects = []
+        for target, dst in wanted:
+            if target.kind == Kind.OBJECT:
+                saved_rank, item = self._saved_object(target, own, rank, shared)
+                objects.append((saved_rank, item, self._unpickler(
+                    saved_rank, item, problems, functools.partial(values.__setitem__, target.id))))
+                continue
+            values[target.id] = dst
+            if target.scope == Scope.GLOBAL:
+                reads = self._plan_box(target.name, Box(tuple(target.global_offset), tuple(dst.shape)),
+                                       target.global_shape, dst)
+            else:
+                reads = plan_whole(rank, self._saved_tensor(target, own, rank))
+            tensors.extend((read, dst) for read in reads)
+        return skeleton, tensors, objects
 
     def _check_skeleton(self, skeleton: Any, own: dict[str, Item], rank: int) -> None:
         """Every leaf of the saved structure must be an item of the index. The structure is pickled in the data
@@ -207,14 +245,14 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.path!r} (rank {rank}) has no item {key!r}")
         return items[key]
 
-    def _saved_object(self, target: Item, own: dict[str, Item], rank: int) -> tuple[int, Item]:
+    def _saved_object(self, target: Item, own: dict[str, Item], rank: int, shared: bool) -> tuple[int, Item]:
         if target.scope == Scope.LOCAL:
             saved = self._item(own, target.id, rank)
             if saved.kind != Kind.OBJECT:
                 raise CheckpointError(f"checkpoint {self.path!r} item {target.id!r} is a {saved.kind}, "
                                       f"the target wants an object")
             return rank, saved
-        return self._global_object(target.name, rank)
+        return self._global_object(target.name, None if shared else rank)
 
     def _saved_tensor(self, target: Item, own: dict[str, Item], rank: int) -> Item:
         saved = self._item(own, target.id, rank)
@@ -307,8 +345,9 @@ class CheckpointReader:
         with Reads(self, problems) as reads:
             for item in wanted:
                 if item.kind == Kind.OBJECT:
-                    self._queue_object(*self._saved_object(item, own, 0), reads,
-                                       functools.partial(values.__setitem__, item.id))
+                    saved_rank, saved = self._saved_object(item, own, 0, False)
+                    self._queue_object(saved_rank, saved, reads, self._unpickler(
+                        saved_rank, saved, reads.problems, functools.partial(values.__setitem__, item.id)))
                 else:
                     values[item.id] = dst = torch.empty(item.shape, dtype=dtype_from_name(item.dtype))
                     self._read_whole(0, item, dst, reads)
@@ -317,17 +356,21 @@ class CheckpointReader:
 
     def _read_box(self, name: str, box: Box, global_shape: tuple, dst: torch.Tensor, reads: Reads) -> None:
         """Fill `dst` with the `box` of the global tensor `name` from every saved shard it overlaps."""
-        plan = plan_global(f"checkpoint {self.path!r}", name, box, tuple(global_shape), dtype_name(dst.dtype),
-                           self.global_index().get(name, ()), self.shard_item)
-        for read in plan:
+        for read in self._plan_box(name, box, global_shape, dst):
             self._execute(read, dst, reads)
 
-    def _global_object(self, name: str, rank: int) -> tuple[int, Item]:
-        """The saved copy of the global object `name` to read: `rank`'s own when it wrote one."""
+    def _plan_box(self, name: str, box: Box, global_shape: tuple, dst: torch.Tensor) -> list[BoxRead]:
+        """The reads that fill `dst` with the `box` of the global tensor `name` (`load_plan.plan_global`)."""
+        return plan_global(f"checkpoint {self.path!r}", name, box, tuple(global_shape), dtype_name(dst.dtype),
+                           self.global_index().get(name, ()), self.shard_item)
+
+    def _global_object(self, name: str, rank: int | None) -> tuple[int, Item]:
+        """The saved copy of the global object `name` to read: `rank`'s own when it wrote one, else (or with no
+        rank) the lowest rank's."""
         holders = [sh for sh in self.global_index().get(name, []) if sh.kind == Kind.OBJECT]
         if not holders:
             raise CheckpointError(f"checkpoint {self.path!r} has no object named {name!r}")
-        shard = min(holders, key=lambda sh: sh.rank != rank)
+        shard = min(holders, key=lambda sh: (sh.rank != rank, sh.rank))
         return shard.rank, self.shard_item(shard)
 
     # ----- the reads of a load, a check and the by-name API -----
@@ -345,58 +388,49 @@ class CheckpointReader:
     def _read_object(self, rank: int, item: Item, problems: Problems | None = None) -> Any:
         out = []
         with Reads(self, problems) as reads:
-            self._queue_object(rank, item, reads, out.append)
+            self._queue_object(rank, item, reads, self._unpickler(rank, item, reads.problems, out.append))
         return out[0] if out else None  # nothing: damaged, reported to `problems`
 
-    def _queue_object(self, rank: int, item: Item, reads: Reads, then: Callable[[Any], None]) -> None:
-        """Read a pickled object in the load's batch; `then` receives it once its bytes are verified."""
+    def _unpickler(self, rank: int, item: Item, problems: Problems, then: Callable[[Any], None]):
+        """What takes the verified bytes of a pickled object: `then` receives the object."""
         path = self.data_path(rank)
 
         def unpickle(buffer: torch.Tensor) -> None:
             try:
                 value = fmt.loads(buffer.numpy().tobytes(), f"{item.id!r} in {path!r}")
             except CheckpointError as e:
-                reads.problems.add(path, str(e), type(e), rank=rank, item=item.id, offset=item.offset)
+                problems.add(path, str(e), type(e), rank=rank, item=item.id, offset=item.offset)
                 return
             then(value)
-        buf, slot, fresh = reads.buffer(item.nbytes)
-        reads.read_chunks(rank, item, 0, len(item.chunks()), buf, unpickle, slot, fresh)
+        return unpickle
 
-    def _read_global(self, target: Item, dst: torch.Tensor, reads: Reads) -> None:
-        """Fill the target shard `dst` (box target.global_offset + dst.shape) from every saved shard it overlaps."""
-        self._read_box(target.name, Box(tuple(target.global_offset), tuple(dst.shape)), target.global_shape, dst,
-                       reads)
+    def _queue_object(self, rank: int, item: Item, reads: Reads, take: Callable[[torch.Tensor], None]) -> None:
+        """Read a pickled object in the load's batch; `take` (an `_unpickler`) receives its verified bytes."""
+        buf, slot, fresh = reads.buffer(item.nbytes)
+        reads.read_chunks(rank, item, 0, len(item.chunks()), buf, take, slot, fresh)
 
     def _read_whole(self, rank: int, saved: Item, dst: torch.Tensor, reads: Reads) -> None:
         """Fill `dst` (of the saved shape) with the whole saved item."""
         for read in plan_whole(rank, saved):
             self._execute(read, dst, reads)
 
-    def _execute(self, read: BoxRead, dst: torch.Tensor, reads: Reads) -> None:
-        """Submit one box read of the load plan into `dst`.
+    def _execute(self, read: BoxRead, dst: torch.Tensor, reads: Reads, span: tuple[int, int] | None = None) -> None:
+        """Submit one box read of the load plan into `dst` (only its item's chunks `span`, when given).
 
         A whole saved item bound for a contiguous host view is streamed straight into it (`Reads.reads_into`).
         Otherwise the read goes in pieces through the slots, and each piece's part of the box is copied out. In
         read mode "parallel" even a whole tensor into a contiguous host target goes through the slots: O_DIRECT
         into the same few hot slots, then a memcpy on the copy threads, is faster than O_DIRECT straight into
         the target's own pages (measured: docs/architecture.md, "A load")."""
-        if read.whole:
+        if read.whole and span in (None, read.span()):
             view = dst[read.dst]
             if reads.reads_into(read.rank, view):
                 reads.read_chunks(read.rank, read.item, 0, len(read.item.crcs), view.reshape(-1).view(torch.uint8))
                 return
-        for piece in read.pieces(reads.pool.slot_bytes):
+        for piece in read.pieces(reads.pool.slot_bytes, span):
             buf, slot, fresh = reads.buffer(piece.stop - piece.start)
             reads.read_chunks(read.rank, read.item, piece.first, piece.last, buf,
-                              functools.partial(_place, reads, piece, dst), slot, fresh)
-
-
-def _place(reads: Reads, piece: Piece, dst: torch.Tensor, buf: torch.Tensor) -> None:
-    """Copy a verified piece's elements out into the target."""
-    src = buf[:piece.stop - piece.start].view(dst.dtype)
-    for copy in piece.copies:
-        run = src[copy.start:copy.start + volume(copy.run)].view(copy.run)
-        reads.place(dst[copy.dst], run[copy.src])
+                              functools.partial(piece.place, dst=dst, copy=reads.place), slot, fresh)
 
 
 def _chunk_groups(item: Item, max_bytes: int):

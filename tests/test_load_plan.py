@@ -3,7 +3,7 @@
 Each case saves a logical tensor as shards of one layout (items described as the index would describe them) and
 plans a target of another layout: TP split and merge, a DP reshard of flat ranges, items chunked smaller than
 a row, pieces smaller than an item. The plan is then run against the saved bytes held in memory, with the
-reader's own copy-out (`restore._place`), and must give exactly the target's part of the logical tensor, while
+reader's own copy-out (`Piece.place`), and must give exactly the target's part of the logical tensor, while
 reading only the chunks that hold it.
 """
 import pytest
@@ -11,7 +11,6 @@ import torch
 
 from datastates.errors import CheckpointCorruptError, CheckpointError
 from datastates.load_plan import plan_global, plan_whole
-from datastates.restore import _place
 from datastates.schema import Box, Item, Shard
 
 FULL = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
@@ -40,9 +39,8 @@ def plan(items, target, dtype="float32", global_shape=(8, 6)):
                        lambda shard: items[shard.rank])
 
 
-class _Copies:
-    def place(self, dst, src):
-        dst.copy_(src)
+def _copy(dst, src):
+    dst.copy_(src)
 
 
 def execute(reads, full, target, piece_bytes):
@@ -54,7 +52,7 @@ def execute(reads, full, target, piece_bytes):
         for piece in read.pieces(piece_bytes):
             assert piece.stop - piece.start <= max(piece_bytes, read.item.chunk_bytes)
             chunks.setdefault(read.rank, []).extend(range(piece.first, piece.last))
-            _place(_Copies(), piece, dst, data[piece.start:piece.stop].clone())
+            piece.place(data[piece.start:piece.stop].clone(), dst, _copy)
     return dst, chunks
 
 
@@ -127,7 +125,7 @@ def test_whole_local_items_and_scalars():
     assert reads[0].whole and reads[0].dst == ()
     [piece] = reads[0].pieces(1 << 20)
     dst = torch.zeros(())
-    _place(_Copies(), piece, dst, torch.tensor(2.5).reshape(1).view(torch.uint8))
+    piece.place(torch.tensor(2.5).reshape(1).view(torch.uint8), dst, _copy)
     assert dst.item() == 2.5
     empty = Item(id="e", kind="tensor", dtype="float32", shape=(0, 3), offset=0, nbytes=0)
     assert plan_whole(0, empty) == []

@@ -46,10 +46,9 @@ class LoadStats:
     bytes_received: int = 0
 
     def describe(self) -> str:
-        text = f"read {self.bytes_read / 1e6:.1f} MB from storage in {self.requests} requests"
+        text = f"read {self.bytes_read:,} B from storage in {self.requests} requests"
         if self.bytes_sent or self.bytes_received:
-            text += (f", {self.bytes_received / 1e6:.1f} MB received from and {self.bytes_sent / 1e6:.1f} MB "
-                     f"passed to other ranks")
+            text += f", {self.bytes_received:,} B received from and {self.bytes_sent:,} B passed to other ranks"
         return text
 
 

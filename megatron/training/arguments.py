@@ -264,8 +264,12 @@ def _add_checkpoint_args(p):
                    default=True, help="spread replicated state over the DP ranks (always, with datastates)")
     g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
                    help="torch_dist only: DP rank 0 writes the replicated state")
-    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
-                   help="torch_dist: megatron-core's fully parallel load (datastates ranks always read in parallel)")
+    g.add_argument("--ckpt-fully-parallel-load", dest="ckpt_fully_parallel_load", action="store_true", default=None,
+                   help="read each saved byte from storage once per job and pass it between the ranks that need it "
+                        "(datastates: the exchange; torch_dist: megatron-core's fully parallel load) [datastates: on "
+                        "for object stores, off on file systems]")
+    g.add_argument("--no-ckpt-fully-parallel-load", dest="ckpt_fully_parallel_load", action="store_false",
+                   help="every rank reads what it needs itself, replicas included")
     g.add_argument("--ckpt-assume-constant-structure", action="store_true",
                    help="torch_dist: reuse the save plan (datastates always reuses it while the structure holds)")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",

@@ -92,8 +92,9 @@ class CheckpointLoader:
             log.info(f"resharded checkpoint {ckpt_dir} from {describe_layout(saved_layout)} to "
                      f"{describe_layout(current_layout())}")
         consumed = int(loaded["train_state"]["consumed_train_samples"])
+        stats = saver.read_stats(ckpt_dir)
         log.info(f"successfully loaded checkpoint from {source} ({saver.name}) at iteration {it} "
-                 f"in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+                 f"in {(time.perf_counter() - t0) * 1e3:.1f} ms" + ("" if stats is None else f"; {stats.describe()}"))
         return it, consumed
 
     def load_whole(self, state: dict, source: str) -> tuple[int, int]:

@@ -22,7 +22,9 @@ from megatron.core import parallel_state as ps
 
 from datastates import CheckpointEngine, CheckpointError
 from datastates import layout, tracker
+from datastates.exchange import Exchange
 from datastates.pipeline import SaveHandle
+from datastates.reads import LoadStats
 from datastates.storage import DEFAULT_READ_THREADS, storage_for
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
@@ -90,6 +92,10 @@ class Saver:
         the keys under the optimizer's entry)."""
         raise NotImplementedError
 
+    def read_stats(self, ckpt_dir: str) -> LoadStats | None:
+        """What this rank read of `ckpt_dir` from storage and passed between ranks, where the format counts it."""
+        return None
+
     def close(self) -> None:
         """Finish every pending save (raising a failure not yet seen) and release what the saver holds."""
 
@@ -101,8 +107,10 @@ class DatastatesSaver(Saver):
 
     def __init__(self, args, model, optimizer, scheduler, *, engine: CheckpointEngine | None = None,
                  clean_leftovers: bool = True):
-        """`engine`: one owned elsewhere to read through (the memory tier's); else one of --ckpt-* is built."""
+        """`engine`: one owned elsewhere to read through (the memory tier's, whose ranks each read their own
+        node's files; a lone reader's), which never exchanges; else one of --ckpt-* is built."""
         super().__init__(args, model, optimizer, scheduler)
+        self.may_exchange = engine is None
         # replicas are balanced inside the DP group: one small exchange per structure, flat in the world size
         self.ownership = ReplicaOwnership(group=ps.get_data_parallel_group(with_context_parallel=True)
                                           if torch.distributed.is_initialized() else None)
@@ -132,7 +140,20 @@ class DatastatesSaver(Saver):
                             ownership=self.ownership, from_save=from_save)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
-        return load_sharded(self.engine, template, ckpt_dir)
+        return load_sharded(self.engine, template, ckpt_dir, self._exchange(ckpt_dir))
+
+    def read_stats(self, ckpt_dir: str) -> LoadStats:
+        return self.engine.reader(ckpt_dir).stats
+
+    def _exchange(self, ckpt_dir: str) -> Exchange | None:
+        """--ckpt-fully-parallel-load: by default on for object stores, off on file systems (docs/architecture.md,
+        "Read once, pass on")."""
+        if not (self.may_exchange and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+            return None
+        on = self.args.ckpt_fully_parallel_load
+        if on is None:
+            on = layout.scheme(ckpt_dir) is not None
+        return Exchange(timeout_s=self.args.ckpt_publish_timeout_s) if on else None
 
     def saved_common(self, ckpt_dir: str) -> dict:
         wanted = ("args", "content_metadata")
@@ -140,7 +161,8 @@ class DatastatesSaver(Saver):
                  if name.startswith(COMMON_PREFIX)]
         names = {p[0] for p in paths}
         present = [n for n in wanted if n in names]
-        values = load_sharded(self.engine, {n: Common(None) for n in present}, ckpt_dir) if present else {}
+        values = load_sharded(self.engine, {n: Common(None) for n in present}, ckpt_dir,
+                              self._exchange(ckpt_dir)) if present else {}
         values["optimizer"] = {p[1] for p in paths if p[0] == "optimizer" and len(p) > 1}
         return {n: values.get(n) for n in names}
 

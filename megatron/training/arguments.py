@@ -260,6 +260,11 @@ def _add_checkpoint_args(p):
                         "directory), in this run's TP/PP/DP layout; with --train-iters equal to that iteration "
                         "this converts a checkpoint to a new layout and exits")
     g.add_argument("--use-dist-ckpt", action="store_true", help="accepted for compatibility")
+    g.add_argument("--enable-msc", dest="enable_msc", action="store_true", default=True,
+                   help="accepted (upstream's flag): msc://profile/prefix paths on --save and --load resolve through "
+                        "multi-storage-client's config (MSC_CONFIG) whenever it is installed")
+    g.add_argument("--disable-msc", dest="enable_msc", action="store_false",
+                   help="refuse msc:// paths, as upstream does with this flag")
     g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
                    default=True, help="spread replicated state over the DP ranks (always, with datastates)")
     g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",

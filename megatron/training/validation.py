@@ -22,7 +22,7 @@ def _require(args, *names):
 
 def _loadable(path: str) -> tuple[bool, str]:
     """Whether --load points at something this trainer can load, and why not."""
-    if not os.path.isdir(path):
+    if _store_of(path) is None and not os.path.isdir(path):
         return False, f"--load {path!r} does not exist or is not a directory"
     from datastates import CheckpointError, tracker  # the one reader of the tracker; only when --load is given
     try:
@@ -30,6 +30,37 @@ def _loadable(path: str) -> tuple[bool, str]:
     except CheckpointError as e:  # an unreadable tracker
         return False, f"--load {path!r}: {e}"
     return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
+
+
+def _store_of(path: str) -> tuple[str, str] | None:
+    """The object store a URL names (its scheme, and an msc:// profile: its own endpoint), None for a local path."""
+    head, sep, rest = path.partition("://")
+    return (head, rest.split("/")[0] if head == "msc" else "") if sep else None
+
+
+def _validate_object_stores(args) -> None:
+    """s3:// and msc:// on --save and --load: the datastates format only, one store for both (one engine reads
+    and writes one storage), and a store that answers (credentials, bucket, endpoint) before any work."""
+    urls = [(flag, path) for flag, path in (("--save", args.save), ("--load", args.load)) if path and _store_of(path)]
+    if not urls:
+        return
+    if args.save and args.load and _store_of(args.save) != _store_of(args.load):
+        raise ArgumentError(f"--save {args.save!r} and --load {args.load!r} are on different storages: one "
+                            f"checkpoint engine reads and writes one (copy the checkpoint with "
+                            f"tools/convert_checkpoint.py --from datastates --to datastates first)")
+    from datastates import CheckpointError
+    from datastates.storage import storage_for
+    for flag, path in urls:
+        if args.ckpt_format != "datastates":
+            raise ArgumentError(f"{flag} {path!r}: --ckpt-format {args.ckpt_format} writes through local files "
+                                f"(megatron-core's file system writer, torch.save); object stores need --ckpt-format "
+                                f"datastates")
+        if path.startswith("msc://") and not args.enable_msc:
+            raise ArgumentError(f"{flag} {path!r}: msc:// paths are disabled by --disable-msc")
+        try:
+            storage_for(path).list(path)
+        except (OSError, CheckpointError, ImportError) as e:
+            raise ArgumentError(f"{flag} {path!r}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argparse.Namespace:
@@ -43,6 +74,7 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     _validate_implementation(args)
     _validate_data(args)
     _validate_checkpointing(args, world_size)
+    _validate_object_stores(args)
     _validate_load(args)
     _validate_device(args, cuda)
     try:
@@ -178,9 +210,11 @@ def _validate_checkpointing(args, world_size: int) -> None:
 def _validate_load(args) -> None:
     """--load points at something loadable, or is the fresh "resume if possible" --load equal to --save."""
     if args.load is not None:
+        from datastates import layout
+        from datastates.storage import storage_for
         ok, why = _loadable(args.load)
-        fresh = (os.path.normpath(args.load) == os.path.normpath(args.save or "")
-                 and not os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt")))
+        fresh = (layout.normalize(args.load) == layout.normalize(args.save or ".")
+                 and not storage_for(args.load).exists(layout.join(args.load, layout.TRACKER)))
         if not ok and (args.exit_on_missing_checkpoint or not fresh):
             # Megatron starts from scratch when --load equals --save and nothing was saved there yet (the usual
             # "resume if possible" launch); anything else that points at nothing loadable is an error.

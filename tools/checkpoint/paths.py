@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 
 from datastates import METADATA, PARTIAL, checkpoint_dir, find_latest, iteration_of, partial_dir
+from datastates.layout import join, normalize, parent, scheme
+from datastates.storage import storage_for
 
 
 class ConvertError(Exception):
@@ -12,24 +14,26 @@ class ConvertError(Exception):
 
 def resolve_input(path: str, iteration: int | None, what: str) -> str:
     """The iteration directory to convert: `path` itself, its iteration `iteration`, or its latest published."""
-    path = os.path.normpath(path)
-    if not os.path.exists(path):
+    storage = storage_for(path)
+    path = normalize(path)
+    local = scheme(path) is None
+    if not (os.path.exists(path) if local else storage.exists(path)):
         raise ConvertError(f"input {path!r} does not exist")
-    if not os.path.isdir(path):
+    if local and not os.path.isdir(path):
         raise ConvertError(f"input {path!r} is not a directory ({what} checkpoints are directories)")
     if path.endswith(PARTIAL):
         raise ConvertError(f"input {path!r} is not published: a '.partial' directory is an unfinished or failed save")
     if iteration is not None:
         cand = checkpoint_dir(path, iteration)
-        if not os.path.isdir(cand):
-            if os.path.isdir(partial_dir(cand)):
+        if not storage.exists(cand):
+            if storage.exists(partial_dir(cand)):
                 raise ConvertError(f"iteration {iteration} under {path!r} is not published "
                                    f"({partial_dir(cand)!r} is an unfinished or failed save)")
             raise ConvertError(f"input {path!r} has no iteration {iteration} ({cand!r} does not exist)")
         return cand
-    if os.path.isfile(os.path.join(path, METADATA)) or iteration_of(path) is not None:
+    if storage.exists(join(path, METADATA)) or iteration_of(path) is not None:
         return path
-    latest = find_latest(path)
+    latest = find_latest(path, storage)
     if latest.path is None:
         raise ConvertError(f"input {path!r} is not a {what} checkpoint directory (no metadata.json) nor a save root "
                            f"holding a published one: {latest.why_none()}")
@@ -38,12 +42,14 @@ def resolve_input(path: str, iteration: int | None, what: str) -> str:
 
 def resolve_output(path: str, iteration) -> tuple[str, str | None]:
     """(checkpoint directory, save root whose tracker to update or None)."""
-    path = os.path.normpath(path)
+    storage = storage_for(path)
+    path = normalize(path)
     if iteration_of(path) is not None:
-        out, root = path, os.path.dirname(path) or "."
+        out, root = path, parent(path)
     else:
         it = iteration if isinstance(iteration, int) else 0
         out, root = checkpoint_dir(path, it), path
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    occupied = storage.list(out) if scheme(out) or os.path.isdir(out) else os.path.exists(out)
+    if occupied:
         raise ConvertError(f"output {out!r} already exists and is not empty: refusing to overwrite it")
     return out, root

@@ -7,6 +7,7 @@ import os
 
 from datastates import CheckpointEngine, CheckpointError
 from datastates.names import is_flat
+from datastates.storage import storage_for
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_output
@@ -36,7 +37,7 @@ def save_whole(state: dict, tensors: dict, objects: dict, object_shapes: dict, o
         "objects": {f"{k}@{o}": ShardedObject(k, v, object_shapes[k], o, replica_id=0)
                     for (k, o), v in objects.items()}}
     with CheckpointEngine(host_buffer_bytes=host_buffer_bytes, writer_threads=threads, rank=0, world_size=1,
-                          registry=make_registry()) as engine:
+                          registry=make_registry(), storage=storage_for(out, writer_threads=threads)) as engine:
         save_sharded(engine, state, out)
         engine.wait()
 

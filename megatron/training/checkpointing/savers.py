@@ -300,11 +300,14 @@ def _legacy_file(ckpt_dir: str) -> str:
 
 def _engine(args, ownership: ReplicaOwnership) -> CheckpointEngine:
     """The engine the --ckpt-* flags describe."""
+    read_threads = args.ckpt_read_threads or DEFAULT_READ_THREADS
+    storage = storage_for(args.save or args.load, fsync=args.ckpt_fsync, direct_io=args.ckpt_direct_io,
+                          writer_threads=args.ckpt_writer_threads, read_threads=read_threads,
+                          read_mode=args.ckpt_read_mode)  # the one storage --save and --load are on (validation)
     return CheckpointEngine(
         host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)), writer_threads=args.ckpt_writer_threads,
-        read_mode=args.ckpt_read_mode, read_threads=args.ckpt_read_threads or DEFAULT_READ_THREADS,
-        direct_io=args.ckpt_direct_io, fsync=args.ckpt_fsync, keep_last=args.ckpt_keep_last,
-        publish_timeout_s=args.ckpt_publish_timeout_s, registry=make_registry(ownership))
+        keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
+        registry=make_registry(ownership), storage=storage)
 
 
 def _clean_leftovers(save_dir: str) -> None:

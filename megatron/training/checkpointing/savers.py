@@ -147,13 +147,14 @@ class DatastatesSaver(Saver):
 
     def _exchange(self, ckpt_dir: str) -> Exchange | None:
         """--ckpt-fully-parallel-load: by default on for object stores, off on file systems (docs/architecture.md,
-        "Read once, pass on")."""
+        "Read once, pass on"). Within the DP group, where the save spread the replicas: what the ranks agree on
+        grows with DP, not with the world."""
         if not (self.may_exchange and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
             return None
         on = self.args.ckpt_fully_parallel_load
         if on is None:
             on = layout.scheme(ckpt_dir) is not None
-        return Exchange(timeout_s=self.args.ckpt_publish_timeout_s) if on else None
+        return Exchange(self.ownership.group, self.args.ckpt_publish_timeout_s) if on else None
 
     def saved_common(self, ckpt_dir: str) -> dict:
         wanted = ("args", "content_metadata")

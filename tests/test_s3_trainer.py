@@ -35,6 +35,8 @@ def test_tp2_dp2_saves_to_s3_from_the_memory_tier_and_resumes_exactly(s3_server,
 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from convert_checkpoint import main as convert, read_datastates
+    from inspect_checkpoint import main as inspect
+    assert inspect([first]) == 0 and inspect([second, "--verify"]) == 0  # every chunk's crc32c, read from s3://
     a, b = read_datastates(first, 4).tensors, read_datastates(second, 4).tensors  # TP2 x DP2 onto one process
     model = [k for k in a if not k.startswith("optimizer.")]  # the flat optimizer buckets' padding is not state
     assert a.keys() == b.keys() and model and [k for k in model if not torch.equal(a[k], b[k])] == []

@@ -36,6 +36,8 @@ if __package__ in (None, ""):  # run as `python tools/inspect_checkpoint.py`: ma
 from datastates import (METADATA, PARTIAL, RANK_FILE_RE, Audit, Problems, checkpoint_dir, iteration_of,  # noqa: E402
                         partial_dir)
 from datastates import NotACheckpointError as UsageError  # noqa: E402  (exit status 2)
+from datastates.layout import join, normalize, scheme  # noqa: E402
+from datastates.storage import storage_for  # noqa: E402
 from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.report import iteration_report, scan_root  # noqa: E402
 from tools.checkpoint.text import print_iteration, print_root, progress  # noqa: E402
@@ -47,8 +49,9 @@ log = logging.getLogger("tools.inspect_checkpoint")
 
 def _target(path: str, args, out: dict, problems: Problems) -> str | None:
     """The iteration directory to describe (None: only the save root), filling out["root"] for a save root."""
+    storage = storage_for(path)
     is_iteration = iteration_of(path) is not None or path.endswith(PARTIAL) or \
-        os.path.exists(os.path.join(path, METADATA)) or any(RANK_FILE_RE.match(n) for n in os.listdir(path))
+        storage.exists(join(path, METADATA)) or any(RANK_FILE_RE.match(n) for n in storage.list(path))
     if is_iteration:
         if args.iteration is not None:
             raise UsageError("--iteration goes with a save root, not an iteration directory")
@@ -56,9 +59,9 @@ def _target(path: str, args, out: dict, problems: Problems) -> str | None:
     out["root"] = scan_root(path, problems)
     if args.iteration is not None:
         target = checkpoint_dir(path, args.iteration)
-        if os.path.isdir(target):
+        if storage.exists(target):
             return target
-        if os.path.isdir(partial_dir(target)):
+        if storage.exists(partial_dir(target)):
             return partial_dir(target)
         raise UsageError(f"{path!r} has no iteration {args.iteration} ({target!r} does not exist)")
     if args.verify:
@@ -70,9 +73,9 @@ def _target(path: str, args, out: dict, problems: Problems) -> str | None:
 
 
 def _inspect(path: str, args, problems: Problems) -> dict:
-    if not os.path.exists(path):
+    if not (os.path.exists(path) if scheme(path) is None else storage_for(path).exists(path)):
         raise UsageError(f"{path!r} does not exist")
-    if not os.path.isdir(path):
+    if scheme(path) is None and not os.path.isdir(path):
         raise UsageError(f"{path!r} is not a directory (a save root or an iteration directory)")
     out: dict = {}
     target = _target(path, args, out, problems)
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     setup_logging(rank=0)
     problems = Problems()
     try:
-        out = _inspect(os.path.normpath(args.path), args, problems)
+        out = _inspect(normalize(args.path), args, problems)
     except UsageError as e:
         log.error("%s", e)
         return 2

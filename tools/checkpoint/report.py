@@ -5,6 +5,8 @@ import os
 
 from datastates import (DELETING, METADATA, PARTIAL, RANK_FILE_RE, TRACKER, Audit, CheckpointError, Problems,
                         find_latest, is_published, iteration_of, manifest_file, read_index)
+from datastates.layout import join, normalize, scheme
+from datastates.storage import Storage, storage_for
 
 from .summary import experts_summary, optimizer_summary
 
@@ -42,17 +44,18 @@ def _rank_report(r: int, info: dict) -> dict:
 
 def scan_root(root: str, problems: Problems) -> dict:
     """The iterations under a save root: published, unpublished leftovers, being deleted; the latest."""
-    root = os.path.normpath(root)
-    tracker_path = os.path.join(root, TRACKER)
+    storage = storage_for(root)
+    root = normalize(root)
+    tracker_path = join(root, TRACKER)
     try:
-        found = find_latest(root)
+        found = find_latest(root, storage)
         tracker, latest = found.tracker, found.iteration
     except CheckpointError as e:
         problems.add(tracker_path, str(e))
         tracker, latest = None, None
     entries = []
-    for name in sorted(os.listdir(root)):
-        entry = _root_entry(root, name, latest, problems)
+    for name in sorted(storage.list(root)):
+        entry = _root_entry(storage, root, name, latest, problems)
         if entry is not None:
             entries.append(entry)
     if tracker is not None and tracker != str(latest):
@@ -61,9 +64,9 @@ def scan_root(root: str, problems: Problems) -> dict:
     return {"root": root, "tracker": tracker, "latest": latest, "entries": entries}
 
 
-def _root_entry(root: str, name: str, latest: int | None, problems: Problems) -> dict | None:
-    full = os.path.join(root, name)
-    if not os.path.isdir(full):
+def _root_entry(storage: Storage, root: str, name: str, latest: int | None, problems: Problems) -> dict | None:
+    full = join(root, name)
+    if not (os.path.isdir(full) if scheme(full) is None else storage.list(full)):  # a prefix holds objects
         return None
     it = iteration_of(name[:-len(PARTIAL)] if name.endswith(PARTIAL) else name)
     if DELETING in name:
@@ -72,17 +75,17 @@ def _root_entry(root: str, name: str, latest: int | None, problems: Problems) ->
         return None
     e = {"name": name, "iteration": it}
     if name.endswith(PARTIAL):
-        ranks = {int(m.group(1)) for n in os.listdir(full) if (m := RANK_FILE_RE.match(n))}
+        ranks = {int(m.group(1)) for n in storage.list(full) if (m := RANK_FILE_RE.match(n))}
         e["state"] = "UNPUBLISHED leftover (.partial)"
-        e["ranks_done"] = sum(os.path.exists(os.path.join(full, manifest_file(r))) for r in ranks)
-    elif is_published(full):
+        e["ranks_done"] = sum(storage.exists(join(full, manifest_file(r))) for r in ranks)
+    elif is_published(full, storage):
         try:
             index = read_index(full)
             e.update(state="published", world_size=index.world_size, bytes=index.bytes,
                      created_unix=index.created_unix)
         except CheckpointError as err:
             e["state"] = "published, unreadable metadata"
-            problems.add(os.path.join(full, METADATA), str(err))
+            problems.add(join(full, METADATA), str(err))
     else:
         e["state"] = "UNPUBLISHED (no metadata.json)"
     e["latest"] = it == latest and e["state"] == "published"

@@ -19,6 +19,7 @@ import ctypes
 import errno
 import functools
 import io
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,8 @@ DIRECT_PART_MAX = 64 << 20  # a large submit goes up in parts of at most this (u
 GET_BYTES = 16 << 20  # one ranged GET
 READ_RETRIES = 5  # a broken GET resumes at most this often, with doubling sleeps
 DELETE_BATCH = 1000  # DeleteObjects takes at most this many keys
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -206,11 +209,15 @@ class MultipartSink(DataSink):
         self.upload_id = None
 
     def discard(self):
-        """Let the parts in flight end, then abort the upload (its parts are freed, no object appears)."""
+        """Let the parts in flight end, then abort the upload (its parts are freed, no object appears). Never
+        raises: an upload the store cannot abort now (it is down) is aborted by `abandon` or at the next start."""
         wait([f for _, f in self.parts])
         if self.upload_id is not None:
-            self.storage.call(self.path, "abort_multipart_upload", Bucket=self.bucket, Key=self.key,
-                              UploadId=self.upload_id)
+            try:
+                self.storage.call(self.path, "abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                  UploadId=self.upload_id)
+            except OSError as e:
+                log.warning("cannot abort the upload of %s now (%s): the next start aborts it", self.path, e)
             self.upload_id = None
 
 

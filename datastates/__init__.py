@@ -17,7 +17,8 @@ from .providers import ProviderRegistry, StateProvider, register_provider
 from .restore import CheckpointReader
 from .schema import Box, dtype_from_name
 from .copies import built_on_copy
-from .storage import read_index, read_json
+from .layout import normalize as normalize_path, scheme as url_scheme
+from .storage import Storage, read_index, read_json, storage_for
 from .storage.posix import fsync_dir, write_file
 from .tracker import Latest, find_latest, is_published, write_latest
 
@@ -34,4 +35,6 @@ __all__ = [
     "TRACKER", "PARTIAL", "DELETING", "METADATA", "manifest_file", "RANK_FILE_RE", "read_index",
     # small files written durably (the tools' other formats), JSON read with a clear error
     "write_file", "fsync_dir", "read_json",
+    # where checkpoints live: the backend a path or URL names (s3://, msc://, a file system), paths and URLs alike
+    "storage_for", "Storage", "url_scheme", "normalize_path",
 ]

@@ -36,8 +36,7 @@ if __package__ in (None, ""):  # run as `python tools/inspect_checkpoint.py`: ma
 from datastates import (METADATA, PARTIAL, RANK_FILE_RE, Audit, Problems, checkpoint_dir, iteration_of,  # noqa: E402
                         partial_dir)
 from datastates import NotACheckpointError as UsageError  # noqa: E402  (exit status 2)
-from datastates.layout import join, normalize, scheme  # noqa: E402
-from datastates.storage import storage_for  # noqa: E402
+from datastates import normalize_path, storage_for, url_scheme  # noqa: E402
 from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.report import iteration_report, scan_root  # noqa: E402
 from tools.checkpoint.text import print_iteration, print_root, progress  # noqa: E402
@@ -51,7 +50,7 @@ def _target(path: str, args, out: dict, problems: Problems) -> str | None:
     """The iteration directory to describe (None: only the save root), filling out["root"] for a save root."""
     storage = storage_for(path)
     is_iteration = iteration_of(path) is not None or path.endswith(PARTIAL) or \
-        storage.exists(join(path, METADATA)) or any(RANK_FILE_RE.match(n) for n in storage.list(path))
+        storage.exists(os.path.join(path, METADATA)) or any(RANK_FILE_RE.match(n) for n in storage.list(path))
     if is_iteration:
         if args.iteration is not None:
             raise UsageError("--iteration goes with a save root, not an iteration directory")
@@ -73,9 +72,9 @@ def _target(path: str, args, out: dict, problems: Problems) -> str | None:
 
 
 def _inspect(path: str, args, problems: Problems) -> dict:
-    if not (os.path.exists(path) if scheme(path) is None else storage_for(path).exists(path)):
+    if not (os.path.exists(path) if url_scheme(path) is None else storage_for(path).exists(path)):
         raise UsageError(f"{path!r} does not exist")
-    if scheme(path) is None and not os.path.isdir(path):
+    if url_scheme(path) is None and not os.path.isdir(path):
         raise UsageError(f"{path!r} is not a directory (a save root or an iteration directory)")
     out: dict = {}
     target = _target(path, args, out, problems)
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     setup_logging(rank=0)
     problems = Problems()
     try:
-        out = _inspect(normalize(args.path), args, problems)
+        out = _inspect(normalize_path(args.path), args, problems)
     except UsageError as e:
         log.error("%s", e)
         return 2

@@ -4,8 +4,7 @@ from __future__ import annotations
 import os
 
 from datastates import METADATA, PARTIAL, checkpoint_dir, find_latest, iteration_of, partial_dir
-from datastates.layout import join, normalize, parent, scheme
-from datastates.storage import storage_for
+from datastates import normalize_path, storage_for, url_scheme
 
 
 class ConvertError(Exception):
@@ -15,8 +14,8 @@ class ConvertError(Exception):
 def resolve_input(path: str, iteration: int | None, what: str) -> str:
     """The iteration directory to convert: `path` itself, its iteration `iteration`, or its latest published."""
     storage = storage_for(path)
-    path = normalize(path)
-    local = scheme(path) is None
+    path = normalize_path(path)
+    local = url_scheme(path) is None
     if not (os.path.exists(path) if local else storage.exists(path)):
         raise ConvertError(f"input {path!r} does not exist")
     if local and not os.path.isdir(path):
@@ -31,7 +30,7 @@ def resolve_input(path: str, iteration: int | None, what: str) -> str:
                                    f"({partial_dir(cand)!r} is an unfinished or failed save)")
             raise ConvertError(f"input {path!r} has no iteration {iteration} ({cand!r} does not exist)")
         return cand
-    if storage.exists(join(path, METADATA)) or iteration_of(path) is not None:
+    if storage.exists(os.path.join(path, METADATA)) or iteration_of(path) is not None:
         return path
     latest = find_latest(path, storage)
     if latest.path is None:
@@ -43,13 +42,13 @@ def resolve_input(path: str, iteration: int | None, what: str) -> str:
 def resolve_output(path: str, iteration) -> tuple[str, str | None]:
     """(checkpoint directory, save root whose tracker to update or None)."""
     storage = storage_for(path)
-    path = normalize(path)
+    path = normalize_path(path)
     if iteration_of(path) is not None:
-        out, root = path, parent(path)
+        out, root = path, os.path.dirname(path) or "."
     else:
         it = iteration if isinstance(iteration, int) else 0
         out, root = checkpoint_dir(path, it), path
-    occupied = storage.list(out) if scheme(out) or os.path.isdir(out) else os.path.exists(out)
+    occupied = storage.list(out) if url_scheme(out) or os.path.isdir(out) else os.path.exists(out)
     if occupied:
         raise ConvertError(f"output {out!r} already exists and is not empty: refusing to overwrite it")
     return out, root

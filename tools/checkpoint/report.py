@@ -5,8 +5,7 @@ import os
 
 from datastates import (DELETING, METADATA, PARTIAL, RANK_FILE_RE, TRACKER, Audit, CheckpointError, Problems,
                         find_latest, is_published, iteration_of, manifest_file, read_index)
-from datastates.layout import join, normalize, scheme
-from datastates.storage import Storage, storage_for
+from datastates import Storage, normalize_path, storage_for, url_scheme
 
 from .summary import experts_summary, optimizer_summary
 
@@ -45,8 +44,8 @@ def _rank_report(r: int, info: dict) -> dict:
 def scan_root(root: str, problems: Problems) -> dict:
     """The iterations under a save root: published, unpublished leftovers, being deleted; the latest."""
     storage = storage_for(root)
-    root = normalize(root)
-    tracker_path = join(root, TRACKER)
+    root = normalize_path(root)
+    tracker_path = os.path.join(root, TRACKER)
     try:
         found = find_latest(root, storage)
         tracker, latest = found.tracker, found.iteration
@@ -65,8 +64,8 @@ def scan_root(root: str, problems: Problems) -> dict:
 
 
 def _root_entry(storage: Storage, root: str, name: str, latest: int | None, problems: Problems) -> dict | None:
-    full = join(root, name)
-    if not (os.path.isdir(full) if scheme(full) is None else storage.list(full)):  # a prefix holds objects
+    full = os.path.join(root, name)
+    if not (os.path.isdir(full) if url_scheme(full) is None else storage.list(full)):  # a prefix holds objects
         return None
     it = iteration_of(name[:-len(PARTIAL)] if name.endswith(PARTIAL) else name)
     if DELETING in name:
@@ -77,7 +76,7 @@ def _root_entry(storage: Storage, root: str, name: str, latest: int | None, prob
     if name.endswith(PARTIAL):
         ranks = {int(m.group(1)) for n in storage.list(full) if (m := RANK_FILE_RE.match(n))}
         e["state"] = "UNPUBLISHED leftover (.partial)"
-        e["ranks_done"] = sum(storage.exists(join(full, manifest_file(r))) for r in ranks)
+        e["ranks_done"] = sum(storage.exists(os.path.join(full, manifest_file(r))) for r in ranks)
     elif is_published(full, storage):
         try:
             index = read_index(full)
@@ -85,7 +84,7 @@ def _root_entry(storage: Storage, root: str, name: str, latest: int | None, prob
                      created_unix=index.created_unix)
         except CheckpointError as err:
             e["state"] = "published, unreadable metadata"
-            problems.add(join(full, METADATA), str(err))
+            problems.add(os.path.join(full, METADATA), str(err))
     else:
         e["state"] = "UNPUBLISHED (no metadata.json)"
     e["latest"] = it == latest and e["state"] == "published"

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from datastates import CheckpointEngine, CheckpointError
+from datastates import CheckpointEngine, CheckpointError, storage_for
 from datastates.names import is_flat
-from datastates.storage import storage_for
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_output

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -18,11 +18,9 @@ from .errors import CheckpointCorruptError
 from .plan import ALIGN
 from .problems import Problems
 from .schema import Item
-from .slots import Slot
-from .storage import Done
-
-if TYPE_CHECKING:
-    from .restore import CheckpointReader
+from .copies import CopyBackend
+from .slots import Slot, StagingPool
+from .storage import DataSource, Done
 
 # A load reads at most this far ahead of its copies out: enough to keep 8 reads of 8 MiB in flight several times
 # over, little enough that the same few slots go round while their pages are hot.
@@ -73,6 +71,19 @@ class _Held:
         self.buffer, self.nbytes, self.waits = buffer, nbytes, []
 
 
+class ReadSource(Protocol):
+    """What the reads of one load read from: a checkpoint's data files, the memory they are staged in and copied
+    out by, and the counts they add to (`restore.CheckpointReader` is one)."""
+
+    pool: StagingPool
+    backend: CopyBackend
+    stats: LoadStats
+
+    def data_source(self, rank: int, problems: Problems | None = None) -> DataSource: ...
+
+    def data_path(self, rank: int) -> str: ...
+
+
 class Reads:
     """One load's reads: submitted to the native pool as soon as known, completed oldest first (verified, then
     placed), so reading, checksum verification (on the pool's threads) and placement all overlap.
@@ -82,7 +93,7 @@ class Reads:
     to the pool once those copies have landed. Staged memory is the pool's budget at most, plus buffers of their
     own for chunks larger than a slot, bounded by the same budget."""
 
-    def __init__(self, reader: "CheckpointReader", problems: Problems | None = None):
+    def __init__(self, reader: "ReadSource", problems: Problems | None = None):
         """`problems`: where a damaged read is reported; by default the load stops at the first."""
         self.reader = reader
         self.problems = problems if problems is not None else Problems.stop()

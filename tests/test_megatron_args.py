@@ -121,7 +121,7 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("megatron.training.checkpointing").addHandler(handler)
     try:
-        engine = checkpoints.saver.engine  # the manager's pending saves are its engine's
+        engine = checkpoints.checkpoint_format.engine  # the manager's pending saves are its engine's
         good = engine.save({"w": torch.ones(8)}, layout.checkpoint_dir(str(save), 1))
         bad = engine.save({"w": torch.ones(8), "f": lambda: 0}, layout.checkpoint_dir(str(save), 2))
         good.join()

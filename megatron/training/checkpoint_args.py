@@ -32,12 +32,12 @@ def saved_args(load_dir: str) -> tuple[argparse.Namespace, str]:
     from contextlib import closing
 
     from datastates import tracker
-    from .checkpointing.savers import detect
+    from .checkpointing.formats import detect
     latest = tracker.find_latest(load_dir)
     if latest.path is None:
         raise ArgumentError(f"--use-checkpoint-args: {latest.why_none()}")
-    with closing(detect(latest.path).alone()) as saver:
-        saved = saver.saved_common(latest.path).get("args")
+    with closing(detect(latest.path).alone()) as ckpt_format:
+        saved = ckpt_format.saved_common(latest.path).get("args")
     if saved is None:
         raise ArgumentError(f"--use-checkpoint-args: {latest.path} holds no saved args")
     return saved, latest.path

@@ -1,6 +1,6 @@
 """The load policy: which checkpoint a run resumes from (the memory tier or storage) and what of it it takes
 (--finetune, --no-load-optim, --no-load-rng), with the checks that refuse, before anything is read, a
-checkpoint this run cannot take. How a format's bytes are read is its Saver's."""
+checkpoint this run cannot take. How a format's bytes are read is its CheckpointFormat's."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,7 @@ from datastates.memory_tier import LocalTier
 
 from ..optimizer_state import chain_length, load_optimizer_state
 from ..virtual_pipeline import chunks_sharded_state_dict, load_chunks
-from .savers import DatastatesSaver, Saver, detect
+from .formats import DatastatesFormat, CheckpointFormat, detect
 from .state import (build_state, current_layout, describe_layout, describe_model_layout, layout_of, model_layout,
                     rng_sharded_object, set_rng_state, sharded_metadata)
 
@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 class CheckpointLoader:
     """Loads the latest checkpoint under --load into the model (and optimizer, scheduler, RNG)."""
 
-    def __init__(self, args, model, optimizer, scheduler, saver: Saver, tier: LocalTier | None):
+    def __init__(self, args, model, optimizer, scheduler, ckpt_format: CheckpointFormat, tier: LocalTier | None):
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
-        self.saver, self.tier = saver, tier
+        self.checkpoint_format, self.tier = ckpt_format, tier
 
     def load(self) -> tuple[int, int]:
         """(iteration, consumed samples) of what was loaded; (0, 0) when there is nothing to load."""
@@ -42,33 +42,34 @@ class CheckpointLoader:
             log.warning("could not find a checkpoint at %s; training from scratch", args.load)
             return 0, 0
         cls = detect(latest.path)
-        saver = self.saver if type(self.saver) is cls else cls.for_loading(args, self.model, self.optimizer,
-                                                                          self.scheduler)
+        ckpt_format = self.checkpoint_format if type(self.checkpoint_format) is cls else \
+            cls.for_loading(args, self.model, self.optimizer, self.scheduler)
         try:
-            return saver.load(self, latest.path, args.load)
+            return ckpt_format.load(self, latest.path, args.load)
         finally:
-            if saver is not self.saver:
-                saver.close()
+            if ckpt_format is not self.checkpoint_format:
+                ckpt_format.close()
 
     def _load_from_memory(self, storage_iteration: int | None) -> tuple[int, int] | None:
         """The newest checkpoint every rank can load from the memory tier, if newer than storage's."""
         local = self.tier.choose(storage_iteration)
         if local is None:
             return None
-        saver = DatastatesSaver(self.args, self.model, self.optimizer, self.scheduler, engine=self.tier.engine)
-        return self.load_sharded(saver, local, "the memory tier")
+        ckpt_format = DatastatesFormat(self.args, self.model, self.optimizer, self.scheduler, engine=self.tier.engine)
+        return self.load_sharded(ckpt_format, local, "the memory tier")
 
-    def load_sharded(self, saver: Saver, ckpt_dir: str, source: str) -> tuple[int, int]:
-        """Load a sharded checkpoint directory (datastates, torch_dist) read by `saver`; (iteration, consumed)."""
+    def load_sharded(self, ckpt_format: CheckpointFormat, ckpt_dir: str, source: str) -> tuple[int, int]:
+        """Load a sharded checkpoint directory (datastates, torch_dist) read by `ckpt_format`; (iteration, consumed)."""
         args = self.args
         load_optim = not (args.no_load_optim or args.finetune)
         t0 = time.perf_counter()
         if args.finetune:  # the weights only: a model-only checkpoint (e.g. from upstream) has nothing else
-            load_chunks(self.model, saver.read(chunks_sharded_state_dict(self.model, sharded_metadata(args)), ckpt_dir))
-            log.info(f"successfully loaded the model weights of {ckpt_dir} ({saver.name}) for fine-tuning from "
+            chunks = chunks_sharded_state_dict(self.model, sharded_metadata(args))
+            load_chunks(self.model, ckpt_format.read(chunks, ckpt_dir))
+            log.info(f"successfully loaded the model weights of {ckpt_dir} ({ckpt_format.name}) for fine-tuning from "
                      f"iteration 0 in {(time.perf_counter() - t0) * 1e3:.1f} ms")
             return 0, 0
-        saved = saver.saved_common(ckpt_dir)
+        saved = ckpt_format.saved_common(ckpt_dir)
         _require_training_state(ckpt_dir, set(saved), load_optim)
         metadata = saved.get("content_metadata") or sharded_metadata(args)
         if load_optim:
@@ -77,9 +78,9 @@ class CheckpointLoader:
         # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
         # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
         state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0,
-                            wrap_common=saver.wraps_common, is_loading=True, metadata=metadata,
+                            wrap_common=ckpt_format.wraps_common, is_loading=True, metadata=metadata,
                             saved_chain=chain_length(saved.get("optimizer") or ()))
-        loaded = saver.read(state, ckpt_dir)
+        loaded = ckpt_format.read(state, ckpt_dir)
         load_chunks(self.model, loaded)
         if load_optim:
             load_optimizer_state(self.optimizer, loaded["optimizer"])
@@ -87,13 +88,13 @@ class CheckpointLoader:
         it = int(loaded["iteration"])
         saved_layout = layout_of(loaded.get("args"))
         if not (args.no_load_rng or args.finetune):
-            self._restore_rng(lambda template: saver.read(template, ckpt_dir), saved_layout, it)
+            self._restore_rng(lambda template: ckpt_format.read(template, ckpt_dir), saved_layout, it)
         if saved_layout is not None and saved_layout != current_layout():
             log.info(f"resharded checkpoint {ckpt_dir} from {describe_layout(saved_layout)} to "
                      f"{describe_layout(current_layout())}")
         consumed = int(loaded["train_state"]["consumed_train_samples"])
-        stats = saver.read_stats(ckpt_dir)
-        log.info(f"successfully loaded checkpoint from {source} ({saver.name}) at iteration {it} "
+        stats = ckpt_format.read_stats(ckpt_dir)
+        log.info(f"successfully loaded checkpoint from {source} ({ckpt_format.name}) at iteration {it} "
                  f"in {(time.perf_counter() - t0) * 1e3:.1f} ms" + ("" if stats is None else f"; {stats.describe()}"))
         return it, consumed
 

@@ -4,7 +4,7 @@
     iteration, consumed = manager.load()          the policy of `loading`; memory tier or storage
     every iteration i:
         manager.wait_for_snapshot()               right before optimizer.step(): pending snapshots are taken
-        manager.save(i, consumed)                 to storage, in --ckpt-format's Saver (or save_local: memory);
+        manager.save(i, consumed)                 to storage, in --ckpt-format's format (or save_local: memory);
                                                   with the tier, storage writes from the tier's pages
         manager.maybe_finalize()                  logs the saves that finished; a failed one stops or warns
     manager.wait()                                every save durable and published; a summary over ranks
@@ -29,7 +29,7 @@ from datastates.memory_tier import LocalTier, check_fits, job_id, node_of
 from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
-from .savers import Written, saver_class
+from .formats import Written, format_class
 from .state import build_state, current_layout
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class SaveMode(enum.Enum):
 
 
 class CheckpointManager:
-    """Owns the Saver of --ckpt-format and the memory tier; the training loop decides when to call it."""
+    """Owns the CheckpointFormat of --ckpt-format and the memory tier; the training loop decides when to call it."""
 
     def __init__(self, args, model, optimizer, scheduler, ddp=None):
         model = model if isinstance(model, list) or model is None else [model]  # the model chunks
@@ -59,7 +59,7 @@ class CheckpointManager:
         self.ddp = ddp if isinstance(ddp, list) or ddp is None else [ddp]  # megatron-core's DDP around each
         self.mode = SaveMode.of(args)
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.saver = saver_class(args.ckpt_format)(args, model, optimizer, scheduler)
+        self.checkpoint_format = format_class(args.ckpt_format)(args, model, optimizer, scheduler)
         self.tier: LocalTier | None = self._memory_tier() if args.non_persistent_save_interval else None
         self.failures: list[tuple[int, BaseException]] = []  # failed saves, under --ckpt-on-failure stop
         self.records: list[dict] = []
@@ -91,8 +91,8 @@ class CheckpointManager:
 
     def _engines(self):
         """(level, engine) of each level that saves through an engine, storage first."""
-        if self.saver.engine is not None:
-            yield STORAGE, self.saver.engine
+        if self.checkpoint_format.engine is not None:
+            yield STORAGE, self.checkpoint_format.engine
         if self.tier is not None:
             yield MEMORY, self.tier.engine
 
@@ -100,7 +100,8 @@ class CheckpointManager:
 
     def load(self) -> tuple[int, int]:
         """Load the latest checkpoint under --load (see `loading`); (iteration, consumed samples)."""
-        return CheckpointLoader(self.args, self.model, self.optimizer, self.scheduler, self.saver, self.tier).load()
+        return CheckpointLoader(self.args, self.model, self.optimizer, self.scheduler, self.checkpoint_format,
+                                self.tier).load()
 
     # ----- save -----
 
@@ -109,19 +110,19 @@ class CheckpointManager:
         if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
             self._published_before_run = tracker.read_latest(self.args.save)
         t0 = time.perf_counter()
-        state = self._state(iteration, consumed, wrap_common=self.saver.wraps_common)
+        state = self._state(iteration, consumed, wrap_common=self.checkpoint_format.wraps_common)
         self.agree_on_failures(iteration)
         memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
-        if self.tier is not None and self.saver.writes_from_pages:
+        if self.tier is not None and self.checkpoint_format.writes_from_pages:
             self._one_storage_save_on_pages()
             memory = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
-        started = self.saver.save(state, iteration, from_save=memory)
+        started = self.checkpoint_format.save(state, iteration, from_save=memory)
         if isinstance(started, Written):
             dt = time.perf_counter() - t0
             self._record(iteration, SaveStats(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
             return
-        log.info(f"saving checkpoint at iteration {iteration:8d} to {self.args.save} in {self.saver.name} format "
-                 f"({self.mode})")
+        log.info(f"saving checkpoint at iteration {iteration:8d} to {self.args.save} in "
+                 f"{self.checkpoint_format.name} format ({self.mode})")
         if self.mode is SaveMode.SYNC:
             started.join()  # synchronous baseline: training stalls until durable and published
         self._started(STORAGE, started, t0)
@@ -230,7 +231,7 @@ class CheckpointManager:
         """--ckpt-on-failure stop: at a point every rank reaches (each save, the end of training) the ranks agree
         whether any of them has seen a save fail; if one has, every rank stops here, at the same iteration.
         (Ranks learn a failure at different moments; stopping where each learns it would split the job.)"""
-        if self.args.ckpt_on_failure != "stop" or self.saver.engine is None:
+        if self.args.ckpt_on_failure != "stop" or self.checkpoint_format.engine is None:
             return
         seen = torch.tensor([1.0 if self.failures else 0.0], device=getattr(self.args, "device", "cpu"))
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -247,7 +248,7 @@ class CheckpointManager:
     # ----- records -----
 
     def _record(self, iteration: int, stats: SaveStats, stall_s: float, level: str = STORAGE) -> None:
-        rec = dict(iteration=iteration, tier=level, format=self.saver.name, mode=self.mode.value,
+        rec = dict(iteration=iteration, tier=level, format=self.checkpoint_format.name, mode=self.mode.value,
                    stall_ms=stall_s * 1e3, blocking_ms=stats.blocking_s * 1e3,
                    snapshot_ms=(stats.snapshot_s or 0.0) * 1e3, durable_ms=(stats.durable_s or 0.0) * 1e3,
                    bytes=stats.bytes)
@@ -278,7 +279,7 @@ class CheckpointManager:
     # ----- end -----
 
     def close(self) -> None:
-        self.saver.close()
+        self.checkpoint_format.close()
         if self.tier is not None:
             self.tier.close()
 

@@ -1,5 +1,6 @@
-"""One Saver per checkpoint format, behind one small interface: the manager and the load policy never ask which
-format they hold, and adding a format means adding a Saver to `SAVERS`.
+"""One CheckpointFormat per --ckpt-format, behind one small interface (save, read, the common state, format
+detection): the manager and the load policy never ask which format they hold, and adding a format means adding a
+CheckpointFormat to `FORMATS`.
 
 - ``datastates`` (default): `datastates.CheckpointEngine`, which saves in the background and keeps the pending
   saves; the manager's mode decides whether a save is waited for at once.
@@ -35,11 +36,11 @@ log = logging.getLogger(__name__)
 
 
 class Written(NamedTuple):
-    """A save that was durable and published when `Saver.save` returned: `nbytes` of this rank written."""
+    """A save that was durable and published when `CheckpointFormat.save` returned: `nbytes` of this rank written."""
     nbytes: int
 
 
-class Saver:
+class CheckpointFormat:
     """Writes and reads checkpoints of one format (`name`, the `--ckpt-format` value)."""
 
     name: ClassVar[str]
@@ -56,19 +57,19 @@ class Saver:
         raise NotImplementedError
 
     @classmethod
-    def for_loading(cls, args, model, optimizer, scheduler) -> Saver:
-        """A saver that only reads (a checkpoint of another format than this run's --ckpt-format)."""
+    def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
+        """A format that only reads (a checkpoint of another format than this run's --ckpt-format)."""
         return cls(args, model, optimizer, scheduler)
 
     @classmethod
-    def alone(cls) -> Saver:
+    def alone(cls) -> CheckpointFormat:
         """A reader of the common state for one process, before the distributed start (--use-checkpoint-args)."""
         return cls(None, None, None, None)
 
     def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None) -> SaveHandle | Written:
         """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
         the background, else `Written` once it is durable and published. `from_save`: the memory tier's save
-        of the same state, to write from (given only to a saver that `writes_from_pages`)."""
+        of the same state, to write from (given only to a format that `writes_from_pages`)."""
         nbytes = self.write(state, layout.checkpoint_dir(self.args.save, iteration))
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
@@ -97,10 +98,10 @@ class Saver:
         return None
 
     def close(self) -> None:
-        """Finish every pending save (raising a failure not yet seen) and release what the saver holds."""
+        """Finish every pending save (raising a failure not yet seen) and release what the format holds."""
 
 
-class DatastatesSaver(Saver):
+class DatastatesFormat(CheckpointFormat):
     name = "datastates"
     wraps_common = True
     writes_from_pages = True  # one copy for both levels: the tier's pages are the snapshot
@@ -121,11 +122,11 @@ class DatastatesSaver(Saver):
                 _clean_leftovers(args.save)
 
     @classmethod
-    def for_loading(cls, args, model, optimizer, scheduler) -> Saver:
+    def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
         return cls(args, model, optimizer, scheduler, clean_leftovers=False)
 
     @classmethod
-    def alone(cls) -> Saver:
+    def alone(cls) -> CheckpointFormat:
         return cls(None, None, None, None,
                    engine=CheckpointEngine(rank=0, world_size=1, registry=make_registry(self_contained=True)))
 
@@ -173,7 +174,7 @@ class DatastatesSaver(Saver):
             engine.close()
 
 
-class TorchDistSaver(Saver):
+class TorchDistFormat(CheckpointFormat):
     name = "torch_dist"
     _save_strategy = None  # built at the first save (the cached plan lives in it)
 
@@ -224,7 +225,7 @@ class TorchDistSaver(Saver):
         return dict(dist_checkpointing.load_common_state_dict(ckpt_dir))
 
 
-class TorchSaver(Saver):
+class TorchFormat(CheckpointFormat):
     """Megatron's legacy format: one `torch.save` per (tp, pp), every DP rank's RNG gathered to DP rank 0."""
     name = "torch"
 
@@ -273,20 +274,21 @@ class TorchSaver(Saver):
         return loader.load_whole(torch.load(path, map_location="cpu", weights_only=False), source)
 
 
-SAVERS: tuple[type[Saver], ...] = (DatastatesSaver, TorchDistSaver, TorchSaver)  # in the order `detect` asks
+# in the order `detect` asks
+FORMATS: tuple[type[CheckpointFormat], ...] = (DatastatesFormat, TorchDistFormat, TorchFormat)
 
 
-def saver_class(name: str) -> type[Saver]:
-    """The Saver of --ckpt-format `name`."""
-    for cls in SAVERS:
+def format_class(name: str) -> type[CheckpointFormat]:
+    """The CheckpointFormat of --ckpt-format `name`."""
+    for cls in FORMATS:
         if cls.name == name:
             return cls
-    raise ValueError(f"--ckpt-format {name!r}: no such format (one of {', '.join(c.name for c in SAVERS)})")
+    raise ValueError(f"--ckpt-format {name!r}: no such format (one of {', '.join(c.name for c in FORMATS)})")
 
 
-def detect(ckpt_dir: str) -> type[Saver]:
-    """The Saver of the checkpoint at `ckpt_dir`."""
-    for cls in SAVERS:
+def detect(ckpt_dir: str) -> type[CheckpointFormat]:
+    """The CheckpointFormat of the checkpoint at `ckpt_dir`."""
+    for cls in FORMATS:
         if cls.holds(ckpt_dir):
             return cls
     raise CheckpointError(f"{ckpt_dir!r} is not a checkpoint this trainer can load (no datastates or torch_dist "

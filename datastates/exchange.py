@@ -174,7 +174,7 @@ class Exchange:
 
     def move(self, reader, plan: Plan, error: BaseException | None = None) -> None:
         """Read, agree on, pass and place every round of `plan`; `error`: this rank's own reads failed, which
-        fails the load on every rank at the first agreement."""
+        fails the load on every rank at the first agreement (as a failure to place does at the next one)."""
         for transfers in plan.rounds:
             error = self._round(reader, plan, transfers, error)
         self._agree(error)
@@ -197,7 +197,10 @@ class Exchange:
             self._agree(error)
             wire = {t: self._wire(t, staged.get(t)) for t in mine}
             self._pass(plan, mine, wire, reader.stats)
-            self._place(reader.backend, plan, mine, wire)
+            try:
+                self._place(reader.backend, plan, mine, wire)
+            except Exception as e:  # noqa: BLE001 - e.g. an object that does not unpickle: the next agreement
+                error = e           # fails every rank at once, where raising here would leave them waiting
         finally:
             for slot in slots:
                 reader.pool.release(slot)

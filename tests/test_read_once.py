@@ -2,7 +2,8 @@
 are bit-exact with the exchange and without; with it the bytes read from storage, summed over the ranks, are the
 checkpoint's unique bytes, without it every replica is read once per rank that holds it; a resharding load
 (other TP, other flat ranges cutting checksum chunks) reads each chunk once; a chunk that one rank reads for the
-others is damaged: every rank fails the load, naming that rank and the bad checksum, at once."""
+others is damaged, or an object passed between ranks does not unpickle on one of them: every rank fails the load,
+naming that rank and the cause, at once."""
 import dataclasses
 import datetime
 import os
@@ -35,6 +36,14 @@ class Shard:
 
     def __init__(self, name, data, offset, shape, owner=True):
         self.name, self.data, self.offset, self.shape, self.owner = name, data, offset, shape, owner
+
+
+@dataclasses.dataclass
+class Pair:
+    """An object of this module's own, unpickled only where `datastates.format.allow_unpickle` trusts it."""
+
+    left: int
+    right: int
 
 
 class Shared:
@@ -177,6 +186,27 @@ def _scenarios(rank, root):
     assert all(m is not None and m == gathered[0] for m in gathered), gathered
     assert "failed on 1 rank(s): rank " in message and "checksum mismatch" in message and "norm" in message, message
     assert time.monotonic() - t0 < 30
+
+    # an object passed between ranks that one rank refuses to unpickle: every rank fails at once, naming it
+    from datastates import format as fmt
+    if rank != WORLD - 1:
+        fmt.allow_unpickle(Pair.__module__, "Pair")
+    state = _state(rank, 1)
+    state["common"] = Shared("common", Pair(1, 2), rank == 0)
+    path = layout.checkpoint_dir(root, 3)
+    eng.save(state, path)
+    eng.wait()
+    t0 = time.monotonic()
+    try:
+        eng.reader(path).load(rank, _state(rank, 1, fill=False), exchange=exchange)
+        message = None
+    except CheckpointError as e:
+        message = str(e)
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, message)
+    assert all(m is not None and m == gathered[0] for m in gathered), gathered
+    assert f"failed on 1 rank(s): rank {WORLD - 1}: " in message and "refusing to unpickle" in message, message
+    assert time.monotonic() - t0 < 30  # not the exchange's 60 s timeout
     eng.close()
 
 

@@ -440,11 +440,16 @@ class SavePipeline:
             self._finished(job)
 
     def _abandon(self, job: Job, timed_out: bool) -> None:
-        """Rank 0, on a failed save: tell every rank at once, then remove the unfinished directory."""
+        """Rank 0, on a failed save: tell every rank at once, then remove what the save wrote (what cannot be
+        removed now, e.g. the storage is down, is a leftover the next start removes)."""
         self.coordinator.announce(job.seq, str(job.handle.error))
         if not timed_out:  # let the ranks still writing finish touching the directory (they will fail anyway)
             self.coordinator.await_all_reports(job.seq, self.publish_timeout_s)
-        self.storage.abandon(job.partial)
+        try:
+            self.storage.abandon(job.partial)
+        except Exception as e:  # noqa: BLE001
+            log.warning("rank 0: cannot remove what the failed save of %r wrote (the next start will): %s",
+                        job.final, e)
 
     def _finished(self, job: Job) -> None:
         handle = job.handle

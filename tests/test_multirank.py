@@ -106,11 +106,17 @@ def _scenarios(rank, root):
 
 
 def test_publication_across_two_processes(tmp_path):
+    spawn_ranks(_worker, WORLD, str(tmp_path))
+
+
+def spawn_ranks(worker, world: int, root: str) -> None:
+    """Run `worker(rank, root, port, errors)` in `world` spawned processes; fail with what any of them put in
+    `errors`, or with the exit codes."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     # bound here on port 0 and held open while the workers run: no port guessed, none probed and released
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path), store.port, errors)) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, root, store.port, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

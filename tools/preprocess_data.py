@@ -131,6 +131,8 @@ def main(argv=None) -> int:
         for key, prefix in prefixes.items():
             builders[key].finalize(prefix + ".idx.tmp")
     except BaseException:
+        for builder in builders.values():  # closed first: with multi-storage-client installed, megatron-core
+            builder.data_file.close()      # writes through it, and its file takes its name only when closed
         for prefix in prefixes.values():  # nothing half-written is left behind
             for tmp in (prefix + ".bin.tmp", prefix + ".idx.tmp"):
                 if os.path.exists(tmp):

@@ -96,10 +96,12 @@ def first_global_batch(flags: list[str], micro_batches: int, vocab: int) -> tupl
     return torch.cat([b["tokens"] for b in first]), torch.cat([b["labels"] for b in first])
 
 
-def assert_round_trip(source: str, work: str, vocab: int, fmt: str = "datastates") -> dict[str, torch.Tensor]:
-    """The transformers model at `source` imported into `work`/ckpt (as `fmt`) and exported back to `work`/back:
-    every tensor bit-equal and the same logits (token ids below `vocab`); the source's tensors."""
-    ckpt, back = os.path.join(work, "ckpt"), os.path.join(work, "back")
+def assert_round_trip(source: str, work: str, vocab: int, fmt: str = "datastates",
+                      ckpt: str | None = None) -> dict[str, torch.Tensor]:
+    """The transformers model at `source` imported into `ckpt` (default `work`/ckpt; an s3:// URL works too) as
+    `fmt` and exported back to `work`/back: every tensor bit-equal and the same logits (token ids below `vocab`);
+    the source's tensors."""
+    ckpt, back = ckpt or os.path.join(work, "ckpt"), os.path.join(work, "back")
     convert("--from", "hf", "--to", fmt, "--input", source, "--output", ckpt)
     convert("--from", fmt, "--to", "hf", "--input", ckpt, "--output", back)
     original = load_file(os.path.join(source, "model.safetensors"))
@@ -156,3 +158,11 @@ def export_refusal(flags: list[str], shapes: dict | None = None, **changes) -> s
     with pytest.raises(HFError) as e:
         geometry_from_args(Namespace(**{**vars(parse_args(argv=flags)), **changes}), shapes or {}, "ckpt")
     return str(e.value)
+
+
+def tiny_llama(directory: str, vocab: int, seed: int = 0, **overrides) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32, rope_theta=10000.0, tie_word_embeddings=False)
+    LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides})).save_pretrained(directory)

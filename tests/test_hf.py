@@ -23,7 +23,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from hf_helpers import (TRAIN, assert_bit_equal, assert_computes_as_megatron_core, assert_import_refused,  # noqa: E402
                         assert_round_trip, convert, finetune_flags, first_global_batch, hf_loss, hf_model, hf_tensors,
-                        no_leftovers, reference, run_script)
+                        no_leftovers, reference, run_script, tiny_llama)
 from test_hf_qwen import tiny_qwen  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -77,14 +77,6 @@ def test_export_from_torch_dist_equals_export_from_datastates(trained, tmp_path)
             "--max-shard-size", "40000")
     assert len(set(json.load(open(tmp_path / "b" / "model.safetensors.index.json"))["weight_map"].values())) > 3
     assert_bit_equal(hf_tensors(str(tmp_path / "a")), hf_tensors(str(tmp_path / "b")))
-
-
-def tiny_llama(directory: str, vocab: int, seed: int = 0, **overrides) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=32, rope_theta=10000.0, tie_word_embeddings=False)
-    LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides})).save_pretrained(directory)
 
 
 def tiny_gpt2(directory: str, **overrides) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from datastates import tracker
+from hf_helpers import assert_round_trip, tiny_llama
 from megatron_helpers import ROOT, TINY, losses, torchrun
 from s3_store import s3_server  # noqa: F401  (the session fixture)
 
@@ -44,6 +45,22 @@ def test_tp2_dp2_saves_to_s3_from_the_memory_tier_and_resumes_exactly(s3_server,
     assert convert(["--from", "datastates", "--input", second, "--to", "datastates", "--output", copy]) == 0
     c = read_datastates(copy, None).tensors
     assert c.keys() == b.keys() and [k for k in b if not torch.equal(b[k], c[k])] == []
+
+
+def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """--from hf with an s3:// --output, then --to hf with it as --input (the transformers side is a local
+    directory: transformers reads and writes files)."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    source = str(tmp_path / "source")
+    tiny_llama(source, vocab=100)
+    ckpt = f"s3://{s3_server.create_bucket()}/ckpt"
+    assert_round_trip(source, str(tmp_path), 100, ckpt=ckpt)
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from convert_checkpoint import main as convert
+    for fmt in ("hf", "torch_dist"):  # formats of file systems: refused before any work, saying why
+        assert convert(["--from", "datastates", "--input", ckpt, "--to", fmt, "--output", f"{ckpt}-{fmt}"]) == 1
+        assert f"--output '{ckpt}-{fmt}': {fmt} is read and written on a file system only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, match", [

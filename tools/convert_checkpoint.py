@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`
 
 from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.bundle import Bundle, read_datastates  # noqa: E402
-from tools.checkpoint.paths import ConvertError, resolve_input  # noqa: E402
+from tools.checkpoint.paths import ConvertError, check_locations, resolve_input  # noqa: E402
 from tools.checkpoint.torch_dist import close_megatron, init_megatron, read_torch_dist, write_torch_dist  # noqa: E402
 from tools.checkpoint.writers import write_datastates, write_safetensors  # noqa: E402
 from tools.hf import cli as hf_cli  # noqa: E402
@@ -133,6 +133,11 @@ def _convert(args) -> tuple[Bundle, str]:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     setup_logging(rank=0)
+    try:
+        check_locations(args.src, args.input, args.dst, args.output)
+    except ConvertError as e:
+        log.error("%s", e)
+        return 1
     if "hf" in (args.src, args.dst):
         return _convert_hf(args)
     try:

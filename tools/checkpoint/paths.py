@@ -11,6 +11,20 @@ class ConvertError(Exception):
     """The input cannot be converted (exit status 1); the message names the path and the problem."""
 
 
+# the formats kept on file systems only, and why; datastates checkpoints also live in object stores
+FILE_SYSTEM_ONLY = {"torch_dist": "this tool reads and writes it through PyTorch DCP's file system reader and writer",
+                    "safetensors": "it is one file for transformers and safetensors' loaders",
+                    "hf": "transformers reads and writes model directories"}
+
+
+def check_locations(src: str, input_path: str, dst: str, output: str) -> None:
+    """A URL (s3://, msc://) only where the format can live in an object store: refused before any work."""
+    for fmt, path, flag in ((src, input_path, "--input"), (dst, output, "--output")):
+        if fmt in FILE_SYSTEM_ONLY and url_scheme(path) is not None:
+            raise ConvertError(f"{flag} {path!r}: {fmt} is read and written on a file system only "
+                               f"({FILE_SYSTEM_ONLY[fmt]}); datastates checkpoints can live in an object store")
+
+
 def resolve_input(path: str, iteration: int | None, what: str) -> str:
     """The iteration directory to convert: `path` itself, its iteration `iteration`, or its latest published."""
     storage = storage_for(path)

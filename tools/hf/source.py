@@ -12,7 +12,7 @@ import os
 import torch
 
 from datastates import (METADATA, TRACKER, Audit, CheckpointError, CheckpointReader, NotACheckpointError,
-                        find_latest)
+                        find_latest, storage_for, url_scheme)
 from datastates.names import common_name
 
 from . import HFError
@@ -138,7 +138,10 @@ class TorchDistSource:
 
 
 def open_source(kind: str, path: str, staging_bytes: int, init_distributed):
-    if not os.path.isdir(path):
+    if url_scheme(path) is not None:  # convert_checkpoint refuses torch_dist there
+        if not storage_for(path).exists(path):
+            raise HFError(f"input {path!r} does not exist")
+    elif not os.path.isdir(path):
         raise HFError(f"input {path!r} is not a directory")
     if kind == "datastates":
         return DatastatesSource(path, staging_bytes)

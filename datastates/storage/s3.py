@@ -35,6 +35,7 @@ MAX_PARTS = 10_000
 PART_BYTES = 16 << 20  # a part coalesced from small submits (larger when a file would need more than MAX_PARTS)
 DIRECT_PART_MAX = 64 << 20  # a large submit goes up in parts of at most this (uploaded in parallel)
 GET_BYTES = 16 << 20  # one ranged GET
+BODY_READ = 1 << 20  # a GET's body is read in pieces of this: a broken body loses the piece it was reading only
 READ_RETRIES = 5  # a broken GET resumes at most this often, with doubling sleeps
 DELETE_BATCH = 1000  # DeleteObjects takes at most this many keys
 
@@ -260,7 +261,7 @@ class RangedSource(DataSource):
                 body = self.storage.call(self.path, "get_object", Bucket=self.bucket, Key=self.key,
                                          Range=f"bytes={offset + got}-{end}")["Body"]
                 while got < len(view):
-                    k = body.readinto(view[got:])
+                    k = body.readinto(view[got:got + BODY_READ])
                     if not k:
                         raise OSError(errno.EIO, f"short read: the object ends before byte {offset + got}",
                                       self.path)
@@ -483,7 +484,7 @@ def _client(endpoint, region, profile, connections, credentials, attempts):
         raise ImportError("s3:// and msc:// checkpoints need boto3: pip install 'datastates-llm[s3]'") from None
     keys = dict(zip(("aws_access_key_id", "aws_secret_access_key", "aws_session_token"), credentials))
     session = boto3.Session(profile_name=profile, region_name=region, **keys)
-    config = Config(retries={"mode": "standard", "max_attempts": attempts},
+    config = Config(retries={"mode": "standard", "total_max_attempts": attempts},  # "max_attempts" counts retries
                     max_pool_connections=connections, s3={"addressing_style": "path"},
                     request_checksum_calculation="when_required", response_checksum_validation="when_required")
     return session.client("s3", endpoint_url=endpoint, config=config)

@@ -202,7 +202,7 @@ class SavePipeline:
         except OSError as e:
             if source is not None:
                 source.release()
-            raise CheckpointError(f"cannot create checkpoint directory {e.filename!r}: {e.strerror}") from e
+            raise CheckpointError(f"cannot prepare checkpoint {handle.path!r} ({e.filename!r}): {e.strerror}") from e
         handle._lender = (self.storage, job) if self.storage.lends_pages else None
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == Kind.OBJECT and e.item.write]

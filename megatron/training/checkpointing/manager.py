@@ -116,7 +116,11 @@ class CheckpointManager:
         if self.tier is not None and self.checkpoint_format.writes_from_pages:
             self._one_storage_save_on_pages()
             memory = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
-        started = self.checkpoint_format.save(state, iteration, from_save=memory)
+        try:
+            started = self.checkpoint_format.save(state, iteration, from_save=memory)
+        except CheckpointError as e:  # refused at the call (storage unreachable): as a failure found later
+            self._failed(iteration, e)
+            return
         if isinstance(started, Written):
             dt = time.perf_counter() - t0
             self._record(iteration, SaveStats(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
@@ -279,7 +283,12 @@ class CheckpointManager:
     # ----- end -----
 
     def close(self) -> None:
-        self.checkpoint_format.close()
+        """After `wait` every failure has been reported; a save failing here was still in flight when training
+        ended in an error, which it must not hide: it is logged."""
+        try:
+            self.checkpoint_format.close()
+        except CheckpointError as e:
+            log.error("rank %d: a checkpoint still in flight at exit failed: %s", self.rank, e)
         if self.tier is not None:
             self.tier.close()
 

@@ -10,18 +10,29 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_FAIL_SAVE=<rank>:<it>      on that rank only, the save of <it> fails (an unpicklable object)
     FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
                                      SIGKILL the whole job: the launcher (torchrun) and every worker
+    FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the parts of a rank's data object of <it> are up and before
+                                     the upload completes, that rank SIGKILLs itself (rank 0 the launcher first)
+    FAULT_STORE_DOWN=<it>:<it2>      (s3://) once the earlier saves are published and rank 0's data parts of <it>
+                                     are up, the test kills the store; the save of <it>+1 is called with it down;
+                                     before the save of <it2>, when the saves in flight have ended, it starts it
+                                     again; rank 0 asks through files in FAULT_CONTROL_DIR (tests/test_s3_trainer.py)
+
+An s3:// data object of an iteration these two name goes up in 256 KiB parts, so that a tiny model's upload is a
+multipart upload with parts in flight (one that completes would break S3's 5 MiB minimum part).
 """
 import os
 import runpy
 import signal
 import sys
 import time
+from concurrent.futures import wait
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from datastates import CheckpointEngine, layout  # noqa: E402
 from datastates.memory_tier import LocalTier  # noqa: E402
+from datastates.storage.s3 import MultipartSink  # noqa: E402
 
 
 class _SlowPickle:
@@ -41,9 +52,35 @@ def _spec(name):
 _save = CheckpointEngine.save
 
 
+def _ask_test(request: str) -> None:
+    """Rank 0 asks the test to do `request` (a file in FAULT_CONTROL_DIR) and waits until it says done."""
+    directory = os.environ["FAULT_CONTROL_DIR"]
+    open(os.path.join(directory, request), "w").close()
+    while not os.path.exists(os.path.join(directory, request + ".done")):
+        time.sleep(0.05)
+
+
+def _until_saves_end(engine) -> None:
+    """Wait for the saves in flight without taking their handles: they stay the trainer's to report."""
+    while not all(h.done() for h in engine._pending):
+        time.sleep(0.05)
+
+
 def save(self, state, path, from_save=None):
     it = layout.iteration_of(path)
     slow, kill, fail = _spec("FAULT_SLOW_SAVE"), _spec("FAULT_KILL_AFTER_SAVE"), _spec("FAULT_FAIL_SAVE")
+    down = _spec("FAULT_STORE_DOWN")
+    if down and down[0] == it:
+        _until_saves_end(self)  # the earlier saves are published before the store dies
+    if down and down[0] + 1 == it:  # this save is called with the store down
+        while not os.path.exists(os.path.join(os.environ["FAULT_CONTROL_DIR"], "store-down.done")):
+            time.sleep(0.05)
+    if down and down[1] == it:
+        import torch.distributed as dist
+        _until_saves_end(self)
+        if self.rank == 0:
+            _ask_test("store-up")
+        dist.barrier()
     if slow and slow[0] == it:
         state = dict(state, _fault_slow=_SlowPickle(slow[1]))
     if fail and fail == [self.rank, it]:
@@ -74,9 +111,46 @@ def replicate(self, iteration, handle):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _faulted_upload(sink) -> str | None:
+    """Which fault, if any, names the iteration of this data object."""
+    it = layout.iteration_of(layout.parent(sink.path))
+    kill, down = _spec("FAULT_KILL_JOB_IN_UPLOAD"), _spec("FAULT_STORE_DOWN")
+    if kill and kill[0] == it:
+        return "kill"
+    if down and down[0] == it:
+        return "down"
+    return None
+
+
+_sink_init, _sink_close = MultipartSink.__init__, MultipartSink.close
+
+
+def sink_init(self, storage, url, nbytes):
+    _sink_init(self, storage, url, nbytes)
+    if _faulted_upload(self):
+        self.part_bytes = 256 << 10
+
+
+def sink_close(self, nbytes):
+    fault, rank = _faulted_upload(self), int(os.environ["RANK"])
+    if fault:
+        wait([f for _, f in self.parts])  # the parts submitted so far are up
+    if fault == "kill":
+        print(f"FAULT-KILL-JOB rank {rank} with {len(self.parts)} parts of {self.path} up", flush=True)
+        if rank == 0:
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "down" and rank == 0:
+        print(f"FAULT-STORE-DOWN with {len(self.parts)} parts of {self.path} up", flush=True)
+        _ask_test("store-down")
+    return _sink_close(self, nbytes)
+
+
 if __name__ == "__main__":
     CheckpointEngine.save = save
     LocalTier.replicate = replicate
+    MultipartSink.__init__, MultipartSink.close = sink_init, sink_close
+
     script = os.path.join(os.path.dirname(HERE), "pretrain_gpt.py")
     sys.argv = [script] + sys.argv[1:]
     runpy.run_path(script, run_name="__main__")

@@ -108,7 +108,8 @@ class S3Store:
         return boto3.client("s3", **{**kw, **overrides})
 
     def start(self, timeout=60):
-        """Start weed and return once the S3 gateway answers (a signed request, so the identity is loaded)."""
+        """Start weed and return once the S3 gateway answers (a signed request, so the identity is loaded). Call
+        it from a thread that outlives the store: weed dies with the thread that started it (PR_SET_PDEATHSIG)."""
         if self.proc is not None:
             raise RuntimeError("the store is running")
         out = open(self.log, "ab")

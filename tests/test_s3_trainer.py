@@ -1,13 +1,17 @@
 """The trainer on an object store: 4 ranks TP2 x DP2, bf16, distributed optimizer, the memory tier every iteration
 and s3:// every 2 (written from the tier's pages), then an exact resume from s3://; the checkpoints read whole
-onto one process (a reshard) through the conversion tool's reader, and refusals that need no run."""
+onto one process (a reshard) through the conversion tool's reader; the store killed in the middle of a save and
+the whole job killed in the middle of an upload (tests/fault_launcher.py); the Hugging Face tools on s3://; and
+refusals that need no run."""
 import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from datastates import tracker
+from datastates import layout, tracker
 from hf_helpers import assert_round_trip, tiny_llama
 from megatron_helpers import ROOT, TINY, losses, torchrun
 from s3_store import s3_server  # noqa: F401  (the session fixture)
@@ -45,6 +49,72 @@ def test_tp2_dp2_saves_to_s3_from_the_memory_tier_and_resumes_exactly(s3_server,
     assert convert(["--from", "datastates", "--input", second, "--to", "datastates", "--output", copy]) == 0
     c = read_datastates(copy, None).tensors
     assert c.keys() == b.keys() and [k for k in b if not torch.equal(b[k], c[k])] == []
+
+
+def faulted_run(store, control, **run):
+    """A 2-rank faulted run (`run`: torchrun's arguments) whose FAULT_STORE_DOWN requests this thread serves:
+    weed dies with the thread that started it (PR_SET_PDEATHSIG), so the job runs on another."""
+    result = {}
+    job = threading.Thread(target=lambda: result.update(out=torchrun(2, faults=True, check=False, **run)))
+    job.start()
+    for request, act in (("store-down", store.stop), ("store-up", store.start)):
+        while not os.path.exists(os.path.join(control, request)) and job.is_alive():
+            time.sleep(0.05)
+        if not job.is_alive():
+            break
+        act()
+        open(os.path.join(control, request + ".done"), "w").close()
+    job.join()
+    if store.proc is None:
+        store.start()
+    return result["out"]
+
+
+def stored(store, url):
+    """(objects, open multipart uploads) under the prefix `url`."""
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    c = store.client()
+    return ([o["Key"] for o in c.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])],
+            [u["Key"] for u in c.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])])
+
+
+def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, monkeypatch):  # noqa: F811
+    """DP2, a lazy save every iteration to s3://. Run A: the store dies while iteration 3's parts are going up
+    and is back before the save of 5: the saves of 3 and 4 fail, --ckpt-on-failure warn keeps training, 5 and 6
+    publish, and 2, published before, still loads. Run B resumes at 6 (removing what the failed save of 3 left)
+    and the whole job is SIGKILLed while iteration 8's data is going up. Run C resumes exactly after 7, the last
+    published, removing the open uploads, and computes B's loss of iteration 8 again."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    root = f"s3://{s3_server.create_bucket()}/run"
+    flags = TINY + ["--train-iters", "8", "--global-batch-size", "4", "--save", root, "--save-interval", "1",
+                    "--async-ckpt", "--ckpt-on-failure", "warn"]
+    control = str(tmp_path)
+    rc, log = faulted_run(s3_server, control, args=flags + ["--exit-interval", "6"],
+                          env={"FAULT_STORE_DOWN": "3:5", "FAULT_CONTROL_DIR": control, "AWS_MAX_ATTEMPTS": "2"})
+    assert rc == 0 and "FAULT-STORE-DOWN" in log and sorted(losses(log)) == [1, 2, 3, 4, 5, 6], log[-4000:]
+    for it in (3, 4):
+        assert (f"checkpoint of iteration {it} failed, training goes on (--ckpt-on-failure warn); the last "
+                f"published checkpoint is still 2") in log, log[-4000:]
+    assert tracker.published_iterations(root) == [1, 2, 5, 6]
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from inspect_checkpoint import main as inspect
+    assert inspect([layout.checkpoint_dir(root, 2), "--verify"]) == 0
+
+    rc, log = torchrun(2, flags + ["--load", root], faults=True, check=False,
+                       env={"FAULT_KILL_JOB_IN_UPLOAD": "8"})
+    assert rc != 0 and "FAULT-KILL-JOB" in log, log[-4000:]
+    removed = [line for line in log.splitlines() if "removed the leftovers of an unfinished checkpoint" in line]
+    assert removed and all("iter_0000003" in line for line in removed), log[-4000:]  # the store was down
+    assert stored(s3_server, layout.checkpoint_dir(root, 3)) == ([], [])  # when the failed save of 3 ended
+    killed = losses(log)
+    assert sorted(killed) == [7, 8] and tracker.published_iterations(root)[-1] == 7, log[-4000:]
+    assert stored(s3_server, layout.checkpoint_dir(root, 8))[1]  # the job died in the middle of its uploads
+
+    _, log = torchrun(2, flags + ["--load", root])
+    assert "at iteration 7" in log and losses(log) == {8: killed[8]}, log[-4000:]
+    assert "an open multipart upload" in log
+    assert tracker.published_iterations(root)[-2:] == [7, 8] and not stored(s3_server, root)[1]
 
 
 def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, monkeypatch, capsys):  # noqa: F811

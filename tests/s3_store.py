@@ -113,8 +113,10 @@ class S3Store:
         if self.proc is not None:
             raise RuntimeError("the store is running")
         out = open(self.log, "ab")
+        # TMPDIR: weed's own logs go there, removed with the store's directory instead of piling up in /tmp
         self.proc = subprocess.Popen(self.command(), cwd=self.root, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+                                     env=dict(os.environ, TMPDIR=str(self.root)))
         out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -149,6 +151,9 @@ class S3Store:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+        for port in self.ports.values():  # the gRPC sockets weed keeps in /tmp whatever TMPDIR says
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
     def restart(self, timeout=60):
         """Killed and started on the same ports and data, so clients configured before work once it is back."""

@@ -2,7 +2,7 @@
 lazy save (blocking: the save call and the fence; durable: until published), the synchronous save, and the
 restore, beside boto3's plain parallel multipart PUT and ranged GET of the same bytes (object_store_raw.py), PyTorch
 DCP's async_save through fsspec and through s3torchconnector, and megatron-core's torch_dist through
-multi-storage-client, sync and async (object_store_peers.py). Then each one's loop ratio: a training loop with a
+multi-storage-client, sync and async (object_store_peers.py); and each one's loop ratio: a training loop with a
 checkpoint every iteration over the same loop without.
 
     python benchmarks/object_store.py [--size-mib 256] [--tensors 8] [--threads 8] [--reps 3] [--iters 4] [--step-s 1]
@@ -142,28 +142,28 @@ def main():
                 systems[name] = make()
             except Exception as e:  # a peer that cannot run here is reported, the others still run
                 failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
-        runs = {name: [] for name in systems}
+        runs, loops = {name: [] for name in systems}, {name: [] for name in systems}
         for r in range(a.reps):  # systems interleaved, rep by rep
             for i, (name, ckpt) in enumerate(systems.items()):
+                if name in failed:
+                    continue
                 try:
-                    if name not in failed:
-                        runs[name].append(measure(ckpt, state, f"s{i}/{r}"))
+                    runs[name].append(measure(ckpt, state, f"s{i}/{r}"))
+                    loops[name].append(loop(ckpt, a.iters, a.step_s, f"s{i}/loop{r}"))
                 except Exception as e:
                     failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
         bare = loop(None, a.iters, a.step_s, None)
-        ratio = {name: loop(ckpt, a.iters, a.step_s, f"s{i}/loop") / bare
-                 for i, (name, ckpt) in enumerate(systems.items()) if name not in failed}
         for ckpt in systems.values():
             ckpt.close()
-        print(f"{a.size_mib} MiB in {a.tensors} tensors, {a.threads} threads, best of {a.reps}; loop: {a.iters} "
-              f"iterations of a {a.step_s:g} s step, {bare:.2f} s without checkpoints; SeaweedFS weed mini at "
-              f"{store.endpoint}")
+        print(f"{a.size_mib} MiB in {a.tensors} tensors, {a.threads} threads, best of {a.reps} (the loop too): "
+              f"{a.iters} iterations of a {a.step_s:g} s step, {bare:.2f} s without checkpoints; SeaweedFS weed mini "
+              f"at {store.endpoint}")
         print(f"{'system':<40}{'blocking s':>11}{'durable s':>11}{'restore s':>11}{'PUT GB/s':>10}{'GET GB/s':>10}"
               f"{'loop ratio':>11}")
-        for name in ratio:
+        for name in (n for n in systems if n not in failed):
             b, d, rs = (min(x[i] for x in runs[name]) for i in range(3))
             print(f"{name:<40}{b:>11.3f}{d:>11.3f}{rs:>11.3f}{size / d / 1e9:>10.2f}{size / rs / 1e9:>10.2f}"
-                  f"{ratio[name]:>11.2f}")
+                  f"{min(loops[name]) / bare:>11.2f}")
         for name, why in failed.items():
             print(f"{name:<40} failed: {why}")
     finally:

@@ -7,7 +7,7 @@
   mapped and reused by the next one: a fresh tmpfs page costs a fault and a zeroing on every save, a reused one
   nothing.
 - `s3.S3Storage` (s3://bucket/prefix, and msc://profile/prefix through `msc.py`): object stores, multipart
-  uploads from the staging slots, publication by the index's PUT, ranged GETs (docs/object-stores.md).
+  uploads from the staging slots, publication by the index's PUT, ranged GETs (docs/object-storage.md).
 
 `storage_for(path)` is the backend a path names (its URL scheme; a plain path is a file system's).
 """

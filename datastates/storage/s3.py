@@ -1,5 +1,5 @@
 """The S3 backend: AWS S3 and the stores that speak its API (SeaweedFS, MinIO, Ceph RGW; msc:// profiles of an S3
-provider through `msc.py`), on boto3's low-level client (docs/object-stores.md).
+provider through `msc.py`), on boto3's low-level client (docs/object-storage.md).
 
 An object store has no rename, no directories and no fsync; the protocol maps onto it thus:
 - a checkpoint is a key prefix and is written in place: `prepare` returns the final prefix itself, after deleting

@@ -241,6 +241,9 @@ def render(out, results_dir=None, results_md=None, command=None):
         if os.path.exists(notes):
             with open(notes) as f:
                 doc += ["## Notes", "", f.read()]
+        # measured by object_store.py, not run_all.py: its section is kept beside this script
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "object_store.md")) as f:
+            doc += ["", f.read()]
         with open(results_md, "w") as f:
             f.write("\n".join(doc) + "\n")
     return rs, rat

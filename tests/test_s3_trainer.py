@@ -134,7 +134,7 @@ def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, m
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--ckpt-format", "torch_dist"], "object stores need --ckpt-format datastates"),
+    (["--ckpt-format", "torch_dist"], "through multi-storage-client only; use an msc:// profile"),
     (["--load", "/tmp/elsewhere"], "on different storages"),
     (["--disable-msc"], None),
 ])

@@ -39,8 +39,9 @@ def _store_of(path: str) -> tuple[str, str] | None:
 
 
 def _validate_object_stores(args) -> None:
-    """s3:// and msc:// on --save and --load: the datastates format only, one store for both (one engine reads
-    and writes one storage), and a store that answers (credentials, bucket, endpoint) before any work."""
+    """s3:// and msc:// on --save and --load: the datastates format, or torch_dist on msc:// where megatron-core
+    writes through multi-storage-client; one store for both (one engine reads and writes one storage), and a store
+    that answers (credentials, bucket, endpoint) before any work."""
     urls = [(flag, path) for flag, path in (("--save", args.save), ("--load", args.load)) if path and _store_of(path)]
     if not urls:
         return
@@ -51,12 +52,21 @@ def _validate_object_stores(args) -> None:
     from datastates import CheckpointError
     from datastates.storage import storage_for
     for flag, path in urls:
-        if args.ckpt_format != "datastates":
-            raise ArgumentError(f"{flag} {path!r}: --ckpt-format {args.ckpt_format} writes through local files "
-                                f"(megatron-core's file system writer, torch.save); object stores need --ckpt-format "
-                                f"datastates")
+        if args.ckpt_format == "torch":
+            raise ArgumentError(f"{flag} {path!r}: --ckpt-format torch writes local files (torch.save); object "
+                                f"stores need --ckpt-format datastates (or torch_dist on an msc:// profile)")
+        if args.ckpt_format == "torch_dist" and not path.startswith("msc://"):
+            raise ArgumentError(f"{flag} {path!r}: --ckpt-format torch_dist: megatron-core reaches object stores "
+                                f"through multi-storage-client only; use an msc:// profile for that bucket "
+                                f"(an s3 provider in MSC_CONFIG), or --ckpt-format datastates")
         if path.startswith("msc://") and not args.enable_msc:
             raise ArgumentError(f"{flag} {path!r}: msc:// paths are disabled by --disable-msc")
+        if args.ckpt_format == "torch_dist":
+            from .checkpointing.formats import mcore_msc_missing
+            why = mcore_msc_missing()
+            if why:
+                raise ArgumentError(f"{flag} {path!r}: --ckpt-format torch_dist on msc:// needs megatron-core's "
+                                    f"multi-storage-client support: {why}; use --ckpt-format datastates")
         try:
             storage_for(path).list(path)
         except (OSError, CheckpointError, ImportError) as e:

@@ -4,7 +4,8 @@ CheckpointFormat to `FORMATS`.
 
 - ``datastates`` (default): `datastates.CheckpointEngine`, which saves in the background and keeps the pending
   saves; the manager's mode decides whether a save is waited for at once.
-- ``torch_dist``: megatron-core's `dist_checkpointing.save/load` (synchronous).
+- ``torch_dist``: megatron-core's `dist_checkpointing.save/load` (synchronous), on a file system or on msc://
+  through megatron-core's own multi-storage-client support.
 - ``torch``: Megatron's legacy per-(tp, pp) `torch.save` of model_optim_rng.pt, written by DP rank 0.
 
 A checkpoint is published (`latest_checkpointed_iteration.txt` rewritten atomically) only once every rank has
@@ -12,6 +13,7 @@ finished writing it; the engine does this off the training thread, the synchrono
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -174,7 +176,56 @@ class DatastatesFormat(CheckpointFormat):
             engine.close()
 
 
+def mcore_msc_missing() -> str | None:
+    """Why the installed megatron-core cannot save and load torch_dist on msc:// (None: it can). Told by what it
+    has, not by its version: its MSC switch (`megatron.core.msc_utils.MultiStorageClientFeature`) with
+    multi-storage-client importable to it, and a torch_dist strategy that consults that switch."""
+    try:
+        from megatron.core import msc_utils
+    except ImportError as e:
+        return f"this megatron-core has no megatron.core.msc_utils ({e})"
+    if not hasattr(msc_utils, "MultiStorageClientFeature"):
+        return "this megatron-core's msc_utils has no MultiStorageClientFeature"
+    if getattr(msc_utils, "msc", None) is None:
+        return "megatron-core cannot import multistorageclient (pip install multi-storage-client)"
+    try:
+        from megatron.core.dist_checkpointing.strategies import torch as strategies
+    except ImportError as e:
+        return f"megatron-core's torch_dist strategy does not import ({e})"
+    if not hasattr(strategies, "MultiStorageClientFeature"):
+        return "this megatron-core's torch_dist strategy does not write through multi-storage-client"
+    return None
+
+
+@contextlib.contextmanager
+def _through_msc(path: str):
+    """megatron-core's MSC switch on while it reads or writes `path`, an msc:// URL, and back as it was after.
+
+    The switch is one global of megatron-core, and it sends every path through MSC, local ones too; 0.16
+    turns it on whenever multi-storage-client is installed, 0.19 leaves it off until upstream's --enable-msc
+    turns it on. Scoped to msc:// paths, it leaves local torch_dist saves and loads as each release does them.
+    (--disable-msc refuses msc:// paths before any work: validation.)"""
+    if layout.scheme(path) != "msc":
+        yield
+        return
+    why = mcore_msc_missing()
+    if why:
+        raise CheckpointError(f"{path!r}: torch_dist on msc:// needs megatron-core's multi-storage-client "
+                              f"support: {why}")
+    from megatron.core.msc_utils import MultiStorageClientFeature as feature
+    was = feature.is_enabled()  # its package is importable (checked above): the switch itself
+    feature.enable()
+    try:
+        yield
+    finally:
+        if not was:
+            feature.disable()
+
+
 class TorchDistFormat(CheckpointFormat):
+    """megatron-core's dist_checkpointing, on a file system or, through megatron-core's own multi-storage-client
+    support, on msc:// (`_through_msc`); the tracker and format detection go through `storage_for` as for
+    every format."""
     name = "torch_dist"
     _save_strategy = None  # built at the first save (the cached plan lives in it)
 
@@ -193,7 +244,7 @@ class TorchDistFormat(CheckpointFormat):
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
         nbytes = state_nbytes(state)
-        if torch.distributed.get_rank() == 0:
+        if torch.distributed.get_rank() == 0 and layout.scheme(ckpt_dir) is None:  # an object store has no dirs
             os.makedirs(ckpt_dir, exist_ok=True)
         torch.distributed.barrier()
         if self._save_strategy is None:
@@ -203,7 +254,8 @@ class TorchDistFormat(CheckpointFormat):
                 strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(
                     with_context_parallel=True), self.args.ckpt_assume_constant_structure)
             self._save_strategy = strategy
-        dist_checkpointing.save(state, ckpt_dir, self._save_strategy)
+        with _through_msc(ckpt_dir):
+            dist_checkpointing.save(state, ckpt_dir, self._save_strategy)
         return nbytes
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
@@ -212,17 +264,19 @@ class TorchDistFormat(CheckpointFormat):
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-        strategy = None
-        if self.args.ckpt_fully_parallel_load:
-            strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir),
-                                                        ps.get_data_parallel_group(with_context_parallel=True),
-                                                        exchange_algo="gather_object")
-        loaded = dist_checkpointing.load(template, ckpt_dir, strategy, strict=self.args.dist_ckpt_strictness)
+        with _through_msc(ckpt_dir):
+            strategy = None
+            if self.args.ckpt_fully_parallel_load:
+                strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir),
+                                                            ps.get_data_parallel_group(with_context_parallel=True),
+                                                            exchange_algo="gather_object")
+            loaded = dist_checkpointing.load(template, ckpt_dir, strategy, strict=self.args.dist_ckpt_strictness)
         return loaded[0] if isinstance(loaded, tuple) else loaded
 
     def saved_common(self, ckpt_dir: str) -> dict:
         from megatron.core import dist_checkpointing
-        return dict(dist_checkpointing.load_common_state_dict(ckpt_dir))
+        with _through_msc(ckpt_dir):
+            return dict(dist_checkpointing.load_common_state_dict(ckpt_dir))
 
 
 class TorchFormat(CheckpointFormat):

@@ -64,3 +64,16 @@ def test_what_torch_dist_and_torch_refuse_on_object_stores(s3_server, tmp_path, 
     args = parse_args(argv=BASE[:-2] + ["--ckpt-format", fmt, "--save", path.format(bucket=bucket)])
     with pytest.raises(ArgumentError, match=match):
         validate_args(args, world_size=2, cuda=False)
+
+
+def test_disable_msc_turns_megatron_cores_switch_off():
+    """Upstream's --disable-msc: megatron-core stops sending any path through multi-storage-client."""
+    from megatron.core.msc_utils import MultiStorageClientFeature as feature
+    from megatron.training.checkpointing.formats import disable_mcore_msc
+    was = feature.is_enabled()
+    feature.enable()
+    try:
+        disable_mcore_msc()
+        assert not feature.is_enabled()
+    finally:
+        (feature.enable if was else feature.disable)()

@@ -39,6 +39,9 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
         from .checkpoint_args import apply_checkpoint_args
         apply_checkpoint_args(args)
     validate_args(args, _world_size_from_env())
+    if not args.enable_msc:
+        from .checkpointing.formats import disable_mcore_msc
+        disable_mcore_msc()
     rank = int(os.environ.get("RANK", "0"))
     set_tokenizer(setup_data_and_schedule(args, rank))
     cuda = torch.cuda.is_available()

@@ -197,6 +197,16 @@ def mcore_msc_missing() -> str | None:
     return None
 
 
+def disable_mcore_msc() -> None:
+    """--disable-msc, as upstream: megatron-core's MSC switch off, so that no path goes through multi-storage-client
+    (megatron-core 0.16 turns it on whenever the package is installed)."""
+    try:
+        from megatron.core.msc_utils import MultiStorageClientFeature
+    except ImportError:
+        return
+    MultiStorageClientFeature.disable()
+
+
 @contextlib.contextmanager
 def _through_msc(path: str):
     """megatron-core's MSC switch on while it reads or writes `path`, an msc:// URL, and back as it was after.

@@ -93,6 +93,16 @@ class CheckpointEngine:
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle
 
+    @property
+    def publish_timeout_s(self) -> float:
+        """How long a save waits for every rank's report before it fails naming the missing ranks; it may be
+        changed between saves."""
+        return self.pipeline.publish_timeout_s
+
+    @publish_timeout_s.setter
+    def publish_timeout_s(self, seconds: float) -> None:
+        self.pipeline.publish_timeout_s = seconds
+
     def wait_for_snapshot(self) -> None:
         """The fence: return once no pending save reads the live state any more."""
         t0 = time.perf_counter()

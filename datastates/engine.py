@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import codecs
 from . import format as fmt
 from . import layout
 from .coordination import default_store
@@ -41,12 +42,14 @@ class CheckpointEngine:
                  keep_last: int | None = None, publish_timeout_s: float = 600.0,
                  registry: ProviderRegistry | None = None, copy_threads: int | None = None,
                  copy_backend: CopyBackend | None = None, store: torch.distributed.Store | None = None,
-                 read_mode: str = "stream", read_threads: int = DEFAULT_READ_THREADS, storage: Storage | None = None):
+                 read_mode: str = "stream", read_threads: int = DEFAULT_READ_THREADS, storage: Storage | None = None,
+                 compress: str = "off", encode_threads: int = 2):
         """`store` (a torch.distributed Store shared by the ranks) carries the agreement on each save; by
         default the default process group's. `copy_backend` replaces the device backend (see `copies`).
         `storage` is where checkpoints are saved and loaded: by default a POSIX file system (`PosixStorage`),
         fsynced and with O_DIRECT as `fsync` and `direct_io` say, writing on `writer_threads` and reading as
-        `read_mode` says on `read_threads` native threads."""
+        `read_mode` says on `read_threads` native threads. `compress`: "off", "auto" (what pays on this storage,
+        `codecs.for_storage`) or a codec's name; tensor chunks are encoded on `encode_threads` threads."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -60,8 +63,9 @@ class CheckpointEngine:
             store = default_store()
         self.backend = copy_backend or make_backend(copy_threads)
         self.pool = StagingPool(host_buffer_bytes, writer_threads, pinned=torch.cuda.is_available())
+        self.codec = codecs.for_storage(compress, self.storage)
         self.pipeline = SavePipeline(self.rank, self.world_size, self.storage, self.pool, self.backend, store,
-                                     keep_last, publish_timeout_s)
+                                     keep_last, publish_timeout_s, self.codec, encode_threads)
         self._copy_threads = copy_threads
         self._load_backend: CopyBackend | None = None  # a load's copies out of the slots, apart from the saves'
         self._reader: tuple[tuple | None, CheckpointReader] | None = None

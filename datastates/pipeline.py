@@ -16,8 +16,10 @@ If a stage thread dies, every pending save fails with the cause, the fence opens
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from .codecs import Codec
 from . import layout
 from .coordination import Coordinator
 from .errors import CheckpointError, CheckpointTimeoutError
@@ -111,6 +114,8 @@ class Job:
         self.data: DataSink | None = None  # this rank's data, as the storage takes it
         self.size = 0
         self.manifest: dict | None = None
+        self.codec: Codec | None = None  # the codec of this save's tensor chunks (None: stored as planned)
+        self.position = 0  # compressed saves: where the next stored bytes go (chunks back to back)
 
     def fail(self, error: BaseException) -> None:
         if self.handle.error is None:
@@ -163,10 +168,16 @@ class SavePipeline:
     pending save fails with the cause, the fence opens, and later saves fail at once (`check_usable`)."""
 
     def __init__(self, rank: int, world_size: int, storage: Storage, pool: StagingPool, backend: CopyBackend,
-                 store, keep_last: int | None, publish_timeout_s: float):
+                 store, keep_last: int | None, publish_timeout_s: float, codec: Codec | None = None,
+                 encode_threads: int = 2):
         """`store` carries the agreement on each save (`coordination`); the coordinator is made at the first
-        save: an engine that only loads needs none."""
+        save: an engine that only loads needs none. `codec`: tensor chunks staged through slots are encoded
+        with it on `encode_threads` threads (at writer priority) before they are written."""
         self.rank, self.world_size, self.storage, self.pool, self.backend = rank, world_size, storage, pool, backend
+        self.codec = codec
+        self._encoder = None if codec is None else ThreadPoolExecutor(
+            encode_threads, thread_name_prefix="ds-encode", initializer=_lower_priority)
+        self._encode_ahead = encode_threads
         self.keep_last, self.publish_timeout_s = keep_last, publish_timeout_s
         self._store = store
         self.coordinator: Coordinator | None = None
@@ -197,6 +208,8 @@ class SavePipeline:
             self.coordinator = Coordinator(self._store, self.rank, self.world_size)
         self._seq += 1
         job = Job(self._seq, handle, entries, plan, self.backend.begin(), t0, source)
+        # a save whose tensors are written from pages (the memory tier's) keeps their planned layout
+        job.codec = self.codec if source is None and not self.storage.lends_pages else None
         try:
             job.partial = self.storage.prepare(handle.path)
         except OSError as e:
@@ -221,6 +234,8 @@ class SavePipeline:
         for t in self._threads:
             t.join()
         self._pickler.shutdown()
+        if self._encoder is not None:
+            self._encoder.shutdown()
         self._deleter.submit(_logged, self.storage.sweep)
         self._deleter.shutdown()
 
@@ -349,18 +364,76 @@ class SavePipeline:
     # ----- flusher, completer -----
 
     def _flusher(self) -> None:
+        """Submit each slot in order. A compressed save's slots are first encoded on the encoder threads, up to
+        `_encode_ahead` at once, and written back to back in the same order (`_write_encoded`)."""
         flush_q, complete_q = self._queues["flush"], self._queues["complete"]
-        while (slot := flush_q.get()) is not STOP:
-            done = None
-            if not isinstance(slot, Job) and not slot.job.failed:
+        encoding: collections.deque = collections.deque()  # (slot, future of its encoded segments), in order
+        while True:
+            if encoding:
                 try:
-                    self.backend.ready(slot)
-                    done = slot.job.data.submit(slot.buffer[:slot.fill], slot.file_offset,
-                                                [(s[0], s[1]) for s in slot.segments])
-                except BaseException as e:  # noqa: BLE001
-                    slot.job.fail(e)
+                    slot = flush_q.get_nowait()
+                except queue.Empty:  # nothing new: write the oldest encoded slot meanwhile
+                    complete_q.put(self._write_encoded(*encoding.popleft()))
+                    continue
+            else:
+                slot = flush_q.get()
+            if slot is STOP:
+                break
+            if isinstance(slot, Job) or slot.job.failed:
+                while encoding:
+                    complete_q.put(self._write_encoded(*encoding.popleft()))
+                if isinstance(slot, Job) and slot.codec is not None:
+                    slot.size = slot.position
+                    for e in slot.entries:  # nothing stored: no planned offset may lie past the packed bytes
+                        if e.item.nbytes == 0:
+                            e.item.offset = 0
+                complete_q.put((slot, None))
+                continue
+            done = None
+            try:
+                self.backend.ready(slot)
+                if slot.job.codec is not None:
+                    encoding.append((slot, self._encoder.submit(_encode, slot.job.codec, slot.buffer,
+                                                                slot.segments)))
+                    while len(encoding) > self._encode_ahead:
+                        complete_q.put(self._write_encoded(*encoding.popleft()))
+                    continue
+                done = slot.job.data.submit(slot.buffer[:slot.fill], slot.file_offset,
+                                            [(s[0], s[1]) for s in slot.segments])
+            except BaseException as e:  # noqa: BLE001
+                slot.job.fail(e)
             complete_q.put((slot, done))
+        while encoding:
+            complete_q.put(self._write_encoded(*encoding.popleft()))
         complete_q.put(STOP)
+
+    def _write_encoded(self, slot, encoded: Future) -> tuple:
+        """Pack a slot's stored chunks (encoded, or raw where the codec did not make them smaller) to its front,
+        record each tensor chunk's codec and stored size and each item's offset, and submit the packed bytes
+        at the job's next position: the chunks of a compressed save lie back to back."""
+        job = slot.job
+        if job.failed:
+            return slot, None
+        try:
+            stored = encoded.result()
+            out, pos, segments = slot.buffer.numpy(), 0, []
+            for (start, n, item, index), data in zip(slot.segments, stored):
+                m = n if data is None else len(data)
+                out[pos:pos + m] = out[start:start + n] if data is None else np.frombuffer(data, np.uint8)
+                if index == 0:
+                    item.offset = job.position + pos
+                if item.kind == Kind.TENSOR:
+                    if item.stored is None:
+                        item.codec, item.stored = job.codec.name, [0] * len(item.crcs)
+                    item.stored[index] = m
+                segments.append((pos, m))
+                pos += m
+            done = job.data.submit(slot.buffer[:pos], job.position, segments)
+            job.position += pos
+            return slot, done
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+            return slot, None
 
     def _completer(self) -> None:
         complete_q = self._queues["complete"]
@@ -460,6 +533,25 @@ class SavePipeline:
         handle.stats.durable_s = time.perf_counter() - job.t0
         handle.stats.throughput_gbps = job.size / handle.stats.durable_s / 1e9
         handle._done.set()
+
+
+def _encode(codec: Codec, buffer: torch.Tensor, segments: list) -> list[bytes | None]:
+    """Each segment of a slot encoded (tensor chunks), or None where it is stored raw (objects, and chunks the
+    codec does not make smaller); on an encoder thread."""
+    raw = buffer.numpy()
+    out = []
+    for start, n, item, _ in segments:
+        data = codec.encode(memoryview(raw[start:start + n]), item.element_size) if item.kind == Kind.TENSOR else None
+        out.append(data if data is not None and len(data) < n else None)
+    return out
+
+
+def _lower_priority() -> None:
+    """Encoder threads run at the writers' priority (nice +5), below training and the snapshot copies."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
+    except OSError:
+        pass
 
 
 def _logged(fn, *args) -> None:

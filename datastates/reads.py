@@ -14,7 +14,8 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from .errors import CheckpointCorruptError
+from . import codecs
+from .errors import CheckpointCorruptError, CheckpointError
 from .plan import ALIGN
 from .problems import Problems
 from .schema import Item
@@ -59,6 +60,7 @@ class _Read(NamedTuple):
     place: Callable[[torch.Tensor], None] | None  # what to do with the verified bytes
     slot: Slot | None  # the staging slot the bytes landed in, if any
     fresh: int  # bytes of a buffer allocated for this read alone
+    stored: torch.Tensor | None  # a compressed item's stored bytes, decoded into `buffer` once verified
 
 
 class _Held:
@@ -118,9 +120,15 @@ class Reads:
                 raise CheckpointCorruptError(f"item {item.id!r} in {self.reader.data_path(rank)!r}: {nbytes} "
                                              f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
                                              f"destination")
+            stored = None
+            if item.codec is not None:  # the stored bytes land in a buffer of their own, decoded into dst
+                chunks = item.stored_chunks()[first:last]
+                start = chunks[0][0]
+                nbytes = chunks[-1][0] + chunks[-1][1] - start
+                stored = aligned_empty(nbytes)
             segments = [(s - start, n) for s, n in chunks]
             source = self.reader.data_source(rank, self.problems)
-            done = source.submit(dst, nbytes, item.offset + start, segments)
+            done = source.submit(dst if stored is None else stored, nbytes, item.offset + start, segments)
             self.reader.stats.bytes_read += nbytes
             self.reader.stats.requests += 1
         except BaseException:  # nothing was submitted: the memory goes back now
@@ -128,7 +136,7 @@ class Reads:
             if slot is not None:
                 self.pool.release(slot)
             raise
-        self.pending.append(_Read(done, rank, item, first, dst, place, slot, fresh))
+        self.pending.append(_Read(done, rank, item, first, dst, place, slot, fresh, stored))
         if slot is not None:
             self.ahead += dst.numel()
 
@@ -187,19 +195,42 @@ class Reads:
         except OSError as e:
             path = self.reader.data_path(read.rank)
             self.problems.add(path, f"reading item {item.id!r} from {path!r} failed: {e.strerror or e}",
-                              offset=item.offset + item.chunks()[read.first][0], rank=read.rank, item=item.id,
-                              error=CheckpointCorruptError)
+                              offset=item.offset + item.stored_chunks()[read.first][0], rank=read.rank,
+                              item=item.id, error=CheckpointCorruptError)
             return False
         good = True
         for index, crc in enumerate(crcs, read.first):
             if crc != item.crcs[index]:
-                path, offset = self.reader.data_path(read.rank), item.offset + item.chunks()[index][0]
+                path, offset = self.reader.data_path(read.rank), item.offset + item.stored_chunks()[index][0]
                 self.problems.add(path, f"checksum mismatch in {path!r}: item {item.id!r} chunk {index} (file "
                                         f"offset {offset}) reads crc32c {crc:#010x}, the index says "
                                         f"{item.crcs[index]:#010x}", offset=offset, rank=read.rank,
                                   item=item.id, error=CheckpointCorruptError)
                 good = False
-        return good
+        return good and (read.stored is None or self._decoded(read, len(crcs)))
+
+    def _decoded(self, read: _Read, count: int) -> bool:
+        """Decode the verified stored chunks of a compressed read into its buffer; a chunk that does not decode
+        to its raw size is a problem named with its chunk (a crc32c matching forged or mis-sized bytes)."""
+        item, path = read.item, self.reader.data_path(read.rank)
+        raw, stored = item.chunks(), item.stored_chunks()
+        base_raw, base_stored = raw[read.first][0], stored[read.first][0]
+        out, src = read.buffer.numpy(), read.stored.numpy()
+        for index in range(read.first, read.first + count):
+            (r, n), (s, m) = raw[index], stored[index]
+            dst, data = out[r - base_raw:r - base_raw + n], src[s - base_stored:s - base_stored + m]
+            try:
+                if m == n:  # stored raw: the codec did not make it smaller
+                    dst[:] = data
+                else:
+                    codecs.codec(item.codec).decode(memoryview(data), dst, item.element_size)
+            except (ValueError, CheckpointError) as e:
+                self.problems.add(path, f"item {item.id!r} chunk {index} in {path!r} (file offset "
+                                        f"{item.offset + s}, {m} bytes stored, codec {item.codec}) does not decode "
+                                        f"to its {n} bytes: {e}", offset=item.offset + s, rank=read.rank,
+                                  item=item.id, error=CheckpointCorruptError)
+                return False
+        return True
 
     def release_held(self) -> None:
         held, self.held = self.held, []

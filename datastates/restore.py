@@ -383,7 +383,7 @@ class CheckpointReader:
         except CheckpointError as e:
             problems.add(self.data_path(rank), str(e), rank=rank)
             return []
-        return [it for it in items.values() if it.write and it.nbytes and it.offset + it.nbytes <= size]
+        return [it for it in items.values() if it.write and it.nbytes and it.offset + it.stored_bytes <= size]
 
     def _read_object(self, rank: int, item: Item, problems: Problems | None = None) -> Any:
         out = []

@@ -16,6 +16,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 
 from . import layout
+from .codecs import CODECS
 from .errors import CheckpointCorruptError, CheckpointError
 
 SCHEMA_VERSION = 2
@@ -112,6 +113,11 @@ class Item:
     nbytes: int = 0
     chunk_bytes: int = 0
     crcs: list = dataclasses.field(default_factory=list)
+    # compressed items only (absent otherwise): the codec's name and each chunk's stored size; the stored chunks
+    # lie back to back from `offset`, a chunk stored as long as its raw bytes is stored raw, and `crcs` are of
+    # the stored bytes
+    codec: Optional[str] = None
+    stored: Optional[list] = None
 
     def to_json(self) -> dict:
         return {k: str(v) if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(self).items()
@@ -165,8 +171,18 @@ class Item:
             return
         if self.nbytes < 0 or self.chunk_bytes < 0 or (self.nbytes and not self.chunk_bytes):
             raise ValueError(f"nbytes {self.nbytes} / chunk_bytes {self.chunk_bytes}")
-        if self.offset < 0 or self.offset + self.nbytes > data_bytes:
-            raise ValueError(f"extent {self.offset}+{self.nbytes} is outside the data file ({data_bytes} bytes)")
+        if self.codec is not None:
+            if self.codec not in CODECS or self.kind != Kind.TENSOR:
+                raise ValueError(f"unknown compression codec {self.codec!r} (this datastates knows "
+                                 f"{', '.join(sorted(CODECS))})" if self.kind == Kind.TENSOR else
+                                 f"codec {self.codec!r} on a {self.kind} item")
+            _ints("stored", self.stored, len(self.chunks()))
+            if any(not 0 < s <= n for s, (_, n) in zip(self.stored, self.chunks())):
+                raise ValueError(f"stored sizes {self.stored} do not fit chunks of {self.chunk_bytes} bytes")
+        elif self.stored is not None:
+            raise ValueError("stored sizes without a codec")
+        if self.offset < 0 or self.offset + self.stored_bytes > data_bytes:
+            raise ValueError(f"extent {self.offset}+{self.stored_bytes} is outside the data file ({data_bytes} bytes)")
         _ints("crcs", self.crcs, len(self.chunks()))
         if any(c >= 1 << 32 for c in self.crcs):
             raise ValueError("a crc32c is out of range")
@@ -177,6 +193,21 @@ class Item:
             return []
         step = self.chunk_bytes or self.nbytes
         return [(s, min(step, self.nbytes - s)) for s in range(0, self.nbytes, step)]
+
+    def stored_chunks(self):
+        """(offset_in_item's stored bytes, length) of each chunk as stored: the raw chunks unless compressed."""
+        if self.codec is None:
+            return self.chunks()
+        out, pos = [], 0
+        for n in self.stored:
+            out.append((pos, n))
+            pos += n
+        return out
+
+    @property
+    def stored_bytes(self) -> int:
+        """What the item takes in its data file."""
+        return self.nbytes if self.codec is None else sum(self.stored)
 
 
 class Shard(NamedTuple):

@@ -1,0 +1,136 @@
+"""Lossless codecs on real trainer state: ratio per kind of state, compress and decompress GB/s on one core.
+
+Reads every tensor of a datastates checkpoint (the trainer's own, e.g. a bf16 run with the distributed
+optimizer), sorts it into a kind (bf16 weights, fp32 main params, Adam first and second moments, other), cuts
+each kind into chunks of --chunk-mb (as the engine does) and runs every candidate on the same chunks, one thread
+each (blosc2 with nthreads=1). Ratios are properties of the data; the GB/s are of a shared 2-core VM and noisy.
+
+    python benchmarks/compression.py CHECKPOINT_DIR [--chunk-mb 16] [--repeat 3] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import numpy as np
+import torch
+
+from datastates import CheckpointReader
+from datastates.codecs import CODECS, group_bytes
+
+GB = 1e9
+
+
+def kind_of(name: str, dtype: torch.dtype) -> str:
+    if "exp_avg_sq" in name:
+        return "Adam exp_avg_sq (fp32)"
+    if "exp_avg" in name:
+        return "Adam exp_avg (fp32)"
+    if dtype == torch.bfloat16:
+        return "bf16 weights"
+    if "fp32_param" in name or "param" in name and dtype == torch.float32:
+        return "fp32 main params"
+    return f"other ({str(dtype).replace('torch.', '')})"
+
+
+def load_kinds(path: str, chunk_bytes: int) -> dict[str, list[tuple[bytes, int]]]:
+    """kind -> chunks of (raw bytes, element size), every tensor of the checkpoint."""
+    reader = CheckpointReader.open(path)
+    kinds: dict[str, list] = collections.defaultdict(list)
+    for name, (_, dtype) in sorted(reader.tensors().items()):
+        t = reader.tensor(name).contiguous()
+        raw = t.view(-1).view(torch.uint8).numpy().tobytes()
+        for s in range(0, len(raw), chunk_bytes):
+            kinds[kind_of(name, dtype)].append((raw[s:s + chunk_bytes], t.element_size()))
+    return kinds
+
+
+def candidates() -> dict[str, tuple]:
+    """name -> (compress(raw, itemsize) -> stored, decompress(stored, raw_nbytes, itemsize) -> raw)."""
+    out = {}
+    for name, c in CODECS.items():
+        def enc(raw, isz, c=c):
+            return c.encode(memoryview(raw), isz)
+
+        def dec(stored, n, isz, c=c):
+            buf = np.empty(n, np.uint8)
+            c.decode(memoryview(stored), buf, isz)
+            return buf
+        out[f"{name} (engine)"] = (enc, dec)
+    import zstandard
+    for level in (3,):
+        zc, zd = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+        out[f"zstd-{level}"] = (lambda raw, isz, zc=zc: zc.compress(raw), lambda s, n, isz, zd=zd: zd.decompress(s))
+        out[f"bytegroup-zstd-{level}"] = (lambda raw, isz, zc=zc: zc.compress(group_bytes(memoryview(raw), isz)),
+                                          lambda s, n, isz, zd=zd: zd.decompress(s))
+    import lz4.frame
+    out["lz4"] = (lambda raw, isz: lz4.frame.compress(raw), lambda s, n, isz: lz4.frame.decompress(s))
+    out["bytegroup-lz4"] = (lambda raw, isz: lz4.frame.compress(group_bytes(memoryview(raw), isz)),
+                            lambda s, n, isz: lz4.frame.decompress(s))
+    import blosc2
+    for label, codec, filters in (("blosc2 zstd1+shuffle", blosc2.Codec.ZSTD, [blosc2.Filter.SHUFFLE]),
+                                  ("blosc2 zstd1+bytedelta", blosc2.Codec.ZSTD,
+                                   [blosc2.Filter.SHUFFLE, blosc2.Filter.BYTEDELTA]),
+                                  ("blosc2 lz4+shuffle", blosc2.Codec.LZ4, [blosc2.Filter.SHUFFLE])):
+        def enc(raw, isz, codec=codec, filters=filters):
+            return blosc2.compress2(raw, typesize=isz, clevel=1 if codec == blosc2.Codec.ZSTD else 5, codec=codec,
+                                    filters=filters, filters_meta=[0] * len(filters), nthreads=1)
+        out[label] = (enc, lambda s, n, isz: blosc2.decompress2(s, nthreads=1))
+    try:
+        from zipnn import ZipNN
+        zs = {2: ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1),
+              4: ZipNN(input_format="byte", bytearray_dtype="float32", threads=1)}
+        out["zipnn"] = (lambda raw, isz: zs[isz].compress(raw), lambda s, n, isz: zs[isz].decompress(s))
+    except Exception as e:  # noqa: BLE001 - a candidate that does not install is reported, not fatal
+        print(f"zipnn not measured: {e}")
+    return out
+
+
+def measure(chunks, enc, dec, repeat: int) -> tuple[float, float, float]:
+    """(ratio, compress GB/s, decompress GB/s): best of `repeat` passes over every chunk; round trip checked."""
+    raw_bytes = sum(len(c) for c, _ in chunks)
+    best_c = best_d = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        stored = [enc(c, isz) for c, isz in chunks]
+        t1 = time.perf_counter()
+        back = [dec(s, len(c), isz) for s, (c, isz) in zip(stored, chunks)]
+        t2 = time.perf_counter()
+        best_c, best_d = min(best_c, t1 - t0), min(best_d, t2 - t1)
+    for b, (c, _) in zip(back, chunks):
+        assert bytes(b) == c, "round trip is not bit-exact"
+    stored_bytes = sum(min(len(s), len(c)) for s, (c, _) in zip(stored, chunks))  # the engine stores raw if larger
+    return raw_bytes / stored_bytes, raw_bytes / best_c / GB, raw_bytes / best_d / GB
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint")
+    p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    kinds = load_kinds(a.checkpoint, a.chunk_mb << 20)
+    kinds["all"] = [c for k in list(kinds) for c in kinds[k]]
+    rows = []
+    print("| codec | " + " | ".join(f"{k} ({sum(len(c) for c, _ in v) / 1e6:.1f} MB)" for k, v in kinds.items())
+          + " | compress GB/s | decompress GB/s |")
+    print("|---" * (len(kinds) + 3) + "|")
+    for name, (enc, dec) in candidates().items():
+        cells, speed = [], None
+        for kind, chunks in kinds.items():
+            ratio, cg, dg = measure(chunks, enc, dec, a.repeat if kind == "all" else 1)
+            cells.append(f"{ratio:.3f}")
+            rows.append({"codec": name, "kind": kind, "ratio": ratio, "compress_gbps": cg, "decompress_gbps": dg})
+            speed = (cg, dg)
+        print(f"| {name} | " + " | ".join(cells) + f" | {speed[0]:.2f} | {speed[1]:.2f} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

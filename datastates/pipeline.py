@@ -116,6 +116,7 @@ class Job:
         self.manifest: dict | None = None
         self.codec: Codec | None = None  # the codec of this save's tensor chunks (None: stored as planned)
         self.position = 0  # compressed saves: where the next stored bytes go (chunks back to back)
+        self.packed: list = []  # compressed saves: (item, its stored offset)
 
     def fail(self, error: BaseException) -> None:
         if self.handle.error is None:
@@ -382,11 +383,13 @@ class SavePipeline:
             if isinstance(slot, Job) or slot.job.failed:
                 while encoding:
                     complete_q.put(self._write_encoded(*encoding.popleft()))
-                if isinstance(slot, Job) and slot.codec is not None:
+                if isinstance(slot, Job) and slot.codec is not None:  # every slot is packed: the offsets move
                     slot.size = slot.position
                     for e in slot.entries:  # nothing stored: no planned offset may lie past the packed bytes
                         if e.item.nbytes == 0:
                             e.item.offset = 0
+                    for item, offset in slot.packed:
+                        item.offset = offset
                 complete_q.put((slot, None))
                 continue
             done = None
@@ -420,8 +423,8 @@ class SavePipeline:
             for (start, n, item, index), data in zip(slot.segments, stored):
                 m = n if data is None else len(data)
                 out[pos:pos + m] = out[start:start + n] if data is None else np.frombuffer(data, np.uint8)
-                if index == 0:
-                    item.offset = job.position + pos
+                if index == 0:  # applied once the copier is done: it lays out later chunks by the plan's
+                    job.packed.append((item, job.position + pos))
                 if item.kind == Kind.TENSOR:
                     if item.stored is None:
                         item.codec, item.stored = job.codec.name, [0] * len(item.crcs)

@@ -1,0 +1,206 @@
+"""Compressed checkpoints (datastates/codecs.py, docs/compression.md): bit-exact round trips for every dtype and
+codec, ranged reads and another layout from compressed chunks, the uncompressed format unchanged, damaged and
+forged compressed chunks refused naming the checkpoint and the chunk, and a missing codec library named."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError, audit_checkpoint
+from datastates import format as fmt
+from datastates.codecs import CODECS
+from test_compatibility import FIXTURE, GLOBAL, _same, state as fixture_state
+from test_restore import Box, _registry
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.complex64]
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tensors(dtype, n, seed):
+    """Values of `dtype` with the structure of trained state: smooth exponents, noisy mantissas, some runs."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.7
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(n, generator=g, dtype=torch.float64) * 0.02).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000) + 1, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+@SETTINGS
+@given(st.sampled_from(sorted(CODECS)), st.sampled_from(DTYPES), st.binary(max_size=4096))
+def test_every_codec_round_trips_any_bytes_of_every_dtype(name, dtype, raw):
+    codec, itemsize = CODECS[name], torch.empty(0, dtype=dtype).element_size()
+    raw = raw[:len(raw) - len(raw) % itemsize]
+    out = np.empty(len(raw), np.uint8)
+    codec.decode(memoryview(codec.encode(memoryview(raw), itemsize)), out, itemsize)
+    assert out.tobytes() == raw
+
+
+@SETTINGS
+@given(st.sampled_from(sorted(CODECS)), st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 40_000)),
+                                                 min_size=1, max_size=4), st.integers(0, 2**16))
+def test_a_compressed_save_loads_bit_exact(tmp_path_factory, name, specs, seed):
+    """Slots of 64 KiB: big tensors are several chunks, small ones share a slot, and the saved bytes are smaller."""
+    want = {f"t{i}": tensors(dtype, n, seed + i) for i, (dtype, n) in enumerate(specs)}
+    want["obj"] = {"seed": seed}
+    path = str(tmp_path_factory.mktemp("rt") / "iter_0000001")
+    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2, compress=name, fsync=False) as eng:
+        eng.save(want, path).wait()
+        got = eng.load(path)
+    assert got["obj"] == want["obj"]
+    for k, t in want.items():
+        if k != "obj":
+            assert got[k].dtype == t.dtype and got[k].shape == t.shape and as_bytes(got[k]) == as_bytes(t), k
+    items = json.load(open(os.path.join(path, "rank_00000.manifest.json")))["items"]
+    assert all(it.get("codec") == name for it in items if it["kind"] == "tensor" and it["nbytes"])
+
+
+def save_fixture_state(root, compress):
+    """The compatibility fixture's state, saved by two ranks with `compress`."""
+    import torch.distributed as dist
+    store = dist.HashStore()
+    engines = [CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, rank=r, world_size=2, store=store,
+                                registry=_registry(), compress=compress, fsync=False) for r in range(2)]
+    for r, eng in enumerate(engines):
+        eng.save(fixture_state(r), os.path.join(root, "iter_0000003"))
+    for eng in engines:
+        eng.close()
+    return os.path.join(root, "iter_0000003")
+
+
+def test_without_compression_the_bytes_on_disk_are_those_of_the_fixture(tmp_path):
+    path = save_fixture_state(str(tmp_path), "off")
+    for r in range(2):
+        data = f"rank_{r:05d}.data"
+        assert open(os.path.join(path, data), "rb").read() == open(os.path.join(FIXTURE, "iter_0000003", data),
+                                                                    "rb").read()
+        mine, theirs = (json.load(open(os.path.join(p, f"rank_{r:05d}.manifest.json")))["items"]
+                        for p in (path, os.path.join(FIXTURE, "iter_0000003")))
+        assert mine == theirs
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    return save_fixture_state(str(tmp_path_factory.mktemp("zstd")), "bytegroup-zstd")
+
+
+def test_a_compressed_checkpoint_verifies_loads_and_loads_into_another_layout(compressed):
+    audit = audit_checkpoint(compressed, verify=True)
+    assert not audit.problems, audit.problems.summary()
+    plain = sum(os.path.getsize(os.path.join(FIXTURE, "iter_0000003", f"rank_{r:05d}.data")) for r in range(2))
+    assert sum(os.path.getsize(os.path.join(compressed, f"rank_{r:05d}.data")) for r in range(2)) < plain
+    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, registry=_registry()) as eng:
+        for rank in range(2):
+            _same(fixture_state(rank), eng.load(compressed, rank=rank))
+        whole = torch.zeros(GLOBAL)  # one rank takes both ranks' halves
+        eng.load(compressed, {"w": Box("w", whole, GLOBAL, (0, 0))})
+        assert torch.equal(whole, torch.arange(30, dtype=torch.float32).reshape(GLOBAL) / 7)
+        rows = torch.zeros(2, 5)  # a box across both halves: only the chunks that hold it
+        eng.load(compressed, {"w": Box("w", rows, GLOBAL, (2, 0))})
+        assert torch.equal(rows, whole[2:4])
+
+
+def _damaged(src, tmp_path, edit):
+    """A copy of checkpoint `src` whose rank-0 index entry for item 'local/big' is changed by `edit(item, data)`
+    (data: rank 0's data file, a bytearray), re-signed as a hostile tool would."""
+    import shutil
+    dst = tmp_path / "iter_0000003"
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "metadata.json").read_text())
+    item = next(it for it in meta["ranks"]["0"]["items"] if it["id"] == "local/big")
+    data = bytearray((dst / "rank_00000.data").read_bytes())
+    edit(item, data)
+    (dst / "rank_00000.data").write_bytes(bytes(data))
+    body = {k: v for k, v in meta.items() if k != "metadata_crc32c"}
+    (dst / "metadata.json").write_text(json.dumps(dict(meta, metadata_crc32c=fmt._body_crc(body))))
+    return str(dst)
+
+
+def _load_error(path):
+    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, registry=_registry()) as eng:
+        with pytest.raises(CheckpointError) as e:
+            eng.load(path, rank=0)
+    return str(e.value), e.type
+
+
+def _flip(item, data, fix_crc):
+    """Flip a byte in the middle of chunk 0's stored bytes (and, `fix_crc`, forge its crc32c to match)."""
+    from datastates import _native
+    data[item["offset"] + item["stored"][0] // 2] ^= 0x5A
+    if fix_crc:
+        item["crcs"][0] = _native.crc32c(bytes(data[item["offset"]:item["offset"] + item["stored"][0]]))
+
+
+def test_a_damaged_compressed_chunk_is_refused_naming_it(compressed, tmp_path):
+    msg, kind = _load_error(_damaged(compressed, tmp_path, lambda it, d: _flip(it, d, False)))
+    assert kind is CheckpointCorruptError
+    assert "checksum mismatch" in msg and "rank_00000.data" in msg and "'local/big' chunk 0" in msg, msg
+
+
+def test_a_forged_compressed_chunk_with_a_matching_crc_is_refused_naming_it(compressed, tmp_path):
+    msg, kind = _load_error(_damaged(compressed, tmp_path, lambda it, d: _flip(it, d, True)))
+    assert kind is CheckpointCorruptError
+    assert "'local/big' chunk 0" in msg and "does not decode" in msg and "rank_00000.data" in msg, msg
+
+
+def test_a_wrong_stored_size_is_refused_naming_the_item(compressed, tmp_path):
+    def longer(item, data):
+        item["stored"][0] = item["chunk_bytes"] + 1  # more than the chunk holds raw
+    msg, _ = _load_error(_damaged(compressed, tmp_path / "a", longer))
+    assert "'local/big'" in msg and "stored sizes" in msg and "metadata.json" in msg, msg
+
+    def shifted(item, data):  # one byte short, its crc forged to match: chunk 0 no longer decodes, chunk 1 is misread
+        from datastates import _native
+        item["stored"][0] -= 1
+        item["crcs"][0] = _native.crc32c(bytes(data[item["offset"]:item["offset"] + item["stored"][0]]))
+    msg, kind = _load_error(_damaged(compressed, tmp_path / "b", shifted))
+    assert kind is CheckpointCorruptError and re.search(r"'local/big' chunk [01] .*(does not decode|reads crc32c)",
+                                                        msg), msg
+
+
+def test_an_unknown_codec_is_refused_naming_it(compressed, tmp_path):
+    msg, _ = _load_error(_damaged(compressed, tmp_path, lambda it, d: it.update(codec="brotli-9")))
+    assert "unknown compression codec 'brotli-9'" in msg and "'local/big'" in msg and "metadata.json" in msg, msg
+    audit = audit_checkpoint(str(tmp_path / "iter_0000003"), verify=True)
+    assert audit.problems  # the audit does not pass it either
+
+
+def test_without_the_codec_library_the_engine_saves_uncompressed_and_names_the_package(compressed, tmp_path):
+    """zstandard made unimportable in a fresh interpreter: saving off and auto on a file system works; a codec
+    asked for, and a checkpoint that needs one, are refused naming the package to install."""
+    script = f"""
+import sys
+sys.modules["zstandard"] = None
+import torch
+from datastates import CheckpointEngine, CheckpointError
+for compress in ("off", "auto"):
+    with CheckpointEngine(host_buffer_bytes=1 << 20, fsync=False, compress=compress) as eng:
+        eng.save({{"w": torch.ones(10)}}, {str(tmp_path / "iter_0000001")!r}).wait()
+for what in ("save", "load"):
+    try:
+        if what == "save":
+            CheckpointEngine(compress="zstd")
+        else:
+            CheckpointEngine().load({compressed!r}, rank=0)
+    except CheckpointError as e:
+        print(what, e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("save ") and "pip install zstandard" in lines[0], out.stdout
+    assert lines[1].startswith("load ") and "pip install zstandard" in lines[1] and "rank_00000.data" in lines[1], \
+        out.stdout

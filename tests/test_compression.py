@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError, audit_checkpoint
 from datastates import format as fmt
 from datastates.codecs import CODECS
+from s3_store import s3_server  # noqa: F401  (the session fixture)
 from test_compatibility import FIXTURE, GLOBAL, _same, state as fixture_state
 from test_restore import Box, _registry
 
@@ -204,3 +205,74 @@ for what in ("save", "load"):
     assert lines[0].startswith("save ") and "pip install zstandard" in lines[0], out.stdout
     assert lines[1].startswith("load ") and "pip install zstandard" in lines[1] and "rank_00000.data" in lines[1], \
         out.stdout
+
+
+# ----- the trainer: exact resume and another layout from a compressed checkpoint -----
+
+N = 2
+TP2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--train-iters", str(2 * N),
+       "--hidden-dropout", "0", "--attention-dropout", "0", "--no-ckpt-fsync", "--make-vocab-size-divisible-by", "64"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """2 ranks, TP2, bf16 weights, fp32 main params and Adam moments, saved compressed every N iterations."""
+    from megatron_helpers import TINY, saving_run
+    root = str(tmp_path_factory.mktemp("trainer") / "ck")
+    flags = TINY + TP2 + ["--bf16", "--ckpt-compress", "bytegroup-zstd"]
+    return root, flags, saving_run(2, flags, root, every=N, iterations=2 * N)
+
+
+def test_the_trainer_resumes_exactly_from_a_compressed_checkpoint(trained):
+    from megatron_helpers import iter_dir, losses, torchrun
+    root, flags, reference = trained
+    items = [it for r in json.load(open(os.path.join(iter_dir(root, N), "metadata.json")))["ranks"].values()
+             for it in r["items"] if it["kind"] == "tensor" and it["nbytes"] and it.get("write", True)]
+    assert items and all(it["codec"] == "bytegroup-zstd" for it in items)
+    dtypes = {it["dtype"] for it in items}
+    assert {"bfloat16", "float32"} <= dtypes, dtypes
+    _, log = torchrun(2, flags + ["--load", iter_dir(root, N)])
+    resumed = losses(log)
+    assert sorted(resumed) == list(range(N + 1, 2 * N + 1)), log[-3000:]
+    assert resumed == {i: reference[i] for i in resumed}
+
+
+def test_a_compressed_checkpoint_loads_into_another_layout_bit_exact(trained, tmp_path):
+    """TP2 -> TP1 on one rank (--save-after-load, uncompressed): every full tensor equals the source's."""
+    from datastates import CheckpointReader
+    from megatron_helpers import convert, iter_dir
+    root, flags, _ = trained
+    tp1 = list(flags)
+    tp1[tp1.index("--tensor-model-parallel-size") + 1] = "1"
+    out = convert(1, tp1 + ["--ckpt-compress", "off"], iter_dir(root, N), str(tmp_path / "tp1"), N)
+    src, dst = CheckpointReader.open(iter_dir(root, N)), CheckpointReader.open(out)
+    assert "codec" not in open(os.path.join(out, "metadata.json")).read()
+    names = sorted(n for n in src.tensors() if not n.endswith("|flat"))
+    assert names and set(names) <= set(dst.tensors())
+    for name in names:
+        assert torch.equal(src.tensor(name), dst.tensor(name)), name
+
+
+# ----- an object store: auto compresses there -----
+
+def test_auto_compresses_on_an_object_store_and_the_checkpoint_loads(s3_server, monkeypatch):  # noqa: F811
+    from datastates import layout, storage_for
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    root = f"s3://{s3_server.create_bucket()}/run"
+    g = torch.Generator().manual_seed(7)
+    want = {"bf16": (torch.randn(600_000, generator=g) * 0.02).bfloat16(), "fp32": torch.randn(300_000, generator=g),
+            "step": 3}
+    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, compress="auto",
+                          storage=storage_for(root, writer_threads=2)) as eng:
+        assert eng.codec is not None and eng.codec.name == "bytegroup-zstd"
+        path = layout.checkpoint_dir(root, 5)
+        eng.save(want, path).wait()
+        got = eng.load(root)
+    assert got["step"] == 3 and all(as_bytes(got[k]) == as_bytes(want[k]) for k in ("bf16", "fp32"))
+    bucket, _, prefix = path[len("s3://"):].partition("/")
+    size = s3_server.client().head_object(Bucket=bucket, Key=f"{prefix}/rank_00000.data")["ContentLength"]
+    assert size < 0.9 * (1_200_000 + 1_200_000)
+    audit = audit_checkpoint(path, verify=True)
+    assert not audit.problems, audit.problems.summary()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from datastates.codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
+
 from .latent_attention import add_mla_args
 from .moe import add_moe_args
 from .multi_token import add_mtp_args
@@ -239,6 +241,10 @@ def _add_checkpoint_args(p):
                    help="a resume reads each data file as one buffered stream, or with O_DIRECT reads in flight")
     g.add_argument("--ckpt-read-threads", type=int, default=None,
                    help="native read threads per rank [the engine's DEFAULT_READ_THREADS, 8]")
+    g.add_argument("--ckpt-compress", choices=CODEC_SETTINGS, default="auto",
+                   help="lossless compression of the saved tensor chunks, on the writer side (docs/compression.md): "
+                        f"off, auto (object stores: {AUTO_CODEC}; file systems and the memory tier: off), or a "
+                        "codec [auto]")
     g.add_argument("--ckpt-keep-last", type=str, default="all", help="number of checkpoints to keep, or 'all'")
     g.add_argument("--ckpt-fsync", dest="ckpt_fsync", action="store_true", default=True)
     g.add_argument("--no-ckpt-fsync", dest="ckpt_fsync", action="store_false")

@@ -374,7 +374,7 @@ def _engine(args, ownership: ReplicaOwnership) -> CheckpointEngine:
     return CheckpointEngine(
         host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)), writer_threads=args.ckpt_writer_threads,
         keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
-        registry=make_registry(ownership), storage=storage)
+        registry=make_registry(ownership), storage=storage, compress=args.ckpt_compress)
 
 
 def _clean_leftovers(save_dir: str) -> None:

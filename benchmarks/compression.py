@@ -6,18 +6,27 @@ each kind into chunks of --chunk-mb (as the engine does) and runs every candidat
 each (blosc2 with nthreads=1). Ratios are properties of the data; the GB/s are of a shared 2-core VM and noisy.
 
     python benchmarks/compression.py CHECKPOINT_DIR [--chunk-mb 16] [--repeat 3] [--json out.json]
+
+With --engine, the engine itself instead: the checkpoint's tensors (tiled --tile times) saved and restored with
+compression off and on, to a local directory (fsync on) and to a local SeaweedFS (tests/s3_store.py): bytes
+stored, time to durable and restore time, best of --repeat, settings interleaved.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import os
+import shutil
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from datastates import CheckpointReader
+from datastates import CheckpointEngine, CheckpointReader, layout, storage_for
 from datastates.codecs import CODECS, group_bytes, ungroup_bytes
 
 GB = 1e9
@@ -112,6 +121,47 @@ def measure(chunks, enc, dec, repeat: int) -> tuple[float, float, float]:
     return raw_bytes / stored_bytes, raw_bytes / best_c / GB, raw_bytes / best_d / GB
 
 
+def engine_rows(path: str, tile: int, repeat: int, budget: int) -> None:
+    """Bytes, durable and restore seconds with compression off and on, on a file system and on SeaweedFS."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3_store import S3Store
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import evict_tree
+    reader = CheckpointReader.open(path)
+    state = {f"{name}#{k}": reader.tensor(name) for name in reader.tensors() for k in range(tile)}
+    raw = sum(t.numel() * t.element_size() for t in state.values())
+    store, local = S3Store(), tempfile.mkdtemp(prefix="compression-", dir=os.environ.get("BENCH_DIR", "/tmp"))
+    try:
+        store.start()
+        os.environ.update(store.env())
+        roots = {"file system": local, "SeaweedFS": f"s3://{store.create_bucket()}/run"}
+        print(f"| storage | compress | stored MB (raw {raw / 1e6:.1f}) | ratio | durable s | restore s |")
+        print("|---|---|---|---|---|---|")
+        rows = collections.defaultdict(lambda: [float("inf"), float("inf"), 0])
+        for rep in range(repeat):
+            for where, root in roots.items():
+                for compress in ("off", "bytegroup-zstd"):
+                    storage = storage_for(root)
+                    with CheckpointEngine(host_buffer_bytes=budget, storage=storage, compress=compress) as eng:
+                        ckpt = layout.checkpoint_dir(root, 1 + rep)
+                        t0 = time.perf_counter()
+                        eng.save(state, ckpt).wait()
+                        durable = time.perf_counter() - t0
+                        stored = storage.size(layout.join(ckpt, layout.data_file(0)))
+                        if where == "file system":
+                            evict_tree(ckpt)
+                        t0 = time.perf_counter()
+                        eng.load(ckpt)
+                        restore = time.perf_counter() - t0
+                    row = rows[(where, compress)]
+                    row[0], row[1], row[2] = min(row[0], durable), min(row[1], restore), stored
+        for (where, compress), (durable, restore, stored) in rows.items():
+            print(f"| {where} | {compress} | {stored / 1e6:.1f} | {raw / stored:.3f} | {durable:.3f} | {restore:.3f} |")
+    finally:
+        store.stop()
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
@@ -119,7 +169,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--only", help="measure only the candidates whose name contains this")
+    p.add_argument("--engine", action="store_true", help="the engine's save and restore, off and on (see above)")
+    p.add_argument("--tile", type=int, default=5)
+    p.add_argument("--budget-mb", type=int, default=1024)
     a = p.parse_args()
+    if a.engine:
+        return engine_rows(a.checkpoint, a.tile, a.repeat, a.budget_mb << 20)
     torch.set_num_threads(1)
     kinds = load_kinds(a.checkpoint, a.chunk_mb << 20)
     kinds["all"] = [c for k in list(kinds) for c in kinds[k]]

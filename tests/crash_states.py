@@ -61,7 +61,7 @@ RUNS = (("none", 4, (2,)), ("latest", 7, (5,)), ("6", 8, (7,)))
 # ------------------------------------------------------------------------------------------- the traced job
 
 def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resume: str, last: int,
-              wait_at: tuple[int, ...]) -> None:
+              wait_at: tuple[int, ...], compress: str = "off") -> None:
     """One rank of one run: clean up, resume, save lazily (the fence before every mutation). Rank 0 serves the
     run's TCPStore on a port the kernel picks (no race for a free port) and hands it to the others by a pipe."""
     import torch
@@ -80,7 +80,7 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
             port = int(f.readline())
         store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
-    eng = CheckpointEngine(host_buffer_bytes=BUDGET, writer_threads=2, keep_last=KEEP_LAST)
+    eng = CheckpointEngine(host_buffer_bytes=BUDGET, writer_threads=2, keep_last=KEEP_LAST, compress=compress)
     if rank == 0:
         tracker.clean_leftovers(root)
     dist.barrier()
@@ -109,7 +109,7 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
     dist.destroy_process_group()
 
 
-def job_main(root: str, marks: str) -> None:
+def job_main(root: str, marks: str, compress: str) -> None:
     """The traced process tree: the runs one after another, each a fresh set of rank processes forked from this
     one, which imported torch and datastates once (and never starts a thread): an import under strace costs
     seconds."""
@@ -124,7 +124,7 @@ def job_main(root: str, marks: str) -> None:
             if pid == 0:
                 code = 1
                 try:
-                    rank_main(root, marks, r, pipe, resume, last, wait_at)
+                    rank_main(root, marks, r, pipe, resume, last, wait_at, compress)
                     code = 0
                 finally:
                     sys.stdout.flush()
@@ -138,12 +138,13 @@ def job_main(root: str, marks: str) -> None:
             sys.exit(f"traced run (resume {resume}, last {last}) failed: exit codes {codes}")
 
 
-def record(work: str) -> tuple[list[crash_fs.Op], float]:
-    """Run the job under strace; (operations under the checkpoint root, seconds it took)."""
+def record(work: str, compress: str = "off") -> tuple[list[crash_fs.Op], float]:
+    """Run the job under strace (its saves compressed as `compress` says); (operations under the checkpoint root,
+    seconds it took)."""
     root, marks, log = (os.path.join(work, n) for n in ("ckpt", "marks", "trace.log"))
     os.makedirs(root)
     t0 = time.monotonic()
-    fs_trace.record([sys.executable, __file__, "_job", root, marks], log, cwd=ROOT,
+    fs_trace.record([sys.executable, __file__, "_job", root, marks, compress], log, cwd=ROOT,
                     env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     return fs_trace.parse(log, root, marks, ROOT), time.monotonic() - t0
 
@@ -241,10 +242,10 @@ class Result:
 _ITER = re.compile(r"iter_(\d+)")
 
 
-def explore(work: str, samples: int = 6, stride: int = 1, seed: int = 0, log=print) -> Result:
+def explore(work: str, samples: int = 6, stride: int = 1, seed: int = 0, log=print, compress: str = "off") -> Result:
     """Record the job, then build and check the crash states of every `stride`-th crash point."""
     res = Result()
-    ops, res.record_s = record(work)
+    ops, res.record_s = record(work, compress)
     durable = crash_fs.durable_at(ops)
     res.ops = len(ops)
     res.kinds = collections.Counter(o.kind for o in ops)
@@ -285,21 +286,22 @@ def explore(work: str, samples: int = 6, stride: int = 1, seed: int = 0, log=pri
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "_job":
-        job_main(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 5 and sys.argv[1] == "_job":
+        job_main(sys.argv[2], sys.argv[3], sys.argv[4])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--summary", action="store_true", help="print the totals and violations only")
     p.add_argument("--samples", type=int, default=6, help="random states per crash point (plus the systematic ones)")
     p.add_argument("--stride", type=int, default=1, help="check every n-th crash point")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compress", default="off", help="the saves' --ckpt-compress (docs/compression.md)")
     p.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one, removed)")
     a = p.parse_args()
     if shutil.which("strace") is None:
         sys.exit("crash_states.py needs strace (apt-get install strace)")
     work = a.dir or tempfile.mkdtemp(prefix="crash_states_")
     try:
-        res = explore(work, a.samples, a.stride, a.seed, log=None if a.summary else print)
+        res = explore(work, a.samples, a.stride, a.seed, log=None if a.summary else print, compress=a.compress)
     finally:
         if a.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -172,6 +172,18 @@ def test_a_wrong_stored_size_is_refused_naming_the_item(compressed, tmp_path):
                                                         msg), msg
 
 
+def test_a_torn_compressed_chunk_is_refused_naming_it(compressed, tmp_path):
+    """The data file cut in the middle of a compressed chunk's stored bytes, the rest zeros (a torn write)."""
+    def torn(item, data):
+        cut = item["offset"] + item["stored"][0] // 2
+        data[cut:] = bytes(len(data) - cut)
+    path = _damaged(compressed, tmp_path, torn)
+    msg, kind = _load_error(path)
+    assert kind is CheckpointCorruptError and "rank_00000.data" in msg, msg
+    summary = audit_checkpoint(path, verify=True).problems.summary()  # every damaged chunk, named
+    assert "'local/big' chunk 0" in summary and "'local/big' chunk 1" in summary, summary
+
+
 def test_an_unknown_codec_is_refused_naming_it(compressed, tmp_path):
     msg, _ = _load_error(_damaged(compressed, tmp_path, lambda it, d: it.update(codec="brotli-9")))
     assert "unknown compression codec 'brotli-9'" in msg and "'local/big'" in msg and "metadata.json" in msg, msg

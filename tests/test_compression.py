@@ -50,7 +50,7 @@ def test_every_codec_round_trips_any_bytes_of_every_dtype(name, dtype, raw):
     assert out.tobytes() == raw
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=15)
 @given(st.sampled_from(sorted(CODECS)), st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 40_000)),
                                                  min_size=1, max_size=4), st.integers(0, 2**16))
 def test_a_compressed_save_loads_bit_exact(tmp_path_factory, name, specs, seed):

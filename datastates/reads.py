@@ -9,7 +9,10 @@ straight into is undefined).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Protocol
 
 import torch
@@ -26,6 +29,46 @@ from .storage import DataSource, Done
 # A load reads at most this far ahead of its copies out: enough to keep 8 reads of 8 MiB in flight several times
 # over, little enough that the same few slots go round while their pages are hot.
 READ_AHEAD_BYTES = 256 << 20
+
+
+DECODE_THREADS = 2  # decoders of compressed reads, shared by every load of the process
+_decoder_pool: ThreadPoolExecutor | None = None
+_decoder_lock = threading.Lock()
+
+
+def _decoders() -> ThreadPoolExecutor:
+    global _decoder_pool
+    with _decoder_lock:
+        if _decoder_pool is None:
+            _decoder_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="ds-decode")
+        return _decoder_pool
+
+
+def _fetch_decoded(done: Done, item: Item, first: int, stored: torch.Tensor, dst: torch.Tensor) -> tuple:
+    """On a decoder thread: wait for a compressed read and, where every chunk's crc32c matches the index, decode
+    its chunks into `dst`. Returns (crcs, None) or (crcs, (chunk, file offset, stored, raw size, why)) for the
+    first chunk that does not decode; the loading thread reports (`Reads._verified`)."""
+    crcs = done()
+    if crcs != item.crcs[first:first + len(crcs)]:
+        return crcs, None  # not decoded: the checksum mismatch is the problem
+    raw, kept = item.chunks(), item.stored_chunks()
+    base_raw, base_stored = raw[first][0], kept[first][0]
+    out, src = dst.numpy(), stored.numpy()
+    for index in range(first, first + len(crcs)):
+        (r, n), (s, m) = raw[index], kept[index]
+        to, data = out[r - base_raw:r - base_raw + n], src[s - base_stored:s - base_stored + m]
+        try:
+            if m == n:  # stored raw: the codec did not make it smaller
+                to[:] = data
+            else:
+                codecs.codec(item.codec).decode(memoryview(data), to, item.element_size)
+        except (ValueError, CheckpointError) as e:
+            return crcs, (index, item.offset + s, m, n, str(e))
+    return crcs, None
+
+
+def _crcs_of(decoded: Future) -> list[int]:
+    return decoded.result()[0]
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -60,7 +103,7 @@ class _Read(NamedTuple):
     place: Callable[[torch.Tensor], None] | None  # what to do with the verified bytes
     slot: Slot | None  # the staging slot the bytes landed in, if any
     fresh: int  # bytes of a buffer allocated for this read alone
-    stored: torch.Tensor | None  # a compressed item's stored bytes, decoded into `buffer` once verified
+    decoded: Future | None  # a compressed read: (crcs, failure) of `_fetch_decoded`, which fills `buffer`
 
 
 class _Held:
@@ -120,7 +163,7 @@ class Reads:
                 raise CheckpointCorruptError(f"item {item.id!r} in {self.reader.data_path(rank)!r}: {nbytes} "
                                              f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
                                              f"destination")
-            stored = None
+            stored = decoded = None
             if item.codec is not None:  # the stored bytes land in a buffer of their own, decoded into dst
                 chunks = item.stored_chunks()[first:last]
                 start = chunks[0][0]
@@ -129,6 +172,9 @@ class Reads:
             segments = [(s - start, n) for s, n in chunks]
             source = self.reader.data_source(rank, self.problems)
             done = source.submit(dst if stored is None else stored, nbytes, item.offset + start, segments)
+            if stored is not None:
+                decoded = _decoders().submit(_fetch_decoded, done, item, first, stored, dst)
+                done = functools.partial(_crcs_of, decoded)
             self.reader.stats.bytes_read += nbytes
             self.reader.stats.requests += 1
         except BaseException:  # nothing was submitted: the memory goes back now
@@ -136,7 +182,7 @@ class Reads:
             if slot is not None:
                 self.pool.release(slot)
             raise
-        self.pending.append(_Read(done, rank, item, first, dst, place, slot, fresh, stored))
+        self.pending.append(_Read(done, rank, item, first, dst, place, slot, fresh, decoded))
         if slot is not None:
             self.ahead += dst.numel()
 
@@ -207,30 +253,20 @@ class Reads:
                                         f"{item.crcs[index]:#010x}", offset=offset, rank=read.rank,
                                   item=item.id, error=CheckpointCorruptError)
                 good = False
-        return good and (read.stored is None or self._decoded(read, len(crcs)))
+        return good and (read.decoded is None or self._decoded(read))
 
-    def _decoded(self, read: _Read, count: int) -> bool:
-        """Decode the verified stored chunks of a compressed read into its buffer; a chunk that does not decode
-        to its raw size is a problem named with its chunk (a crc32c matching forged or mis-sized bytes)."""
-        item, path = read.item, self.reader.data_path(read.rank)
-        raw, stored = item.chunks(), item.stored_chunks()
-        base_raw, base_stored = raw[read.first][0], stored[read.first][0]
-        out, src = read.buffer.numpy(), read.stored.numpy()
-        for index in range(read.first, read.first + count):
-            (r, n), (s, m) = raw[index], stored[index]
-            dst, data = out[r - base_raw:r - base_raw + n], src[s - base_stored:s - base_stored + m]
-            try:
-                if m == n:  # stored raw: the codec did not make it smaller
-                    dst[:] = data
-                else:
-                    codecs.codec(item.codec).decode(memoryview(data), dst, item.element_size)
-            except (ValueError, CheckpointError) as e:
-                self.problems.add(path, f"item {item.id!r} chunk {index} in {path!r} (file offset "
-                                        f"{item.offset + s}, {m} bytes stored, codec {item.codec}) does not decode "
-                                        f"to its {n} bytes: {e}", offset=item.offset + s, rank=read.rank,
-                                  item=item.id, error=CheckpointCorruptError)
-                return False
-        return True
+    def _decoded(self, read: _Read) -> bool:
+        """Whether every chunk of a compressed read decoded to its raw size (`_fetch_decoded`); a chunk that did
+        not is a problem named with its chunk (a crc32c matching forged or mis-sized bytes)."""
+        _, failure = read.decoded.result()
+        if failure is None:
+            return True
+        index, offset, m, n, why = failure
+        path = self.reader.data_path(read.rank)
+        self.problems.add(path, f"item {read.item.id!r} chunk {index} in {path!r} (file offset {offset}, {m} bytes "
+                                f"stored, codec {read.item.codec}) does not decode to its {n} bytes: {why}",
+                          offset=offset, rank=read.rank, item=read.item.id, error=CheckpointCorruptError)
+        return False
 
     def release_held(self) -> None:
         held, self.held = self.held, []

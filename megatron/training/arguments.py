@@ -241,10 +241,10 @@ def _add_checkpoint_args(p):
                    help="a resume reads each data file as one buffered stream, or with O_DIRECT reads in flight")
     g.add_argument("--ckpt-read-threads", type=int, default=None,
                    help="native read threads per rank [the engine's DEFAULT_READ_THREADS, 8]")
-    g.add_argument("--ckpt-compress", choices=CODEC_SETTINGS, default="auto",
+    g.add_argument("--ckpt-compress", choices=CODEC_SETTINGS, default="off",
                    help="lossless compression of the saved tensor chunks, on the writer side (docs/compression.md): "
                         f"off, auto (object stores: {AUTO_CODEC}; file systems and the memory tier: off), or a "
-                        "codec [auto]")
+                        "codec [off: measured no faster on this project's machines]")
     g.add_argument("--ckpt-keep-last", type=str, default="all", help="number of checkpoints to keep, or 'all'")
     g.add_argument("--ckpt-fsync", dest="ckpt_fsync", action="store_true", default=True)
     g.add_argument("--no-ckpt-fsync", dest="ckpt_fsync", action="store_false")

@@ -46,8 +46,8 @@ def _decoders() -> ThreadPoolExecutor:
 
 def _fetch_decoded(done: Done, item: Item, first: int, stored: torch.Tensor, dst: torch.Tensor) -> tuple:
     """On a decoder thread: wait for a compressed read and, where every chunk's crc32c matches the index, decode
-    its chunks into `dst`. Returns (crcs, None) or (crcs, (chunk, file offset, stored, raw size, why)) for the
-    first chunk that does not decode; the loading thread reports (`Reads._verified`)."""
+    its chunks into `dst`. Returns (crcs, None) or (crcs, (chunk, file offset, stored size, why, error type)) for
+    the first chunk that does not decode; the loading thread reports it (`Reads._decoded`)."""
     crcs = done()
     if crcs != item.crcs[first:first + len(crcs)]:
         return crcs, None  # not decoded: the checksum mismatch is the problem
@@ -62,8 +62,10 @@ def _fetch_decoded(done: Done, item: Item, first: int, stored: torch.Tensor, dst
                 to[:] = data
             else:
                 codecs.codec(item.codec).decode(memoryview(data), to, item.element_size)
-        except (ValueError, CheckpointError) as e:
-            return crcs, (index, item.offset + s, m, n, str(e))
+        except ValueError as e:
+            return crcs, (index, item.offset + s, m, f"does not decode to its {n} bytes: {e}", CheckpointCorruptError)
+        except CheckpointError as e:  # the codec's library is missing
+            return crcs, (index, item.offset + s, m, f"cannot be decoded: {e}", CheckpointError)
     return crcs, None
 
 
@@ -261,11 +263,11 @@ class Reads:
         _, failure = read.decoded.result()
         if failure is None:
             return True
-        index, offset, m, n, why = failure
+        index, offset, m, why, error = failure
         path = self.reader.data_path(read.rank)
         self.problems.add(path, f"item {read.item.id!r} chunk {index} in {path!r} (file offset {offset}, {m} bytes "
-                                f"stored, codec {read.item.codec}) does not decode to its {n} bytes: {why}",
-                          offset=offset, rank=read.rank, item=read.item.id, error=CheckpointCorruptError)
+                                f"stored, codec {read.item.codec}) {why}",
+                          offset=offset, rank=read.rank, item=read.item.id, error=error)
         return False
 
     def release_held(self) -> None:

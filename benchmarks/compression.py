@@ -9,7 +9,7 @@ each (blosc2 with nthreads=1). Ratios are properties of the data; the GB/s are o
 
 With --engine, the engine itself instead: the checkpoint's tensors (tiled --tile times) saved and restored with
 compression off and on, to a local directory (fsync on) and to a local SeaweedFS (tests/s3_store.py): bytes
-stored, time to durable and restore time, best of --repeat, settings interleaved.
+stored, time to durable, restore time and the every-iteration loop ratio, best of --repeat, settings interleaved.
 """
 from __future__ import annotations
 
@@ -121,8 +121,22 @@ def measure(chunks, enc, dec, repeat: int) -> tuple[float, float, float]:
     return raw_bytes / stored_bytes, raw_bytes / best_c / GB, raw_bytes / best_d / GB
 
 
-def engine_rows(path: str, tile: int, repeat: int, budget: int) -> None:
-    """Bytes, durable and restore seconds with compression off and on, on a file system and on SeaweedFS."""
+def loop_ratio(eng: CheckpointEngine, root: str, state: dict, first: int, iters: int, step_s: float) -> float:
+    """`iters` iterations, each a 1-step "training" (a sleep: an accelerator's step leaves the host's cores to the
+    checkpoint) after the fence and a lazy save, until the last save is durable, over the same loop without
+    saves (benchmarks/RESULTS.md, "Object store", the same loop)."""
+    t0 = time.perf_counter()
+    for i in range(iters):
+        eng.wait_for_snapshot()
+        time.sleep(step_s)
+        eng.save(state, layout.checkpoint_dir(root, first + i))
+    eng.wait()
+    return (time.perf_counter() - t0) / (iters * step_s)
+
+
+def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, step_s: float = 1.0) -> None:
+    """Bytes, durable and restore seconds and the loop ratio with compression off and on, on a file system and
+    on SeaweedFS."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from s3_store import S3Store
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -135,14 +149,16 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int) -> None:
         store.start()
         os.environ.update(store.env())
         roots = {"file system": local, "SeaweedFS": f"s3://{store.create_bucket()}/run"}
-        print(f"| storage | compress | stored MB (raw {raw / 1e6:.1f}) | ratio | durable s | restore s |")
-        print("|---|---|---|---|---|---|")
-        rows = collections.defaultdict(lambda: [float("inf"), float("inf"), 0])
+        print(f"| storage | compress | stored MB (raw {raw / 1e6:.1f}) | ratio | durable s | restore s | "
+              f"loop ratio ({iters} x {step_s:g} s) |")
+        print("|---|---|---|---|---|---|---|")
+        rows = collections.defaultdict(lambda: [float("inf"), float("inf"), 0, float("inf")])
         for rep in range(repeat):
             for where, root in roots.items():
                 for compress in ("off", "bytegroup-zstd"):
                     storage = storage_for(root)
-                    with CheckpointEngine(host_buffer_bytes=budget, storage=storage, compress=compress) as eng:
+                    with CheckpointEngine(host_buffer_bytes=budget, storage=storage, compress=compress,
+                                          keep_last=2) as eng:
                         ckpt = layout.checkpoint_dir(root, 1 + rep)
                         t0 = time.perf_counter()
                         eng.save(state, ckpt).wait()
@@ -153,10 +169,12 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int) -> None:
                         t0 = time.perf_counter()
                         eng.load(ckpt)
                         restore = time.perf_counter() - t0
+                        loop = loop_ratio(eng, root, state, 100 * (1 + rep), iters, step_s)
                     row = rows[(where, compress)]
-                    row[0], row[1], row[2] = min(row[0], durable), min(row[1], restore), stored
-        for (where, compress), (durable, restore, stored) in rows.items():
-            print(f"| {where} | {compress} | {stored / 1e6:.1f} | {raw / stored:.3f} | {durable:.3f} | {restore:.3f} |")
+                    row[:] = min(row[0], durable), min(row[1], restore), stored, min(row[3], loop)
+        for (where, compress), (durable, restore, stored, loop) in rows.items():
+            print(f"| {where} | {compress} | {stored / 1e6:.1f} | {raw / stored:.3f} | {durable:.3f} | {restore:.3f} "
+                  f"| {loop:.2f} |")
     finally:
         store.stop()
         shutil.rmtree(local, ignore_errors=True)

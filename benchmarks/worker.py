@@ -214,7 +214,7 @@ def _run(rank, world, cfg):
     # O_DIRECT at the same moment, so the disk's drift and any cache below the VM treat it like the loads.
     own_file = os.path.join(last_path.get("engine_lazy", ""), f"rank_{rank:05d}.data")
     if os.path.isfile(own_file):
-        restorable += [_RawRead(own_file, how) for how in RAW_READS]
+        restorable += [_RawRead(own_file, how) for how in cfg.get("raw_reads") or RAW_READS]
     samples: dict[str, list[float]] = {}
     for rep in range(cfg.get("restore_reps", cfg["reps"])):
         for s in (restorable if rep % 2 == 0 else restorable[::-1]):  # A B … B A, as the saves

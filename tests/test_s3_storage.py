@@ -1,6 +1,7 @@
 """The S3 backend through the engine, against a real SeaweedFS (tests/s3_store.py): round trips, two ranks
 publishing one checkpoint, retention, failed and killed saves, leftovers, refusals naming the path, msc://."""
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -67,12 +68,11 @@ def test_two_ranks_publish_one_checkpoint_and_retention_deletes_whole_ones(s3, s
     ranks = engines(s3, n=2, keep_last=2)
     try:
         for it in (1, 2, 3):
-            threads = [threading.Thread(target=lambda e=e, r=r: e.save(state(it + r), layout.checkpoint_dir(s3, it))
-                                        .wait()) for r, e in enumerate(ranks)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            with ThreadPoolExecutor(len(ranks)) as pool:  # a rank's error is raised here, not lost in its thread
+                saves = [pool.submit(lambda e=e, r=r: e.save(state(it + r), layout.checkpoint_dir(s3, it)).wait())
+                         for r, e in enumerate(ranks)]
+                for save in saves:
+                    save.result(timeout=120)
         for r, e in enumerate(ranks):
             assert_same(e.load(s3), state(3 + r))
     finally:

@@ -1,10 +1,13 @@
 """The GPU check's part (c) in one line and one JSON, from two `run_all.py --device cuda` runs' raw results.
 
     python benchmarks/gpu_figures.py SIDE_BY_SIDE_OUT LARGE_OUT --json FIGURES.json
+    python benchmarks/gpu_figures.py --markdown OUT/figures.json > benchmarks/gpu.md   (the check's whole figures.json)
 
 SIDE_BY_SIDE_OUT: every system on the 1 GB state, with the loop; LARGE_OUT: this engine alone on the large state.
 Prints `SUMMARY PASS ...` when both engine modes saved, the lazy engine's checkpoints of both states loaded back
 bit for bit and its loop ran; else `SUMMARY FAIL ...` naming what is missing. Never fails on time.
+`--markdown` renders a GPU check's figures.json as the GPU section of benchmarks/RESULTS.md (report.py appends
+benchmarks/gpu.md), naming the card, driver and torch of every figure.
 """
 from __future__ import annotations
 
@@ -87,12 +90,48 @@ def verdict(fig: dict) -> tuple[bool, str]:
     return True, "; ".join(parts)
 
 
+def markdown(check: dict) -> str:
+    dev, fig = check.get("device", {}), check.get("c_bench", {})
+    card = f"{dev.get('card', '?')} ({dev.get('memory_gib', '?')} GiB), driver {dev.get('driver', '?')}, torch " \
+           f"{dev.get('torch', '?')} (CUDA {dev.get('cuda', '?')}), Python {dev.get('python', '?')}, megatron-core " \
+           f"{dev.get('megatron_core', '?')}"
+    out = ["## On a GPU", "", f"Measured by `bash scripts/gpu_check.sh` on one {card}. Every figure below is that card's.",
+           "", *[f"- {line}" for line in check.get("summary", [])], ""]
+    if fig.get("systems"):
+        d2h = fig.get("d2h_pinned_gbps")
+        out += [f"{(fig.get('state_bytes') or 0) / 1e9:.2f} GB state on the GPU; a plain device-to-pinned-host copy: "
+                + (f"{d2h:.1f} GB/s" if d2h else "not measured") + "; the loop: "
+                f"{fig['loop'].get('iters')} steps of ~{fig['loop'].get('compute_s')} s of bf16 matrix products, a "
+                f"checkpoint every step, against {fig['loop'].get('baseline_s') or 0:.2f} s without.", "",
+                "| system | stall s | durable s | restore s | snapshot GB/s | loop ratio |", "|---|---|---|---|---|---|"]
+
+        def cell(v, f="{:.3f}"):
+            return f.format(v) if isinstance(v, (int, float)) else "—"
+        for name, v in fig["systems"].items():
+            out.append(f"| {name} | {cell(v.get('blocking_s'))} | {cell(v.get('durable_s'))} | "
+                       f"{cell(v.get('restore_s'))} | {cell(v.get('snapshot_gbps'), '{:.1f}')} | "
+                       f"{cell(v.get('loop_ratio'), '{:.2f}')} |")
+        large = fig.get("large")
+        if large:
+            out += ["", f"This engine alone on {large['state_bytes'] / 1e9:.1f} GB (a staging budget that holds it): stall "
+                    f"{cell(large.get('blocking_s'))} s, durable {cell(large.get('durable_s'), '{:.2f}')} s, snapshot "
+                    f"{cell(large.get('snapshot_gbps'), '{:.1f}')} GB/s."]
+    return "\n".join(out) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("side_by_side")
-    ap.add_argument("large")
-    ap.add_argument("--json", required=True)
+    ap.add_argument("side_by_side", nargs="?")
+    ap.add_argument("large", nargs="?")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown", metavar="FIGURES_JSON", help="print a GPU check's figures as Markdown")
     a = ap.parse_args()
+    if a.markdown:
+        with open(a.markdown) as f:
+            print(markdown(json.load(f)), end="")
+        return 0
+    if not (a.side_by_side and a.large and a.json):
+        ap.error("give SIDE_BY_SIDE_OUT LARGE_OUT --json FIGURES.json, or --markdown FIGURES_JSON")
     fig = figures(_raw(a.side_by_side), _raw(a.large))
     ok, line = verdict(fig)
     with open(a.json, "w") as f:

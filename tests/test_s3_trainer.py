@@ -15,13 +15,12 @@ import torch
 from datastates import layout, tracker
 from hf_helpers import assert_round_trip, tiny_llama
 from megatron_helpers import ROOT, TINY, losses, torchrun
-from s3_store import s3_server  # noqa: F401  (the session fixture)
 
 BASE = TINY + ["--train-iters", "4", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
                "--bf16", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2"]
 
 
-def test_tp2_dp2_saves_to_s3_from_the_memory_tier_and_resumes_exactly(s3_server, tmp_path, monkeypatch):  # noqa: F811
+def test_tp2_dp2_saves_to_s3_from_the_memory_tier_and_resumes_exactly(s3_server, tmp_path, monkeypatch):
     env = dict(s3_server.env(), DATASTATES_JOB_ID="s3-trainer", DATASTATES_RANKS_PER_NODE="2")
     for k, v in env.items():
         monkeypatch.setenv(k, v)  # this process reads the same store below
@@ -79,7 +78,7 @@ def stored(store, url):
             [u["Key"] for u in c.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])])
 
 
-def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, monkeypatch):  # noqa: F811
+def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, monkeypatch):
     """DP2, a lazy save every iteration to s3://. Run A: the store dies while iteration 3's parts are going up
     and is back before the save of 5: the saves of 3 and 4 fail, --ckpt-on-failure warn keeps training, 5 and 6
     publish, and 2, published before, still loads. Run B resumes at 6 (removing what the failed save of 3 left)
@@ -118,7 +117,7 @@ def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, mo
     assert tracker.published_iterations(root)[-2:] == [7, 8] and not stored(s3_server, root)[1]
 
 
-def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, monkeypatch, capsys):
     """--from hf with an s3:// --output, then --to hf with it as --input (the transformers side is a local
     directory: transformers reads and writes files)."""
     for k, v in s3_server.env().items():
@@ -138,7 +137,7 @@ def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, m
     (["--ckpt-format", "torch_dist"], "through multi-storage-client only; use an msc:// profile"),
     (["--disable-msc"], None),
 ])
-def test_what_an_object_store_refuses_before_any_work(s3_server, monkeypatch, flags, match):  # noqa: F811
+def test_what_an_object_store_refuses_before_any_work(s3_server, monkeypatch, flags, match):
     from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.validation import validate_args
     for k, v in s3_server.env().items():

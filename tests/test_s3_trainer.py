@@ -5,6 +5,7 @@ onto one process (a reshard) through the conversion tool's reader; the store kil
 the whole job killed in the middle of an upload (tests/fault_launcher.py); the Hugging Face tools on s3://; and
 refusals that need no run."""
 import os
+import re
 import sys
 import threading
 import time
@@ -37,6 +38,9 @@ def test_tp2_dp2_saves_to_s3_from_the_memory_tier_and_resumes_exactly(s3_server,
                                  "--async-ckpt"], env=env)
     assert "at iteration 2" in log, log[-3000:]
     assert losses(log) == {3: straight[3], 4: straight[4]}
+    # read once, passed on: on by default for an object store, so rank 0 took replicas from or gave them to its DP peer
+    moved = re.search(r"([\d,]+) B received from and ([\d,]+) B passed to other ranks", log)
+    assert moved and sum(int(n.replace(",", "")) for n in moved.groups()) > 0, log[-3000:]
 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from convert_checkpoint import main as convert, read_datastates

@@ -46,13 +46,14 @@ def install_cpu_guard() -> str:
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic, Megatron-shaped training state
 # ----------------------------------------------------------------------------------------------------------
-def make_state(total_bytes: float, rank: int, world: int, seed: int = 1234) -> dict:
+def make_state(total_bytes: float, rank: int, world: int, seed: int = 1234, device: str = "cpu") -> dict:
     """One rank's share (total_bytes / world) of a GPT-like training state in fp32.
 
     Model parameters of L transformer layers (qkv, proj, fc1, fc2, two layer norms with biases) plus an
     embedding that takes the remainder, and Adam's exp_avg / exp_avg_sq for each parameter (so 3 tensors of
     every shape), plus the small Python objects a Megatron checkpoint carries (iteration, args, RNG state).
-    Every rank's tensors are rows [rank*r, (rank+1)*r) of logical tensors sharded along dim 0.
+    Every rank's tensors are rows [rank*r, (rank+1)*r) of logical tensors sharded along dim 0. With a `device`
+    ("cuda"), the model and its moments live there (generated on the host, so the values do not depend on it).
     """
     per_rank = total_bytes / world
     layers = 4 if per_rank < 0.5 * GB else 8
@@ -77,9 +78,9 @@ def make_state(total_bytes: float, rank: int, world: int, seed: int = 1234) -> d
     g = torch.Generator().manual_seed(seed + rank)
     model, exp_avg, exp_avg_sq = {}, {}, {}
     for k, s in shapes.items():
-        model[k] = torch.randn(s, generator=g)
-        exp_avg[k] = torch.randn(s, generator=g) * 1e-3
-        exp_avg_sq[k] = torch.rand(s, generator=g) * 1e-6
+        model[k] = torch.randn(s, generator=g).to(device)
+        exp_avg[k] = (torch.randn(s, generator=g) * 1e-3).to(device)
+        exp_avg_sq[k] = (torch.rand(s, generator=g) * 1e-6).to(device)
     return {
         "model": model,
         "optimizer": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "step": 1},

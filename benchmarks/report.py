@@ -241,9 +241,13 @@ def render(out, results_dir=None, results_md=None, command=None):
         if os.path.exists(notes):
             with open(notes) as f:
                 doc += ["## Notes", "", f.read()]
-        # measured by object_store.py, not run_all.py: its section is kept beside this script
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "object_store.md")) as f:
-            doc += ["", f.read()]
+        # measured by object_store.py and on a GPU machine by scripts/gpu_check.sh (gpu_figures.py --markdown), not
+        # by run_all.py: their sections are kept beside this script
+        for kept in ("object_store.md", "gpu.md"):
+            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), kept)
+            if os.path.exists(path):
+                with open(path) as f:
+                    doc += ["", f.read()]
         with open(results_md, "w") as f:
             f.write("\n".join(doc) + "\n")
     return rs, rat

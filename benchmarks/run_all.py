@@ -89,6 +89,11 @@ def main():
     ap.add_argument("--loop-intervals", default="1,3")
     ap.add_argument("--mem-config", default="1x1",
                     help="SIZExRANKS for the peak-memory phase (fresh process per system; '' = none)")
+    ap.add_argument("--raw-reads", default=None,
+                    help="comma-separated raw read yardsticks of the restore phase (of 1t,4t,8t,stream) [all]")
+    ap.add_argument("--loop-systems", default=None, help="comma-separated systems the loop runs [all of --systems]")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the state lives: cuda puts the model and its moments on the GPU (one device)")
     ap.add_argument("--loop-rounds", type=int, default=1, help="interleaved repetitions of each loop run")
     ap.add_argument("--trainer", choices=["auto", "on", "off"], default="auto",
                     help="also time pretrain_gpt.py (tiny GPT) with a checkpoint every iteration if it exists")
@@ -177,6 +182,8 @@ def main():
             "engine_writer_threads": a.engine_writer_threads,
             "loop_iters": a.loop_iters if is_loop else 0, "loop_compute_s": a.loop_compute_s,
             "loop_intervals": [int(k) for k in a.loop_intervals.split(",")], "loop_rounds": a.loop_rounds,
+            "loop_systems": a.loop_systems.split(",") if a.loop_systems else None, "device": a.device,
+            "raw_reads": a.raw_reads.split(",") if a.raw_reads else None,
         }
         print(f"=== {tag}: systems", flush=True)
         env = dict(os.environ, PYTHONWARNINGS="ignore")

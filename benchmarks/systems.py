@@ -149,15 +149,27 @@ class TorchDistAsync(_TorchDistBase):
 
     def setup(self, ctx):
         super().setup(ctx)
+        import inspect
+
+        from megatron.core import dist_checkpointing as dc
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.queue = AsyncCallsQueue(persistent=False)
+        # megatron-core 0.17+ writes asynchronously through nvidia-resiliency-ext by default ("nvrx"); where that
+        # is not installed (it is an optional GPU extra), through its own writer ("mcore"), as upstream lets one
+        self.save_kwargs = {}
+        if "async_strategy" in inspect.signature(dc.save).parameters:
+            try:
+                import nvidia_resiliency_ext  # noqa: F401
+            except ImportError:
+                self.save_kwargs["async_strategy"] = "mcore"
 
     def save(self, state, path, it):
         from megatron.core import dist_checkpointing as dc
 
         os.makedirs(path, exist_ok=True)
-        req = dc.save(self._sharded(state), path, sharded_strategy=self._strategy(), async_sharded_save=True)
+        req = dc.save(self._sharded(state), path, sharded_strategy=self._strategy(), async_sharded_save=True,
+                      **self.save_kwargs)
         self.queue.schedule_async_request(req)
 
     def poll(self):
@@ -197,6 +209,11 @@ class DCPSync(_DCPBase):
         dcp.save(self._sd(state), checkpoint_id=path)
 
 
+# torch 2.11's DefaultStager closes its state-dict stager after each staging, so a second save through it fails
+# (KeyError: <class 'type'>); 2.13 keeps it. Before 2.13 each save gets a stager of its own, pinning its staging anew.
+STAGER_SERVES_ONE_SAVE = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+
+
 class DCPAsync(_DCPBase):
     """dcp.async_save with a reused DefaultStager: staging in a background thread, waited for right before
     the optimizer step (what torchtitan does with async_with_pinned_mem). Pinned memory is requested;
@@ -207,18 +224,25 @@ class DCPAsync(_DCPBase):
 
     def setup(self, ctx):
         super().setup(ctx)
+        self.stager, self.stager_used = self._stager(), False
+        self.resp = None
+
+    @staticmethod
+    def _stager():
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                       use_async_staging=True,
-                                                       use_non_blocking_copy=torch.cuda.is_available()))
-        self.resp = None
+            return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                               use_async_staging=True, use_non_blocking_copy=torch.cuda.is_available()))
 
     def save(self, state, path, it):
         import torch.distributed.checkpoint as dcp
 
+        if STAGER_SERVES_ONE_SAVE and self.stager_used:  # the previous save's staging is done (fence or wait)
+            self.stager.close()
+            self.stager = self._stager()
+        self.stager_used = True
         self.resp = dcp.async_save(self._sd(state), checkpoint_id=path, async_stager=self.stager)
 
     def fence(self):

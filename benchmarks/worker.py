@@ -116,8 +116,14 @@ def _run(rank, world, cfg):
     result = {"tag": tag, "size_gb": cfg["size_gb"], "ranks": world, "cpu_guard": guard, "save": {},
               "restore": {}, "restore_raw": {}, "loop": {}, "errors": {}}
 
-    state = common.make_state(cfg["size_gb"] * common.GB, rank, world)
+    device = cfg.get("device", "cpu")
+    state = common.make_state(cfg["size_gb"] * common.GB, rank, world, device=device)
     nbytes = sum(_gather(common.state_bytes(state)))
+    result["device"] = device
+    if device == "cuda":
+        import probes
+        result["d2h_pinned_gbps"] = probes.device_to_host_gbps()
+        _log(rank, f"[{tag}] device -> pinned host copy {result['d2h_pinned_gbps']:.1f} GB/s")
     result["state_bytes"] = nbytes
     ref_sums = common.checksums(state)
     _log(rank, f"[{tag}] state {nbytes / 1e9:.3f} GB over {world} rank(s)")
@@ -208,7 +214,7 @@ def _run(rank, world, cfg):
     # O_DIRECT at the same moment, so the disk's drift and any cache below the VM treat it like the loads.
     own_file = os.path.join(last_path.get("engine_lazy", ""), f"rank_{rank:05d}.data")
     if os.path.isfile(own_file):
-        restorable += [_RawRead(own_file, how) for how in RAW_READS]
+        restorable += [_RawRead(own_file, how) for how in cfg.get("raw_reads") or RAW_READS]
     samples: dict[str, list[float]] = {}
     for rep in range(cfg.get("restore_reps", cfg["reps"])):
         for s in (restorable if rep % 2 == 0 else restorable[::-1]):  # A B … B A, as the saves
@@ -249,7 +255,7 @@ def _run(rank, world, cfg):
             else:
                 result["restore"][s.name] = {"verified": all(oks)}
             if not ok:  # leave a correct state for whatever comes next
-                state = common.make_state(cfg["size_gb"] * common.GB, rank, world)
+                state = common.make_state(cfg["size_gb"] * common.GB, rank, world, device=device)
 
     if rank == 0:
         for name in (f"raw_read_{how}" for how in RAW_READS):
@@ -260,7 +266,9 @@ def _run(rank, world, cfg):
 
     # ---------------------------------------------------------------- 3. loop
     if cfg.get("loop_iters", 0) > 0:
-        result["loop"] = _loop(rank, world, cfg, state, [s for s in systems if s.name not in failed], root)
+        looped = cfg.get("loop_systems") or [s.name for s in systems]
+        result["loop"] = _loop(rank, world, cfg, state, [s for s in systems if s.name not in failed and s.name in looped],
+                               root)
 
     for s in systems:
         try:
@@ -283,7 +291,7 @@ def _memory(rank, world, cfg):
     import common
     import systems as S
 
-    state = common.make_state(cfg["size_gb"] * common.GB, rank, world)
+    state = common.make_state(cfg["size_gb"] * common.GB, rank, world, device=cfg.get("device", "cpu"))
     nbytes = common.state_bytes(state)
     ctx = {"rank": rank, "world": world, "engine_buffer_bytes": cfg["engine_buffer_bytes"],
            "engine_writer_threads": cfg["engine_writer_threads"]}
@@ -325,26 +333,36 @@ def _memory(rank, world, cfg):
               f"(state {nbytes / 1e9:.2f} GB) {res.get('error', '')}", flush=True)
 
 
-def _calibrate(seconds: float):
-    """A fixed amount of matmul work that takes ~seconds on an idle machine (stands in for fwd/bwd)."""
+def _calibrate(seconds: float, device: str = "cpu"):
+    """A fixed amount of matmul work that takes ~seconds on an idle machine (stands in for fwd/bwd). On a GPU:
+    bf16 products of 8192 x 8192 matrices, queued, then waited for, as a training step ends in `loss.item()`."""
     import torch
 
-    a = torch.randn(768, 768)
-    b = torch.randn(768, 768)
+    if device == "cuda":
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        sync = torch.cuda.synchronize
+    else:
+        a = torch.randn(768, 768)
+        sync = (lambda: None)
+    b = a.clone()
     for _ in range(3):
         a @ b
+    sync()
     per = float("inf")
     for _ in range(5):  # the fastest of several windows: a busy neighbour must not shrink the work
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < 0.1:
-            a @ b
-            n += 1
+            for _ in range(8):
+                a @ b
+            sync()
+            n += 8
         per = min(per, (time.perf_counter() - t0) / n)
     reps = max(1, int(seconds / per))
 
     def compute():
         for _ in range(reps):
             a @ b
+        sync()
 
     return compute
 
@@ -358,7 +376,7 @@ def _loop(rank, world, cfg, state, systems, root):
     # One compute thread: on a GPU node forward/backward runs on the device and leaves the host CPU to the
     # checkpoint's copies and writes; here one of the two cores stands in for that idle host.
     torch.set_num_threads(1)
-    compute = _calibrate(cfg["loop_compute_s"])
+    compute = _calibrate(cfg["loop_compute_s"], cfg.get("device", "cpu"))
     tensors = common.big_tensors(state)
     iters = cfg["loop_iters"]
     out = {"iters": iters, "compute_s": cfg["loop_compute_s"], "runs": []}

@@ -1,6 +1,8 @@
 """Fixtures shared by test modules."""
 import pytest
 
+from s3_store import s3_server  # noqa: F401  one SeaweedFS for the whole run, started by the first test that asks
+
 
 @pytest.fixture(scope="module")
 def gloo(tmp_path_factory):

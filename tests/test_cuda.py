@@ -1,4 +1,10 @@
-"""The CUDA path: pinned staging, a side stream ordered after the compute stream, events. Needs a GPU."""
+"""The CUDA path: pinned staging, a side stream ordered after the compute stream, events. Needs a GPU.
+
+Each test queues work on the compute stream that the checkpoint must see (a long `torch.cuda._sleep`, then an in-place
+update), computes what it expects on the host from values it made there, and never synchronises before save(): a
+copy that is not ordered after the queued work, a save() that waits for it, or a fence that opens before the copy
+ends, each fails a test.
+"""
 import pytest
 import torch
 
@@ -7,43 +13,108 @@ from datastates import CheckpointEngine
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_device_state_snapshot_is_lazy_pinned_and_fenced(tmp_path):
-    torch.manual_seed(0)
-    state = {f"p{i}": torch.randn(1024, 1024, device="cuda") for i in range(32)}
-    state["step"] = torch.tensor(3, device="cuda")
+def _sleep_cycles(seconds: float) -> int:
+    """Clock cycles that `torch.cuda._sleep` spins for about `seconds` on this device."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds * 1000 / max(start.elapsed_time(end), 1e-3))
+
+
+def _host_and_device(n: int, numel: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    host = {f"p{i}": torch.randn(numel, generator=g) for i in range(n)}
+    device = {k: v.cuda() for k, v in host.items()}
+    torch.cuda.synchronize()  # set-up only: from here on nothing synchronises before save()
+    return host, device
+
+
+def test_copy_is_ordered_after_work_queued_before_save(tmp_path):
+    host, state = _host_and_device(8, 1 << 20)
+    cycles = _sleep_cycles(0.5)
     with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=2) as eng:
-        assert eng.pool.pinned
-        for t in state.values():  # queued on the compute stream right before save(): the copy must see it
+        torch.cuda._sleep(cycles)  # the step that produced the state is still running at save()
+        for t in state.values():
             t.mul_(2)
-        expected = {k: v.cpu() for k, v in state.items()}
+        expected = {k: v * 2 for k, v in host.items()}
         eng.save(state, str(tmp_path / "iter_0000001"))
         eng.wait_for_snapshot()
-        for t in state.values():  # the optimizer step after the fence
+        for t in state.values():  # the optimizer step, after the fence: not in the checkpoint
             t.add_(1)
-        stats = eng.wait()[0]
-        assert stats.peak_staging_bytes <= 16 << 20
+        eng.wait()
         template = {k: torch.zeros_like(v) for k, v in state.items()}
         out = eng.load(str(tmp_path), template=template)
     for k, v in expected.items():
-        assert out[k] is template[k] and out[k].is_cuda
-        assert torch.equal(out[k].cpu(), v), k
+        assert torch.equal(out[k].cpu(), v), f"{k}: the checkpoint is not the state the queued work produced"
+
+
+def test_save_returns_before_the_copy_and_the_fence_waits_for_it(tmp_path):
+    _, state = _host_and_device(4, 16 << 20)  # 256 MiB
+    cycles = _sleep_cycles(1.0)  # far longer than save() takes to return
+    with CheckpointEngine(host_buffer_bytes=1 << 30, writer_threads=2) as eng:
+        torch.cuda._sleep(cycles)
+        for t in state.values():
+            t.add_(1)
+        produced = torch.cuda.Event()
+        produced.record()
+        handle = eng.save(state, str(tmp_path / "iter_0000001"))
+        assert not produced.query(), "save() waited for the compute stream"
+        assert not handle.snapshot_done, "save() returned with the snapshot already taken"
+        eng.wait_for_snapshot()
+        assert produced.query(), "the fence opened before the work the copy is ordered after had run"
+        assert handle.snapshot_done
+        eng.wait()
 
 
 def test_pinned_staging_is_exactly_the_budget_and_copies_overlap(tmp_path):
     """Slots are pinned in place (cudaHostRegister), not through the power-of-two caching host allocator, and
     save() returns while the side-stream copies are still running."""
-    state = {f"p{i}": torch.randn(16 << 20, device="cuda") for i in range(8)}  # 512 MiB on the device
+    _, state = _host_and_device(8, 16 << 20)  # 512 MiB on the device
     budget = 96 << 20
     with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2) as eng:
+        assert eng.pool.pinned
         handle = eng.save(state, str(tmp_path / "iter_0000001"))
         assert not handle.snapshot_done, "save() waited for the device->host copies"
         eng.wait_for_snapshot()
-        assert handle.snapshot_done
-        eng.wait()
-        slots = eng.pool._slots
-        assert slots and all(s.buffer.is_pinned() for s in slots)
-        assert eng.pool.pinned_bytes == eng.pool.allocated_bytes == len(slots) * eng.pool.slot_bytes <= budget
+        stats = eng.wait()[0]
+        assert stats.peak_staging_bytes <= budget
+        assert stats.staging_pinned_bytes == stats.staging_allocated_bytes <= budget
+        assert eng.pool.pinned_bytes == eng.pool.allocated_bytes <= budget
         assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == 0
+
+
+def test_load_lands_in_the_device_tensors_given(tmp_path):
+    host, state = _host_and_device(6, 3 << 20)
+    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=2) as eng:
+        eng.save(state, str(tmp_path / "iter_0000001"))
+        eng.wait()
+        template = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+        out = eng.load(str(tmp_path), template=template)
+    for k, v in host.items():
+        assert out[k] is template[k] and out[k].is_cuda, f"{k} was not loaded in place on the device"
+        assert torch.equal(out[k].cpu(), v), k
+
+
+def test_dtypes_views_and_tensors_larger_than_the_budget(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    host = {"bf16": torch.randn(3000, 1024, generator=g).to(torch.bfloat16),
+            "big": torch.randn(12 << 20, generator=g),  # 48 MiB through a 16 MiB budget: chunked
+            "wide": torch.randn(512, 768, generator=g),
+            "step": torch.tensor(7, dtype=torch.int64)}
+    state = {k: v.cuda() for k, v in host.items()}
+    state["wide_t"] = state["wide"].t()  # a non-contiguous view of a device tensor
+    torch.cuda.synchronize()
+    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=2) as eng:
+        eng.save(state, str(tmp_path / "iter_0000001"))
+        eng.wait()
+        template = {k: torch.zeros_like(v) for k, v in state.items() if k != "wide_t"}
+        template["wide_t"] = torch.zeros(768, 512, device="cuda")
+        out = eng.load(str(tmp_path), template=template)
+    for k, v in {**host, "wide_t": host["wide"].t()}.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k].cpu(), v), k
 
 
 def test_tensor_on_another_device_is_refused(tmp_path):

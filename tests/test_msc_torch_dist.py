@@ -5,13 +5,12 @@ import pytest
 
 from datastates import layout, tracker
 from megatron_helpers import TINY, losses, torchrun
-from s3_store import s3_server  # noqa: F401  (the session fixture)
 
 BASE = TINY + ["--train-iters", "4", "--global-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
                "--ckpt-format", "torch_dist"]
 
 
-def _store(s3_server, tmp_path, monkeypatch, profile):  # noqa: F811
+def _store(s3_server, tmp_path, monkeypatch, profile):
     """A fresh bucket behind the MSC profile `profile`, for this process and the ranks (their environment is
     this one's); the bucket's name."""
     bucket = s3_server.create_bucket()
@@ -22,7 +21,7 @@ def _store(s3_server, tmp_path, monkeypatch, profile):  # noqa: F811
     return bucket
 
 
-def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkeypatch):  # noqa: F811
+def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkeypatch):
     bucket = _store(s3_server, tmp_path, monkeypatch, "tdist")
     root = "msc://tdist/run"
     _, log = torchrun(2, BASE + ["--save", root, "--save-interval", "2"])
@@ -56,7 +55,7 @@ def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkey
                                         "use an msc:// profile for that bucket"),
     ("torch", "msc://tdist/run", "--ckpt-format torch writes local files"),
 ])
-def test_what_torch_dist_and_torch_refuse_on_object_stores(s3_server, tmp_path, monkeypatch,  # noqa: F811
+def test_what_torch_dist_and_torch_refuse_on_object_stores(s3_server, tmp_path, monkeypatch,
                                                            fmt, path, match):
     from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.validation import validate_args

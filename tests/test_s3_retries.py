@@ -10,14 +10,13 @@ import pytest
 from datastates import CheckpointError, layout, tracker
 from datastates.storage import s3
 from s3_faults import FaultProxy
-from s3_store import s3_server  # noqa: F401  (the session fixture)
 from test_s3_storage import PART_SLOTS, assert_same, engines, keys, state
 
 BIG = 12 << 20  # two parts of 8 MiB slots; under one 16 MiB ranged GET
 
 
 @pytest.fixture
-def proxy(s3_server, monkeypatch):  # noqa: F811
+def proxy(s3_server, monkeypatch):
     """The store's variables in this process's environment, its endpoint replaced by a fault proxy's."""
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
@@ -30,7 +29,7 @@ def proxy(s3_server, monkeypatch):  # noqa: F811
 
 
 @pytest.fixture
-def root(s3_server):  # noqa: F811
+def root(s3_server):
     return f"s3://{s3_server.create_bucket()}/run"
 
 
@@ -79,7 +78,7 @@ def test_a_part_whose_connection_resets_before_the_reply_is_sent_again(proxy, ro
 
 
 def test_throttling_beyond_the_retry_budget_fails_the_save_naming_the_path_and_loses_nothing_published(
-        proxy, root, s3_server, monkeypatch):  # noqa: F811
+        proxy, root, s3_server, monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     (eng,) = engines(root, budget=PART_SLOTS)
     with eng:

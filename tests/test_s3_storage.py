@@ -1,20 +1,20 @@
 """The S3 backend through the engine, against a real SeaweedFS (tests/s3_store.py): round trips, two ranks
 publishing one checkpoint, retention, failed and killed saves, leftovers, refusals naming the path, msc://."""
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from datastates import CheckpointEngine, CheckpointError, layout, tracker
 from datastates.storage import storage_for
-from s3_store import s3_server  # noqa: F401  (the session fixture)
 
 SMALL_SLOTS = 1 << 20  # a budget whose slots (256 KiB) are far below S3's 5 MiB part: every byte is coalesced
 PART_SLOTS = 32 << 20  # slots of 8 MiB: whole slots go up as parts, no copy
 
 
 @pytest.fixture
-def s3(s3_server, monkeypatch):  # noqa: F811
+def s3(s3_server, monkeypatch):
     """The store's variables in this process's environment, and a fresh bucket's URL."""
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
@@ -40,7 +40,7 @@ def assert_same(got, want):
         assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
 
 
-def keys(s3_server, url):  # noqa: F811
+def keys(s3_server, url):
     bucket, _, prefix = url[len("s3://"):].partition("/")
     c = s3_server.client()
     objects = [o["Key"] for o in c.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
@@ -50,7 +50,7 @@ def keys(s3_server, url):  # noqa: F811
 
 @pytest.mark.parametrize("budget, big", [(SMALL_SLOTS, 3 << 20), (PART_SLOTS, 21 << 20)],
                          ids=["coalesced-parts", "slots-as-parts"])
-def test_save_and_load_round_trip(s3, s3_server, budget, big):  # noqa: F811
+def test_save_and_load_round_trip(s3, s3_server, budget, big):
     (eng,) = engines(s3, budget=budget)
     with eng:
         want = state(1, big)
@@ -63,16 +63,15 @@ def test_save_and_load_round_trip(s3, s3_server, budget, big):  # noqa: F811
     assert uploads == []
 
 
-def test_two_ranks_publish_one_checkpoint_and_retention_deletes_whole_ones(s3, s3_server):  # noqa: F811
+def test_two_ranks_publish_one_checkpoint_and_retention_deletes_whole_ones(s3, s3_server):
     ranks = engines(s3, n=2, keep_last=2)
     try:
         for it in (1, 2, 3):
-            threads = [threading.Thread(target=lambda e=e, r=r: e.save(state(it + r), layout.checkpoint_dir(s3, it))
-                                        .wait()) for r, e in enumerate(ranks)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            with ThreadPoolExecutor(len(ranks)) as pool:  # a rank's error is raised here, not lost in its thread
+                saves = [pool.submit(lambda e=e, r=r: e.save(state(it + r), layout.checkpoint_dir(s3, it)).wait())
+                         for r, e in enumerate(ranks)]
+                for save in saves:
+                    save.result(timeout=120)
         for r, e in enumerate(ranks):
             assert_same(e.load(s3), state(3 + r))
     finally:
@@ -84,7 +83,7 @@ def test_two_ranks_publish_one_checkpoint_and_retention_deletes_whole_ones(s3, s
     assert len([o for o in objects if "iter_0000003" in o]) == 5  # two data, two manifests, the index
 
 
-def test_a_failed_save_leaves_nothing_and_the_last_published_loads(s3, s3_server):  # noqa: F811
+def test_a_failed_save_leaves_nothing_and_the_last_published_loads(s3, s3_server):
     (eng,) = engines(s3, budget=PART_SLOTS)
     with eng:
         eng.save(state(1), layout.checkpoint_dir(s3, 1)).wait()
@@ -97,7 +96,7 @@ def test_a_failed_save_leaves_nothing_and_the_last_published_loads(s3, s3_server
     assert tracker.read_latest(s3) == 1
 
 
-def test_leftovers_are_cleaned_at_the_next_start_and_published_ones_untouched(s3, s3_server):  # noqa: F811
+def test_leftovers_are_cleaned_at_the_next_start_and_published_ones_untouched(s3, s3_server):
     (eng,) = engines(s3)
     with eng:
         eng.save(state(1), layout.checkpoint_dir(s3, 1)).wait()
@@ -116,7 +115,7 @@ def test_leftovers_are_cleaned_at_the_next_start_and_published_ones_untouched(s3
 
 
 def test_the_store_killed_mid_save_fails_that_save_and_the_last_published_loads_once_back(
-        s3, s3_server, monkeypatch):  # noqa: F811
+        s3, s3_server, monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # a dead endpoint is given up on quickly
 
     class KillsTheStore:
@@ -140,7 +139,7 @@ def test_the_store_killed_mid_save_fails_that_save_and_the_last_published_loads_
 
 
 @pytest.mark.parametrize("what", ["wrong credentials", "missing bucket", "unreachable endpoint"])
-def test_a_store_that_cannot_be_used_is_refused_naming_the_path(s3, s3_server, monkeypatch, what):  # noqa: F811
+def test_a_store_that_cannot_be_used_is_refused_naming_the_path(s3, s3_server, monkeypatch, what):
     url = s3
     if what == "wrong credentials":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -163,7 +162,7 @@ def test_a_store_that_cannot_be_used_is_refused_naming_the_path(s3, s3_server, m
         eng.save(state(1), layout.checkpoint_dir(url, 1)).wait()
 
 
-def test_msc_profile_reaches_the_same_store(s3_server, tmp_path, monkeypatch):  # noqa: F811
+def test_msc_profile_reaches_the_same_store(s3_server, tmp_path, monkeypatch):
     pytest.importorskip("multistorageclient")
     bucket = s3_server.create_bucket()
     config = s3_server.write_msc_config(tmp_path / "msc.json", profile="ckpt", bucket=bucket, prefix="base")

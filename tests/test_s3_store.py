@@ -5,10 +5,9 @@ import os
 import pytest
 from botocore.exceptions import ClientError
 
-from s3_store import s3_server  # noqa: F401  (the session fixture)
 
 
-def test_put_get_round_trip_multipart_and_ranged(s3_server):  # noqa: F811
+def test_put_get_round_trip_multipart_and_ranged(s3_server):
     c = s3_server.client()
     bucket = s3_server.create_bucket()
     parts = [os.urandom(5 << 20), os.urandom(1 << 20)]  # S3's smallest non-last part, then a short last one
@@ -25,7 +24,7 @@ def test_put_get_round_trip_multipart_and_ranged(s3_server):  # noqa: F811
     assert got == whole[start:start + 100]
 
 
-def test_wrong_credentials_are_refused(s3_server):  # noqa: F811
+def test_wrong_credentials_are_refused(s3_server):
     bucket = s3_server.create_bucket()
     for key_id, secret, code in [(s3_server.access_key, "not-the-secret", "SignatureDoesNotMatch"),
                                  ("AKNOBODY", s3_server.secret_key, "InvalidAccessKeyId")]:
@@ -37,7 +36,7 @@ def test_wrong_credentials_are_refused(s3_server):  # noqa: F811
     assert "Contents" not in s3_server.client().list_objects_v2(Bucket=bucket)
 
 
-def test_killed_store_comes_back_with_its_data_on_the_same_endpoint(s3_server):  # noqa: F811
+def test_killed_store_comes_back_with_its_data_on_the_same_endpoint(s3_server):
     c = s3_server.client()
     bucket = s3_server.create_bucket()
     c.put_object(Bucket=bucket, Key="published/index", Body=b"v1")
@@ -48,7 +47,7 @@ def test_killed_store_comes_back_with_its_data_on_the_same_endpoint(s3_server): 
     c.put_object(Bucket=bucket, Key="after", Body=b"v2")
 
 
-def test_msc_config_points_a_profile_at_the_store(s3_server, tmp_path):  # noqa: F811
+def test_msc_config_points_a_profile_at_the_store(s3_server, tmp_path):
     msc = pytest.importorskip("multistorageclient")
     bucket = s3_server.create_bucket()
     path = s3_server.write_msc_config(tmp_path / "msc.json", profile="seaweed", bucket=bucket, prefix="runs")

@@ -88,6 +88,9 @@ def _add_implementation_args(p):
                    help="empty the CUDA caching allocator after each step (1) and each forward-backward (2)")
     g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
                    help="no reduced-precision reductions in bf16 matmuls (a torch.backends.cuda setting)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="deterministic kernels where torch has them (torch.use_deterministic_algorithms; an op "
+                        "without one warns, naming it), cuBLAS's fixed workspace, megatron-core's deterministic_mode")
 
 
 def _add_parallel_args(p):

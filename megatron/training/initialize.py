@@ -68,6 +68,9 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     if args.enable_experimental:
         from megatron.core.config import set_experimental_flag
         set_experimental_flag(True)
+    if args.deterministic_mode:  # before the first cuBLAS handle, which reads the workspace setting
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if args.disable_bf16_reduced_precision_matmul:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from datastates.layout import scheme
+
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla
 from .moe import validate_moe
@@ -22,7 +24,7 @@ def _require(args, *names):
 
 def _loadable(path: str) -> tuple[bool, str]:
     """Whether --load points at something this trainer can load, and why not."""
-    if _store_of(path) is None and not os.path.isdir(path):
+    if scheme(path) is None and not os.path.isdir(path):
         return False, f"--load {path!r} does not exist or is not a directory"
     from datastates import CheckpointError, tracker  # the one reader of the tracker; only when --load is given
     try:
@@ -32,23 +34,13 @@ def _loadable(path: str) -> tuple[bool, str]:
     return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
 
 
-def _store_of(path: str) -> tuple[str, str] | None:
-    """The object store a URL names (its scheme, and an msc:// profile: its own endpoint), None for a local path."""
-    head, sep, rest = path.partition("://")
-    return (head, rest.split("/")[0] if head == "msc" else "") if sep else None
-
-
 def _validate_object_stores(args) -> None:
-    """s3:// and msc:// on --save and --load: the datastates format, or torch_dist on msc:// where megatron-core
-    writes through multi-storage-client; one store for both (one engine reads and writes one storage), and a store
-    that answers (credentials, bucket, endpoint) before any work."""
-    urls = [(flag, path) for flag, path in (("--save", args.save), ("--load", args.load)) if path and _store_of(path)]
+    """s3:// and msc:// on --save and --load (each on any storage: a run loads from one and saves to another): the
+    datastates format, or torch_dist on msc:// where megatron-core writes through multi-storage-client, and a
+    store that answers (credentials, bucket, endpoint) before any work."""
+    urls = [(flag, path) for flag, path in (("--save", args.save), ("--load", args.load)) if path and scheme(path)]
     if not urls:
         return
-    if args.save and args.load and _store_of(args.save) != _store_of(args.load):
-        raise ArgumentError(f"--save {args.save!r} and --load {args.load!r} are on different storages: one "
-                            f"checkpoint engine reads and writes one (copy the checkpoint with "
-                            f"tools/convert_checkpoint.py --from datastates --to datastates first)")
     from datastates import CheckpointError
     from datastates.storage import storage_for
     for flag, path in urls:

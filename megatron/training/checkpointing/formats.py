@@ -60,8 +60,14 @@ class CheckpointFormat:
 
     @classmethod
     def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
-        """A format that only reads (a checkpoint of another format than this run's --ckpt-format)."""
+        """A format that only reads --load (a checkpoint of another format than this run's --ckpt-format, or on
+        another storage than --save's)."""
         return cls(args, model, optimizer, scheduler)
+
+    def reads(self, ckpt_dir: str) -> bool:
+        """Whether this format's readers reach `ckpt_dir` (whatever storage its path names, unless it has an
+        engine bound to one)."""
+        return True
 
     @classmethod
     def alone(cls) -> CheckpointFormat:
@@ -109,23 +115,28 @@ class DatastatesFormat(CheckpointFormat):
     writes_from_pages = True  # one copy for both levels: the tier's pages are the snapshot
 
     def __init__(self, args, model, optimizer, scheduler, *, engine: CheckpointEngine | None = None,
-                 clean_leftovers: bool = True):
+                 clean_leftovers: bool = True, root: str | None = None):
         """`engine`: one owned elsewhere to read through (the memory tier's, whose ranks each read their own
-        node's files; a lone reader's), which never exchanges; else one of --ckpt-* is built."""
+        node's files; a lone reader's), which never exchanges; else one of --ckpt-* is built on the storage of
+        `root` (default --save, else --load)."""
         super().__init__(args, model, optimizer, scheduler)
         self.may_exchange = engine is None
         # replicas are balanced inside the DP group: one small exchange per structure, flat in the world size
         self.ownership = ReplicaOwnership(group=ps.get_data_parallel_group(with_context_parallel=True)
                                           if torch.distributed.is_initialized() else None)
         self.engine = engine
-        if engine is None and (args.save or args.load):
-            self.engine = _engine(args, self.ownership)
-            if args.save and clean_leftovers:
+        self.root = root or (args.save or args.load if args else None)
+        if engine is None and self.root:
+            self.engine = _engine(args, self.ownership, self.root)
+            if self.root == args.save and clean_leftovers:
                 _clean_leftovers(args.save)
 
     @classmethod
     def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
-        return cls(args, model, optimizer, scheduler, clean_leftovers=False)
+        return cls(args, model, optimizer, scheduler, clean_leftovers=False, root=args.load)
+
+    def reads(self, ckpt_dir: str) -> bool:
+        return self.root is None or storage_of(ckpt_dir) == storage_of(self.root)
 
     @classmethod
     def alone(cls) -> CheckpointFormat:
@@ -365,12 +376,20 @@ def _legacy_file(ckpt_dir: str) -> str:
     return os.path.join(ckpt_dir, name, "model_optim_rng.pt")
 
 
-def _engine(args, ownership: ReplicaOwnership) -> CheckpointEngine:
-    """The engine the --ckpt-* flags describe."""
+def storage_of(path: str) -> tuple[str, str] | None:
+    """Which storage `path` is on: None for the file system, else its scheme and, for msc://, the profile (which
+    has its own endpoint); every s3:// bucket is reached through one client."""
+    scheme = layout.scheme(path)
+    return (scheme, path.split("://", 1)[1].split("/")[0] if scheme == "msc" else "") if scheme else None
+
+
+def _engine(args, ownership: ReplicaOwnership, root: str) -> CheckpointEngine:
+    """The engine the --ckpt-* flags describe, on the storage of `root` (--save's, or --load's where that is
+    another storage: each is read and written through its own)."""
     read_threads = args.ckpt_read_threads or DEFAULT_READ_THREADS
-    storage = storage_for(args.save or args.load, fsync=args.ckpt_fsync, direct_io=args.ckpt_direct_io,
+    storage = storage_for(root, fsync=args.ckpt_fsync, direct_io=args.ckpt_direct_io,
                           writer_threads=args.ckpt_writer_threads, read_threads=read_threads,
-                          read_mode=args.ckpt_read_mode)  # the one storage --save and --load are on (validation)
+                          read_mode=args.ckpt_read_mode)
     return CheckpointEngine(
         host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)), writer_threads=args.ckpt_writer_threads,
         keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,

@@ -42,8 +42,10 @@ class CheckpointLoader:
             log.warning("could not find a checkpoint at %s; training from scratch", args.load)
             return 0, 0
         cls = detect(latest.path)
-        ckpt_format = self.checkpoint_format if type(self.checkpoint_format) is cls else \
-            cls.for_loading(args, self.model, self.optimizer, self.scheduler)
+        # this run's format reads it where it is of that format and on --save's storage; else a reader of its own
+        ckpt_format = self.checkpoint_format if type(self.checkpoint_format) is cls and \
+            self.checkpoint_format.reads(latest.path) else cls.for_loading(args, self.model, self.optimizer,
+                                                                             self.scheduler)
         try:
             return ckpt_format.load(self, latest.path, args.load)
         finally:

@@ -17,6 +17,14 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
                                      before the save of <it2>, when the saves in flight have ended, it starts it
                                      again; rank 0 asks through files in FAULT_CONTROL_DIR (tests/test_s3_trainer.py)
 
+Faults in a training step, for restarts inside one torchrun job (tests/test_restarts.py); <attempt> is
+torchrun's TORCHELASTIC_RESTART_COUNT, "*" any attempt. They fire right before the optimizer step of <it> (its
+forward/backward done), where the memory save of <it>-1 may still be copying:
+
+    FAULT_KILL_IN_STEP=<rank>:<it>:<attempt>   that rank SIGKILLs itself (prints FAULT-KILL-STEP first)
+    FAULT_HANG_IN_STEP=<rank>:<it>:<attempt>   that rank stops making progress (sleeps; prints FAULT-HANG-STEP)
+    FAULT_FAIL_IN_STEP=<rank>:<it>:<attempt>   that rank raises RuntimeError("injected failure ...")
+
 An s3:// data object of an iteration these two name goes up in 256 KiB parts, so that a tiny model's upload is a
 multipart upload with parts in flight (one that completes would break S3's 5 MiB minimum part).
 """
@@ -33,6 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from datastates import CheckpointEngine, layout  # noqa: E402
 from datastates.memory_tier import LocalTier  # noqa: E402
 from datastates.storage.s3 import MultipartSink  # noqa: E402
+from megatron.training.checkpointing import CheckpointManager  # noqa: E402
 
 
 class _SlowPickle:
@@ -146,7 +155,40 @@ def sink_close(self, nbytes):
     return _sink_close(self, nbytes)
 
 
+def _step_fault(name: str, rank: int, iteration: int) -> bool:
+    value = os.environ.get(name)
+    if not value:
+        return False
+    r, it, attempt = value.split(":")
+    return (int(r), int(it)) == (rank, iteration) and attempt in ("*", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+
+
+_load, _wait_for_snapshot = CheckpointManager.load, CheckpointManager.wait_for_snapshot
+
+
+def load(self):
+    loaded = _load(self)
+    self._fault_iteration = loaded[0]
+    return loaded
+
+
+def wait_for_snapshot(self):
+    self._fault_iteration += 1  # called once per iteration, right before its optimizer step
+    it = self._fault_iteration
+    if _step_fault("FAULT_KILL_IN_STEP", self.rank, it):
+        print(f"FAULT-KILL-STEP rank {self.rank} in iteration {it}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _step_fault("FAULT_HANG_IN_STEP", self.rank, it):
+        print(f"FAULT-HANG-STEP rank {self.rank} in iteration {it}", flush=True)
+        while True:
+            time.sleep(60)
+    if _step_fault("FAULT_FAIL_IN_STEP", self.rank, it):
+        raise RuntimeError(f"injected failure on rank {self.rank} in iteration {it}")
+    return _wait_for_snapshot(self)
+
+
 if __name__ == "__main__":
+    CheckpointManager.load, CheckpointManager.wait_for_snapshot = load, wait_for_snapshot
     CheckpointEngine.save = save
     LocalTier.replicate = replicate
     MultipartSink.__init__, MultipartSink.close = sink_init, sink_close

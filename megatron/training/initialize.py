@@ -60,6 +60,7 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
+            store = attempt_store(args.world_size, timeout)
         torch.distributed.init_process_group(backend=args.distributed_backend, rank=rank,
                                              world_size=args.world_size, timeout=timeout, **store)
     args.rank = torch.distributed.get_rank()
@@ -82,6 +83,30 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     set_seed(args.seed)
     set_args(args)
     return args
+
+
+def attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:
+    """The store of this torchrun attempt, as `init_process_group`'s keyword (empty when torch's own is right).
+
+    torchrun (c10d rendezvous) shares its agent's TCPStore with the workers by default and keeps it across
+    restarts, without a prefix per attempt: the workers of a restart would read the addresses the killed
+    attempt's ranks published (gloo's connectFullMesh or NCCL's unique id, "Connection refused"; PyTorch issues
+    135712 and 167288). Every key of this attempt (process groups, megatron-core's groups, the checkpoint
+    coordination) goes under its own prefix, the agent's restart count. One agent's count is the same for all
+    its workers; agents of several nodes can count differently (a node restarted for a membership change does
+    not count it), so multi-node jobs with restarts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/restarts.md),
+    which gives every attempt a fresh store hosted by its rank 0."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+        logging.getLogger(__name__).warning(
+            "torchrun shares its rendezvous store with the workers across %s nodes and may restart them: the "
+            "nodes' restart counts can differ after a restart, so set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
+            "launcher's environment (docs/restarts.md)", os.environ["GROUP_WORLD_SIZE"])
+    agent = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                       is_master=False, timeout=timeout)
+    return {"store": torch.distributed.PrefixStore(f"attempt_{attempt}/", agent)}
 
 
 def setup_data_and_schedule(args, rank: int):

@@ -103,7 +103,9 @@ def _add_parallel_args(p):
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, gloo without")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="how long a collective waits for the other ranks; past it the rank fails naming its stage, "
+                        "and torchrun restarts the job (docs/restarts.md)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="only 1: context parallelism needs Transformer Engine's attention")
     g.add_argument("--grad-reduce-in-bf16", action="store_true", help="reduce gradients in bf16 instead of fp32")

@@ -20,6 +20,16 @@ _NCCL_UB = "NCCL user buffers belong to Megatron-FSDP on NCCL; not built here (d
 _GPT_OSS = ("GPT-OSS's architecture (sliding-window attention, a learnable softmax offset, clamped quick-GeGLU, "
             "YaRN) is not built here yet; Llama- and Mixtral-style models are")
 _MODELOPT = "belongs to upstream's post-training (nvidia-modelopt) arguments, not to pretrain_gpt.py's"
+_RESTARTS = ("launch with torchrun --max-restarts N instead: the workers restart as processes and resume from the "
+             "memory tier (--non-persistent-save-interval) in seconds; a hung rank fails past "
+             "--distributed-timeout-minutes or --ckpt-publish-timeout-s, naming its stage (docs/restarts.md)")
+_INPROCESS = "in-process restart needs nvidia-resiliency-ext's in-process wrapper, not built here; " + _RESTARTS
+_FT_PACKAGE = "nvidia-resiliency-ext's fault-tolerance package (ft_launcher's rank monitor) is not built here; " + \
+    _RESTARTS
+_INPROCESS_OPTIONS = ("max-iterations", "monitor-thread-interval", "monitor-process-interval",
+                      "progress-watchdog-interval", "heartbeat-interval", "soft-timeout", "hard-timeout",
+                      "heartbeat-timeout", "barrier-timeout", "completion-timeout", "last-call-wait",
+                      "termination-grace-time", "granularity", "active-world-size", "empty-cuda-cache")
 
 REFUSED = {
     "--fp8-format": _FP8, "--fp8-recipe": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
@@ -47,6 +57,8 @@ REFUSED = {
     "--moe-router-force-load-balancing": "a benchmarking aid that routes tokens uniformly instead of by the "
                                          "router; not built here (drop the flag)",
     "--moe-per-layer-logging": "per-layer MoE loss logging is not built here; the total loss is logged",
+    "--inprocess-restart": _INPROCESS, **{f"--inprocess-{o}": _INPROCESS for o in _INPROCESS_OPTIONS},
+    "--enable-ft-package": _FT_PACKAGE, "--calc-ft-timeouts": _FT_PACKAGE, "--ft-num-warmup-iters": _FT_PACKAGE,
 }
 
 

@@ -14,6 +14,7 @@ from datastates.logs import setup_logging
 
 from . import cpu_shim
 from .arguments import ArgumentError, parse_args
+from .failures import stage
 from .validation import validate_args
 from .global_vars import set_args, set_tokenizer
 
@@ -51,18 +52,8 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     args.owns_process_group = not torch.distributed.is_initialized()
     if args.owns_process_group:
-        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-        store = {}
-        if args.world_size == 1 and "MASTER_PORT" not in os.environ:
-            # one process started without a launcher meets nobody: a store of its own on a port the kernel picks,
-            # so it never collides with another run on the machine
-            store["store"] = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-        else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-            store = attempt_store(args.world_size, timeout)
-        torch.distributed.init_process_group(backend=args.distributed_backend, rank=rank,
-                                             world_size=args.world_size, timeout=timeout, **store)
+        with stage("the process group set-up", args.distributed_timeout_minutes):
+            _init_default_group(args, rank)
     args.rank = torch.distributed.get_rank()
     setup_logging(args.rank, all_ranks=args.log_all_ranks or None, stream=sys.stdout,
                   level=args.logging_level or logging.INFO)
@@ -76,13 +67,31 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                 virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-                                 expert_model_parallel_size=args.expert_model_parallel_size,
-                                 expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+    with stage("megatron-core's process groups set-up", args.distributed_timeout_minutes):
+        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                                     expert_model_parallel_size=args.expert_model_parallel_size,
+                                     expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                                     distributed_timeout_minutes=args.distributed_timeout_minutes)  # default 30
     set_seed(args.seed)
     set_args(args)
     return args
+
+
+def _init_default_group(args, rank: int) -> None:
+    """torch.distributed's default group, bounded by --distributed-timeout-minutes."""
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    store = {}
+    if args.world_size == 1 and "MASTER_PORT" not in os.environ:
+        # one process started without a launcher meets nobody: a store of its own on a port the kernel picks,
+        # so it never collides with another run on the machine
+        store["store"] = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        store = attempt_store(args.world_size, timeout)
+    torch.distributed.init_process_group(backend=args.distributed_backend, rank=rank, world_size=args.world_size,
+                                         timeout=timeout, **store)
 
 
 def attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:

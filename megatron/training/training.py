@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from torch.distributed.elastic.multiprocessing.errors import record
 from megatron.core.enums import ModelType
 
 from . import cpu_shim
@@ -32,6 +33,7 @@ from .checkpointing import CheckpointManager
 from .data import MicroBatches, build_train_valid_test_datasets
 from .evaluation import describe, evaluate, evaluations_before
 from .exits import ExitConditions
+from .failures import stage
 from .global_vars import get_tokenizer
 from .initialize import initialize_megatron, shutdown_distributed
 from .measures import flops_per_iteration, memory, params_norm
@@ -262,37 +264,40 @@ def train(args, model, optimizer, scheduler, run: Run, checkpoints, iteration, c
     saved_last, start, stop = None, iteration, None
     t_last = time.perf_counter()
     while iteration < args.train_iters and stop is None:
-        gbs, num_microbatches = batch_at(consumed)  # the ramp's batch size after `consumed` samples
-        step = train_step(args, model, optimizer, run.forward_step_func, batches, num_microbatches, checkpoints)
-        if step.stepped:
-            scheduler.step(increment=gbs)
-        iteration += 1
-        consumed += gbs
-        run.after_iteration(iteration)
-        if iteration % args.log_interval == 0:
-            now = time.perf_counter()
-            run.log_iteration(iteration, consumed, gbs, step, optimizer.param_groups[0]["lr"],
-                              (now - t_last) / args.log_interval)
-            t_last = now
-        if args.eval_interval and iteration % args.eval_interval == 0:
-            run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration))
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpoints.save(iteration, consumed)
-            saved_last = iteration
-        elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
-            checkpoints.save_local(iteration, consumed)  # storage has this iteration already otherwise
-        checkpoints.maybe_finalize()
-        run.log_checkpoints(checkpoints)
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            stop = f"--exit-interval {args.exit_interval}"
-        else:
-            stop = run.exits.reason()
+        with stage(f"iteration {iteration + 1}", args.distributed_timeout_minutes):  # a lost or hung peer
+            gbs, num_microbatches = batch_at(consumed)  # the ramp's batch size after `consumed` samples
+            step = train_step(args, model, optimizer, run.forward_step_func, batches, num_microbatches, checkpoints)
+            if step.stepped:
+                scheduler.step(increment=gbs)
+            iteration += 1
+            consumed += gbs
+            run.after_iteration(iteration)
+            if iteration % args.log_interval == 0:
+                now = time.perf_counter()
+                run.log_iteration(iteration, consumed, gbs, step, optimizer.param_groups[0]["lr"],
+                                  (now - t_last) / args.log_interval)
+                t_last = now
+            if args.eval_interval and iteration % args.eval_interval == 0:
+                run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration))
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                checkpoints.save(iteration, consumed)
+                saved_last = iteration
+            elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+                checkpoints.save_local(iteration, consumed)  # storage has this iteration already otherwise
+            checkpoints.maybe_finalize()
+            run.log_checkpoints(checkpoints)
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                stop = f"--exit-interval {args.exit_interval}"
+            else:
+                stop = run.exits.reason()
     # Megatron saves once more where training stops, when that iteration was not a save point.
     if args.save and iteration > start and saved_last != iteration:
-        checkpoints.save(iteration, consumed)
+        with stage(f"the checkpoint of iteration {iteration}", args.distributed_timeout_minutes):
+            checkpoints.save(iteration, consumed)
     return iteration, stop
 
 
+@record  # under torchrun: the exception goes to its error file, and the job's report names the rank that failed first
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type=None, forward_step_func=None,
              extra_args_provider=None, args_defaults=None, argv=None):
     """Megatron's entry point: initialize, build, load, train, finish every checkpoint.
@@ -320,7 +325,8 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
     checkpoints = CheckpointManager(args, gpt, optimizer, scheduler, ddp=model)
     run = None
     try:
-        iteration, consumed = checkpoints.load()
+        with stage("the checkpoint load", args.distributed_timeout_minutes):
+            iteration, consumed = checkpoints.load()
         if args.save_after_load:
             if iteration > 0:
                 checkpoints.save(iteration, consumed)
@@ -329,7 +335,8 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
         datasets = (train_valid_test_dataset_provider or build_train_valid_test_datasets)(args)
         run = Run(args, model, forward_step_func, datasets, start_time)
         iteration, stop = train(args, model, optimizer, scheduler, run, checkpoints, iteration, consumed)
-        checkpoints.wait()  # every checkpoint durable and published
+        with stage("the wait for the last checkpoints", args.distributed_timeout_minutes):
+            checkpoints.wait()  # every checkpoint durable and published
         run.log_checkpoints(checkpoints)
         if stop is not None:
             print_rank_0(f"exiting program at iteration {iteration}: {stop}")

@@ -4,9 +4,10 @@ checkpoint this run cannot take. How a format's bytes are read is its Checkpoint
 from __future__ import annotations
 
 import logging
+import os
 import time
 
-from datastates import CheckpointError
+from datastates import CheckpointError, read_index, storage_for
 from datastates import tracker
 from datastates.memory_tier import LocalTier
 
@@ -32,10 +33,14 @@ class CheckpointLoader:
         if args.load is None:
             return 0, 0
         latest = tracker.find_latest(args.load)
+        in_storage = latest.iteration if isinstance(latest.iteration, int) else None
         if self.tier is not None:
-            loaded = self._load_from_memory(latest.iteration if isinstance(latest.iteration, int) else None)
-            if loaded is not None:
-                return loaded
+            local = self.tier.choose(in_storage)
+            if local is not None:
+                ckpt_format = DatastatesFormat(args, self.model, self.optimizer, self.scheduler,
+                                               engine=self.tier.engine)
+                return _told(self.load_sharded(ckpt_format, local, "the memory tier"), "the memory tier", local,
+                             in_storage)
         if latest.iteration is None:
             if args.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--load {args.load!r}: no checkpoint found")
@@ -47,18 +52,11 @@ class CheckpointLoader:
             self.checkpoint_format.reads(latest.path) else cls.for_loading(args, self.model, self.optimizer,
                                                                              self.scheduler)
         try:
-            return ckpt_format.load(self, latest.path, args.load)
+            return _told(ckpt_format.load(self, latest.path, args.load), "storage", latest.path, in_storage,
+                         tier=self.tier is not None)
         finally:
             if ckpt_format is not self.checkpoint_format:
                 ckpt_format.close()
-
-    def _load_from_memory(self, storage_iteration: int | None) -> tuple[int, int] | None:
-        """The newest checkpoint every rank can load from the memory tier, if newer than storage's."""
-        local = self.tier.choose(storage_iteration)
-        if local is None:
-            return None
-        ckpt_format = DatastatesFormat(self.args, self.model, self.optimizer, self.scheduler, engine=self.tier.engine)
-        return self.load_sharded(ckpt_format, local, "the memory tier")
 
     def load_sharded(self, ckpt_format: CheckpointFormat, ckpt_dir: str, source: str) -> tuple[int, int]:
         """Load a sharded checkpoint directory (datastates, torch_dist) read by `ckpt_format`; (iteration, consumed)."""
@@ -134,6 +132,26 @@ class CheckpointLoader:
                  f"{describe_layout(now)}: its per-rank RNG states are not loaded; RNGs re-seeded from "
                  f"--seed + iteration = {seed}")
         set_seed(seed)
+
+
+def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | None, tier: bool = True):
+    """Say, in one line, which level the run resumed from, at which iteration, how old that state is and which
+    torchrun attempt this is (the first question after a restart); `loaded` passes through."""
+    iteration = loaded[0]
+    if iteration == 0:  # --finetune: not a resume
+        return loaded
+    try:
+        created = read_index(storage_for(ckpt_dir), ckpt_dir).created_unix
+    except CheckpointError:  # torch_dist and torch checkpoints have no index: their age is not recorded
+        created = None
+    age = "" if created is None else f", saved {max(0.0, time.time() - created):.1f} s ago"
+    others = (f"storage's newest: {in_storage}" if level != "storage"
+              else "the memory tier had nothing newer" if tier else "no memory tier")
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    attempt = (f"; torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} of {restarts}"
+               if restarts != "0" else "")
+    log.info(f"RESUMED from {level} at iteration {iteration}{age} ({others}){attempt}: {ckpt_dir}")
+    return loaded
 
 
 def _require_training_state(ckpt_dir: str, names: set[str], load_optim: bool) -> None:

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from datastates import CheckpointError, read_index, storage_for
+from datastates import CheckpointError, read_index
 from datastates import tracker
 from datastates.memory_tier import LocalTier
 
@@ -141,7 +141,7 @@ def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | 
     if iteration == 0:  # --finetune: not a resume
         return loaded
     try:
-        created = read_index(storage_for(ckpt_dir), ckpt_dir).created_unix
+        created = read_index(ckpt_dir).created_unix
     except CheckpointError:  # torch_dist and torch checkpoints have no index: their age is not recorded
         created = None
     age = "" if created is None else f", saved {max(0.0, time.time() - created):.1f} s ago"

@@ -21,7 +21,8 @@ ONE_ENV=(test_audit.py test_bad_input.py test_built_on_copy.py test_coordination
          test_multirank.py test_native.py test_read_once.py test_restore.py test_snapshot.py test_storage.py
          test_compatibility.py test_reader_api.py test_import_contract.py test_s3_store.py test_s3_storage.py
          test_s3_trainer.py test_s3_retries.py test_megatron_args.py test_exits.py test_trainer_kills.py
-         test_memory_tier.py test_compare_losses.py test_compression.py)
+         test_memory_tier.py test_compare_losses.py test_compression.py
+         test_restarts.py)
 # where the time goes, in every CI log
 PYTEST=("$VENV/bin/python" -m pytest -q --durations=25)
 if [ "$#" -gt 0 ]; then

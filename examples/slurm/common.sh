@@ -16,6 +16,7 @@
 #   HOST_BUFFER_GB  datastates host staging budget per rank            [trainer default]
 #   EXTRA_ARGS      appended to the trainer's command line
 #   RDZV            static (node rank = SLURM_NODEID) | c10d           [static]
+#   MAX_RESTARTS    torchrun --max-restarts: a failed or hung rank restarts the job in place   [0]
 set -euo pipefail
 
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
@@ -37,6 +38,10 @@ CKPT_ROOT=${CKPT_ROOT:-$REPO/checkpoints/slurm}
 LOG_DIR=${LOG_DIR:-$REPO/logs/slurm}
 RDZV=${RDZV:-static}
 export MASTER_ADDR MASTER_PORT OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun's c10d rendezvous otherwise shares its store with the workers across restarts, and the nodes' agents
+# can count restarts differently: each attempt then gets a fresh store of its own (docs/restarts.md)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 
 # GPT configurations of the paper's model sizes (Llama-like shapes; parameters ~= 12 * L * h^2 + embedding).
 model_config() {
@@ -84,6 +89,7 @@ run_train() {
   if [ "$interval" != 0 ]; then
     args+=(--save "$ckpt" --save-interval "$interval" --ckpt-format "$fmt" --ckpt-keep-last 2)
     [ "$mode" = async ] && args+=(--async-ckpt)
+    [ "$MAX_RESTARTS" != 0 ] && args+=(--load "$ckpt")  # a restarted attempt resumes where the failed one was
     [ -n "${HOST_BUFFER_GB:-}" ] && args+=(--ckpt-host-buffer-gb "$HOST_BUFFER_GB")
   fi
   # shellcheck disable=SC2206
@@ -94,6 +100,7 @@ run_train() {
   else
     launcher="torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE --rdzv_id $SLURM_JOB_ID --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
   fi
+  launcher+=" --max-restarts $MAX_RESTARTS"
   echo "RUN figure=$figure model=$MODEL nodes=$NNODES gpus_per_node=$GPUS_PER_NODE tp=$TP pp=$PP dp=$DP format=$fmt mode=$mode interval=$interval iters=$iters job=$SLURM_JOB_ID" | timestamp_lines >"$log"
   echo "[$(date +%T)] $name -> $log"
   local t0=$EPOCHREALTIME rc=0

@@ -102,13 +102,15 @@ def attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:
     attempt's ranks published (gloo's connectFullMesh or NCCL's unique id, "Connection refused"; PyTorch issues
     135712 and 167288). Every key of this attempt (process groups, megatron-core's groups, the checkpoint
     coordination) goes under its own prefix, the agent's restart count. One agent's count is the same for all
-    its workers; agents of several nodes can count differently (a node restarted for a membership change does
-    not count it), so multi-node jobs with restarts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/restarts.md),
-    which gives every attempt a fresh store hosted by its rank 0."""
+    its workers, and static rendezvous agents count each failure alike (every node's workers fail with it); c10d
+    rendezvous agents of several nodes can count differently (a node restarted for a membership change does not
+    count it), so multi-node jobs with restarts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/restarts.md),
+    which gives every attempt of a c10d rendezvous a fresh store hosted by its rank 0."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) \
+            and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
         logging.getLogger(__name__).warning(
             "torchrun shares its rendezvous store with the workers across %s nodes and may restart them: the "
             "nodes' restart counts can differ after a restart, so set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "

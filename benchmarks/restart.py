@@ -12,7 +12,7 @@ every S alone:
 
 The target (issue 42): death to first iteration <= 1.5 x (cold start + the memory-tier load).
 
-    python benchmarks/restart.py [--rounds 2] [--kill-after 12] [--out /tmp/restart_bench]
+    python benchmarks/restart.py [--rounds 2] [--kill-after 17] [--out /tmp/restart_bench]
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def run(flags: list[str], kill_after: int | None, workdir: str) -> dict:
 def main() -> None:
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--rounds", type=int, default=2)
-    a.add_argument("--kill-after", type=int, default=12)
+    a.add_argument("--kill-after", type=int, default=17)
     a.add_argument("--storage-every", type=int, default=10)
     a.add_argument("--out", default=None, help="work directory (default: a fresh temporary one)")
     args = a.parse_args()

@@ -68,6 +68,7 @@ class CheckpointManager:
         self._newest: dict[str, SaveHandle] = {}
         self._outside_engine_s: dict[SaveHandle, float] = {}  # each save's stall outside the engine
         self._published_before_run: int | None = None  # the tracker's iteration at this run's first save
+        self._memory_iteration: int | None = None  # the iteration of the newest memory save
 
     def _memory_tier(self) -> LocalTier:
         """The node-local memory tier (`datastates.memory_tier`), after checking that it fits in memory."""
@@ -113,7 +114,10 @@ class CheckpointManager:
         state = self._state(iteration, consumed, wrap_common=self.checkpoint_format.wraps_common)
         self.agree_on_failures(iteration)
         memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
-        if self.tier is not None and self.checkpoint_format.writes_from_pages:
+        # (unless the tier saved this iteration already, e.g. the last one: a second memory save of it would
+        # collide with the first, so storage then copies on its own)
+        if self.tier is not None and self.checkpoint_format.writes_from_pages and \
+                self._memory_iteration != iteration:
             self._one_storage_save_on_pages()
             memory = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
         try:
@@ -152,6 +156,7 @@ class CheckpointManager:
     def _save_memory(self, iteration: int, state: dict, t0: float) -> SaveHandle:
         """This rank's part of `state` to the memory tier (replicated in the background); the save's handle."""
         handle = save_sharded(self.tier.engine, state, self.tier.path(iteration))
+        self._memory_iteration = iteration
         self.tier.replicate(iteration, handle)
         self._started(MEMORY, handle, t0)
         return handle

@@ -13,6 +13,7 @@ import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron_helpers import ROOT, TINY, losses, torchrun, torchrun_command
+from trainer_kills import kill_tree
 
 ITERS = 12
 FLAGS = TINY + ["--global-batch-size", "8", "--train-iters", str(ITERS)]
@@ -21,11 +22,18 @@ RESUMED_RE = re.compile(r"\[rank 0\] INFO \S+: RESUMED from (.+?) at iteration (
 
 
 def _torchrun(flags: list[str], restarts: int, env: dict, timeout: float = 300) -> tuple[int, str]:
+    """(exit code, output) of a real torchrun --max-restarts of tests/fault_launcher.py; past `timeout` the
+    launcher and every worker (in sessions of their own) are killed."""
     cmd, env = torchrun_command(2, flags, env=env, faults=True)
     cmd.insert(cmd.index("--nproc_per_node"), f"--max-restarts={restarts}")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=timeout)
-    return p.returncode, p.stdout
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        out, _ = p.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{out[-6000:]}") from None
+    return p.returncode, out
 
 
 def _attempts(log: str) -> int:

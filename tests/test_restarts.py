@@ -66,7 +66,7 @@ def test_a_killed_then_a_hung_rank_restart_from_memory_with_the_same_losses(tmp_
         [("the memory tier", "1", "2"), ("the memory tier", "2", "2")], log[-6000:]
     first, second = int(resumes[0][1]), int(resumes[1][1])
     assert first in (4, 5) and second in (7, 8), resumes  # at most the iteration in flight and the save copying
-    assert all(other == "storage's newest: None" for _, _, other, _, _ in resumes)
+    assert all(other == "storage has nothing yet" for _, _, other, _, _ in resumes)
     # every iteration printed (those trained again after a restart too) has the uninterrupted run's loss
     printed = [(int(i), loss) for i, loss in re.findall(r"\[rank 1\] .*iteration\s+(\d+)/\s*\d+ \|.* lm loss: "
                                                         r"([^ ]+) \|", log)]

@@ -145,8 +145,8 @@ def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | 
     except CheckpointError:  # torch_dist and torch checkpoints have no index: their age is not recorded
         created = None
     age = "" if created is None else f", saved {max(0.0, time.time() - created):.1f} s ago"
-    others = (f"storage's newest: {in_storage}" if level != "storage"
-              else "the memory tier had nothing newer" if tier else "no memory tier")
+    others = ("the memory tier had nothing newer" if tier else "no memory tier") if level == "storage" else \
+        "storage has nothing yet" if in_storage is None else f"storage's newest: {in_storage}"
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     attempt = (f"; torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} of {restarts}"
                if restarts != "0" else "")

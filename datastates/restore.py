@@ -312,14 +312,15 @@ class CheckpointReader:
                out: torch.Tensor | None = None, problems: Problems | None = None) -> torch.Tensor:
         """The box (`offset`, `shape`) of the global tensor `name`, whole by default, assembled from whichever
         ranks' shards hold it, every chunk's crc32c verified: a new CPU tensor, or `out` filled (a buffer a
-        reader of many boxes reuses). With `problems`, a damaged read is reported there and the box's damaged
-        part is undefined."""
+        reader of many boxes reuses). Where no shard holds part of a new tensor (the padding of megatron-core's flat
+        optimizer buckets), that part is zero, so reading a checkpoint twice, or a copy of it, gives the same tensor.
+        With `problems`, a damaged read is reported there and the box's damaged part is undefined."""
         found = self.tensors().get(name)
         if found is None:
             raise CheckpointError(f"checkpoint {self.path!r} has no tensor named {name!r}")
         global_shape, dtype = found
         box = _box_within(name, global_shape, offset, shape)
-        dst = out if out is not None else torch.empty(box.shape, dtype=dtype)
+        dst = out if out is not None else torch.zeros(box.shape, dtype=dtype)
         if tuple(dst.shape) != box.shape or dst.dtype != dtype:
             raise ValueError(f"out is {dst.dtype} {tuple(dst.shape)}, the box of {name!r} is {dtype} {box.shape}")
         with Reads(self, problems) as reads:

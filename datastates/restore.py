@@ -312,9 +312,9 @@ class CheckpointReader:
                out: torch.Tensor | None = None, problems: Problems | None = None) -> torch.Tensor:
         """The box (`offset`, `shape`) of the global tensor `name`, whole by default, assembled from whichever
         ranks' shards hold it, every chunk's crc32c verified: a new CPU tensor, or `out` filled (a buffer a
-        reader of many boxes reuses). Where no shard holds part of a new tensor (the padding of megatron-core's flat
-        optimizer buckets), that part is zero, so reading a checkpoint twice, or a copy of it, gives the same tensor.
-        With `problems`, a damaged read is reported there and the box's damaged part is undefined."""
+        reader of many boxes reuses). Where no shard holds part of a new tensor, that part is zero, not whatever the
+        allocator left there, so two reads of one checkpoint never differ. With `problems`, a damaged read is
+        reported there and the box's damaged part is undefined."""
         found = self.tensors().get(name)
         if found is None:
             raise CheckpointError(f"checkpoint {self.path!r} has no tensor named {name!r}")

@@ -266,9 +266,8 @@ def _run(rank, world, cfg):
 
     # ---------------------------------------------------------------- 3. loop
     if cfg.get("loop_iters", 0) > 0:
-        looped = cfg.get("loop_systems") or [s.name for s in systems]
-        result["loop"] = _loop(rank, world, cfg, state, [s for s in systems if s.name not in failed and s.name in looped],
-                               root)
+        looped = [s for s in systems if s.name not in failed and s.name in (cfg.get("loop_systems") or [s.name])]
+        result["loop"] = _loop(rank, world, cfg, state, looped, root)
 
     for s in systems:
         try:

@@ -46,7 +46,8 @@ while want:
 print(json.dumps({"files": files, "missing": sorted(set(missing))}))
 """
 _INSTALLED = ("import importlib.metadata as md, json, re; "
-              "print(json.dumps([re.sub(r'[-_.]+', '-', d.metadata['Name']).lower() for d in md.distributions() if d.metadata['Name']]))")
+              "print(json.dumps([re.sub(r'[-_.]+', '-', d.metadata['Name']).lower() for d in md.distributions() "
+              "if d.metadata['Name']]))")
 
 
 def site_packages(venv: str) -> str:

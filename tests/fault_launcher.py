@@ -10,8 +10,9 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_FAIL_SAVE=<rank>:<it>      on that rank only, the save of <it> fails (an unpicklable object)
     FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
                                      SIGKILL the whole job: the launcher (torchrun) and every worker
-    FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the parts of a rank's data object of <it> are up and before
-                                     the upload completes, that rank SIGKILLs itself (rank 0 the launcher first)
+    FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the earlier saves are published (the tracker names the last)
+                                     and the parts of a rank's data object of <it> are up, before the upload
+                                     completes, that rank SIGKILLs itself (rank 0 the launcher first)
     FAULT_STORE_DOWN=<it>:<it2>      (s3://) once the earlier saves are published and rank 0's data parts of <it>
                                      are up, the test kills the store; the save of <it>+1 is called with it down;
                                      before the save of <it2>, when the saves in flight have ended, it starts it
@@ -78,9 +79,9 @@ def _until_saves_end(engine) -> None:
 def save(self, state, path, from_save=None):
     it = layout.iteration_of(path)
     slow, kill, fail = _spec("FAULT_SLOW_SAVE"), _spec("FAULT_KILL_AFTER_SAVE"), _spec("FAULT_FAIL_SAVE")
-    down = _spec("FAULT_STORE_DOWN")
-    if down and down[0] == it:
-        _until_saves_end(self)  # the earlier saves are published before the store dies
+    down, kill_up = _spec("FAULT_STORE_DOWN"), _spec("FAULT_KILL_JOB_IN_UPLOAD")
+    if (down and down[0] == it) or (kill_up and kill_up[0] == it):
+        _until_saves_end(self)  # the earlier saves are published before the store dies or the job is killed
     if down and down[0] + 1 == it:  # this save is called with the store down
         while not os.path.exists(os.path.join(os.environ["FAULT_CONTROL_DIR"], "store-down.done")):
             time.sleep(0.05)

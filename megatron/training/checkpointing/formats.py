@@ -391,7 +391,7 @@ def _engine(args, ownership: ReplicaOwnership, root: str) -> CheckpointEngine:
                           writer_threads=args.ckpt_writer_threads, read_threads=read_threads,
                           read_mode=args.ckpt_read_mode)
     return CheckpointEngine(
-        host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)), writer_threads=args.ckpt_writer_threads,
+        host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
         keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
         registry=make_registry(ownership), storage=storage, compress=args.ckpt_compress)
 

@@ -46,7 +46,8 @@ class DataSink(abc.ABC):
 
     @abc.abstractmethod
     def close(self, nbytes: int) -> None:
-        """Everything is submitted and done: the data is exactly `nbytes` long, durable where the storage syncs."""
+        """Everything is submitted and done: the data is `nbytes` long (at least: the memory tier's reused pages
+        may be longer; the index says how much is data), durable where the storage syncs."""
 
     def discard(self) -> None:
         """The save failed: let go of whatever is open (what was written goes with `Storage.remove`)."""

@@ -339,7 +339,7 @@ class S3Storage(Storage):
                                 Bucket=bucket, Prefix=prefix, Delimiter="/"):
             names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
             names += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
-        return names
+        return [n for n in names if n]  # not the prefix itself (SeaweedFS keeps an emptied one as a marker)
 
     def stat(self, path):
         head = self._head(path)

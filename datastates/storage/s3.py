@@ -353,15 +353,17 @@ class S3Storage(Storage):
         return self.call(path, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
 
     def remove(self, path):
-        """The object `path` and everything under the prefix `path/`: open multipart uploads aborted, objects
-        deleted in batches."""
-        self._delete_key(path)
+        """Everything under the prefix `path/` (open multipart uploads aborted, objects deleted in batches), or
+        else the object `path`."""
         bucket, prefix = self._prefix(path)
-        for upload in self._uploads(path, bucket, prefix):
+        uploads = self._uploads(path, bucket, prefix)
+        for upload in uploads:
             self.call(path, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         keys = [o["Key"] for page in self._pages(path, "list_objects_v2", "ContinuationToken",
                                                  "NextContinuationToken", Bucket=bucket, Prefix=prefix)
                 for o in page.get("Contents", [])]
+        if not uploads and not keys:
+            self._delete_key(path)
         for start in range(0, len(keys), DELETE_BATCH):
             batch = [{"Key": k} for k in keys[start:start + DELETE_BATCH]]
             reply = self.call(path, "delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True})

@@ -16,7 +16,7 @@ import torch
 
 from datastates import CheckpointCorruptError, CheckpointEngine, _native, layout, save_root, tracker
 from datastates.save_root import Publisher
-from datastates.storage import PosixOptions, PosixStorage, SharedMemoryStorage, Storage, storage_for
+from datastates.storage import PosixOptions, PosixStorage, SharedMemoryStorage, Storage, options_for, storage_for
 from memory_storage import MemoryStorage
 
 MiB = 1 << 20
@@ -308,3 +308,21 @@ def test_the_engine_saves_and_loads_through_it_and_refuses_a_corrupt_byte(backen
     with CheckpointEngine(host_buffer_bytes=MiB, storage=backend.fresh(), rank=0, world_size=1) as eng:
         with pytest.raises(CheckpointCorruptError, match="rank_00000.data"):
             eng.load(backend.root)
+
+
+def test_a_backend_missing_an_operation_is_refused_and_options_are_typed_per_backend():
+    class Incomplete(Storage):
+        def read_bytes(self, path):
+            return b""
+    with pytest.raises(TypeError, match="abstract method.*commit"):
+        Incomplete()
+    from datastates.storage.s3 import S3Options
+    for flag in ("fsync", "direct_io", "read_mode"):  # they mean nothing to an object store
+        with pytest.raises(TypeError, match=flag):
+            S3Options(**{flag: False})
+    assert options_for("s3://b/run", fsync=False, read_mode="stream", writer_threads=3) == S3Options(writer_threads=3)
+    assert options_for("/ckpt", fsync=False, direct_io=False) == PosixOptions(fsync=False, direct_io="off")
+    with pytest.raises(ValueError, match="read_mode must be one of"):
+        PosixOptions(read_mode="mmap")
+    with pytest.raises(ValueError, match="writer_threads and read_threads must be >= 1"):
+        S3Options(read_threads=0)

@@ -135,11 +135,16 @@ def published(storage: Storage, root: str) -> list[int]:
     return sorted(i for i in its if i is not None and is_published(storage, layout.checkpoint_dir(root, i)))
 
 
+def holds_legacy(storage: Storage, path: str) -> bool:
+    """Whether `path` is in Megatron's legacy torch format: mp_rank_* directories, written without an index before
+    the tracker names them."""
+    return any(name.startswith("mp_rank_") for name in storage.list(path))
+
+
 def holds_checkpoint(storage: Storage, path: str) -> bool:
     """Whether a load may resume from `path`: a published checkpoint (its metadata.json: this engine's format and
-    megatron-core's torch_dist), or Megatron's legacy torch format (mp_rank_* directories, written without an
-    index before the tracker names them)."""
-    return is_published(storage, path) or any(name.startswith("mp_rank_") for name in storage.list(path))
+    megatron-core's torch_dist), or Megatron's legacy torch format (`holds_legacy`)."""
+    return is_published(storage, path) or holds_legacy(storage, path)
 
 
 def _tracked(storage: Storage, root: str) -> str:

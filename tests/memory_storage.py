@@ -10,7 +10,6 @@ from datastates.storage import DataSink, DataSource, Options, Stat, Storage
 
 
 class MemoryStorage(Storage):
-    fsync = False
     spreads_deletes = False
 
     def __init__(self, capacity: int | None = None):

@@ -47,7 +47,7 @@ def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypa
 
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device", "metadata.json")
-    monkeypatch.setattr(posix.PosixStorage, "publish", refuse)
+    monkeypatch.setattr(posix.PosixStorage, "commit", refuse)  # the publication of rank 0 fails
     path = layout.checkpoint_dir(str(tmp_path), 1)
     handles = [eng.save({"w": torch.full((1000,), float(r))}, path) for r, eng in enumerate(engines)]
     assert handles[1].join(30), "rank 1 waited for its timeout instead of hearing rank 0's failure"

@@ -102,7 +102,6 @@ class Storage(abc.ABC):
     retired checkpoint; an object store deletes a prefix in one batched request)."""
 
     options: Options
-    fsync = True  # whether `close` of a sink and `write_bytes` make the bytes durable
     in_place = False
     spreads_deletes = True
 

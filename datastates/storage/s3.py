@@ -289,7 +289,6 @@ class S3Storage(Storage):
     one listing and one DeleteObjects per 1000 keys, fewer requests than a DELETE per object from each rank, and
     it also removes the files of a larger earlier world."""
 
-    fsync = False
     in_place = True
     spreads_deletes = False
 

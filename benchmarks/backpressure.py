@@ -74,7 +74,8 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
     stats: list = []
     blocking: list[float] = []
     errors: list[BaseException] = []
-    eng = CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=writer_threads, fsync=fsync), keep_last=keep_last)
+    eng = CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=writer_threads, fsync=fsync),
+                           keep_last=keep_last)
 
     def loop():
         try:

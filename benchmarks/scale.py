@@ -91,7 +91,8 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
     WORLD[0] = world
     store = _store(port)
     out = {}
-    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), copy_threads=1, rank=rank, world_size=world,
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), copy_threads=1,
+                          rank=rank, world_size=world,
                           store=store, registry=_registry(), publish_timeout_s=600) as eng:
         for it in range(1, iters + 1):
             store.wait([f"go/{it}"])

@@ -276,7 +276,8 @@ class _EngineBase(System):
 
             ctx["engine"] = CheckpointEngine(
                 host_buffer_bytes=int(ctx.get("engine_buffer_bytes", 4 << 30)),
-                storage=PosixOptions(writer_threads=int(ctx.get("engine_writer_threads", 4)), direct_io="auto", fsync=True), 
+                storage=PosixOptions(writer_threads=int(ctx.get("engine_writer_threads", 4)), direct_io="auto",
+                                     fsync=True),
                 rank=self.rank, world_size=self.world)
         self.eng = ctx["engine"]
         self.handle = None
@@ -332,7 +333,7 @@ def available(names, log=print):
     for n in names:
         try:
             if n.startswith("engine"):
-                from datastates import CheckpointEngine, PosixOptions  # noqa: F401
+                from datastates import CheckpointEngine  # noqa: F401
             elif n.startswith("torch_dist"):
                 from megatron.core import dist_checkpointing  # noqa: F401
             ok.append(n)

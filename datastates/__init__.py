@@ -24,7 +24,8 @@ from .tracker import Latest, find_latest, is_published, write_latest
 
 __all__ = [
     # saving and loading
-    "CheckpointEngine", "PosixOptions", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider", "register_provider",
+    "CheckpointEngine", "PosixOptions", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider",
+    "register_provider",
     "built_on_copy",
     # reading and checking one checkpoint
     "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",

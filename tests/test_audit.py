@@ -32,7 +32,8 @@ def saved(tmp_path_factory):
     whole = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3))
     path = layout.checkpoint_dir(str(tmp_path_factory.mktemp("audit")), 5)
     store = torch.distributed.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=48 << 10, storage=PosixOptions(writer_threads=2), rank=r, world_size=WORLD, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=48 << 10, storage=PosixOptions(writer_threads=2), rank=r,
+                                world_size=WORLD, store=store,
                                 registry=_registry(), publish_timeout_s=60) for r in range(WORLD)]
     try:
         for r, eng in enumerate(engines):

@@ -58,7 +58,8 @@ def test_a_compressed_save_loads_bit_exact(tmp_path_factory, name, specs, seed):
     want = {f"t{i}": tensors(dtype, n, seed + i) for i, (dtype, n) in enumerate(specs)}
     want["obj"] = {"seed": seed}
     path = str(tmp_path_factory.mktemp("rt") / "iter_0000001")
-    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=2, fsync=False), compress=name) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=2, fsync=False),
+                          compress=name) as eng:
         eng.save(want, path).wait()
         got = eng.load(path)
     assert got["obj"] == want["obj"]
@@ -73,7 +74,8 @@ def save_fixture_state(root, compress):
     """The compatibility fixture's state, saved by two ranks with `compress`."""
     import torch.distributed as dist
     store = dist.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1, fsync=False), rank=r, world_size=2, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1, fsync=False),
+                                rank=r, world_size=2, store=store,
                                 registry=_registry(), compress=compress) for r in range(2)]
     for r, eng in enumerate(engines):
         eng.save(fixture_state(r), os.path.join(root, "iter_0000003"))
@@ -103,7 +105,8 @@ def test_a_compressed_checkpoint_verifies_loads_and_loads_into_another_layout(co
     assert not audit.problems, audit.problems.summary()
     plain = sum(os.path.getsize(os.path.join(FIXTURE, "iter_0000003", f"rank_{r:05d}.data")) for r in range(2))
     assert sum(os.path.getsize(os.path.join(compressed, f"rank_{r:05d}.data")) for r in range(2)) < plain
-    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1), registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1),
+                          registry=_registry()) as eng:
         for rank in range(2):
             _same(fixture_state(rank), eng.load(compressed, rank=rank))
         whole = torch.zeros(GLOBAL)  # one rank takes both ranks' halves
@@ -131,7 +134,8 @@ def _damaged(src, tmp_path, edit):
 
 
 def _load_error(path):
-    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1), registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1),
+                          registry=_registry()) as eng:
         with pytest.raises(CheckpointError) as e:
             eng.load(path, rank=0)
     return str(e.value), e.type

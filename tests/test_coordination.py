@@ -12,7 +12,8 @@ from datastates.storage import posix
 
 def _engines(n=2, **kw):
     store = torch.distributed.HashStore()
-    return [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=r, world_size=n, store=store, **kw)
+    return [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=r, world_size=n,
+                             store=store, **kw)
             for r in range(n)]
 
 
@@ -65,7 +66,8 @@ def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypa
 
 
 def test_more_ranks_than_a_store_needs_is_a_clear_error(tmp_path):
-    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=0, world_size=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=0,
+                          world_size=2) as eng:
         with pytest.raises(CheckpointError, match="world_size=2 needs a torch.distributed store"):
             eng.save({"w": torch.ones(4)}, str(tmp_path / "iter_0000001"))
 

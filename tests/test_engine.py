@@ -105,7 +105,8 @@ def test_both_read_modes_load_every_kind_and_bad_ones_are_refused(tmp_path, engi
     engine.save(state, path)
     engine.wait()
     for mode in READ_MODES:
-        with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(read_mode=mode, read_threads=3)) as loader:
+        with CheckpointEngine(host_buffer_bytes=1 << 20,
+                              storage=PosixOptions(read_mode=mode, read_threads=3)) as loader:
             template = every_kind_of_state()
             for t in template["dtypes"].values():
                 t.zero_()
@@ -281,7 +282,8 @@ def test_reshard_global_tensor_between_layouts(tmp_path):
     full = torch.randn(64, 48)
     path = str(tmp_path / "iter_0000005")
     store = torch.distributed.HashStore()  # the ranks' shared store, as torchrun's would be
-    engines = [CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=1), rank=r, world_size=2, store=store)
+    engines = [CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=1), rank=r,
+                                world_size=2, store=store)
                for r in range(2)]
     from datastates.providers import ProviderRegistry, StateProvider, default_registry
 

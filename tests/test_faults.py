@@ -408,7 +408,8 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
     def loop():  # in a thread so that a deadlock fails the test instead of hanging it
         nonlocal want
         try:
-            with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2, fsync=False), keep_last=2) as eng:
+            with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2, fsync=False),
+                                  keep_last=2) as eng:
                 for it in range(1, 9):
                     want = {k: v.clone() for k, v in state.items()}
                     eng.save(state, layout.checkpoint_dir(root, it))

@@ -52,7 +52,8 @@ def _as_schema_1(ckpt: str) -> None:
 
 @pytest.fixture
 def engine():
-    with CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2), registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2),
+                          registry=_registry()) as eng:
         yield eng
 
 

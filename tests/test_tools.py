@@ -61,7 +61,8 @@ def rank_state(rank, full, world=2, with_common=True):
 def save_two_ranks(path, full):
     from datastates.megatron import ReplicaOwnership, make_registry, prepare_for_save
     store = torch.distributed.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), rank=r, world_size=2, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), rank=r,
+                                world_size=2, store=store,
                                 registry=make_registry(ReplicaOwnership()), publish_timeout_s=60) for r in (0, 1)]
     try:
         for r, eng in enumerate(engines):

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datastates import CheckpointEngine, read_json, layout, tracker  # noqa: E402
+from datastates import CheckpointEngine, PosixOptions, read_json, layout, tracker  # noqa: E402
 
 RSS_SLACK = 96 << 20  # interpreter, threads, pickles, page-table noise
 
@@ -74,7 +74,8 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
     stats: list = []
     blocking: list[float] = []
     errors: list[BaseException] = []
-    eng = CheckpointEngine(host_buffer_bytes=budget, writer_threads=writer_threads, fsync=fsync, keep_last=keep_last)
+    eng = CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=writer_threads, fsync=fsync),
+                           keep_last=keep_last)
 
     def loop():
         try:

@@ -136,15 +136,16 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
     against mapped (copied straight into the reused pages of SharedMemoryStorage). CPU seconds of the process
     per save, snapshot and durable times."""
     import torch
-    from datastates import CheckpointEngine, layout
+    from datastates import CheckpointEngine, PosixOptions, layout
     from datastates.storage import SharedMemoryStorage
     state = {f"t{i}": torch.randn(1_740_000, generator=torch.Generator().manual_seed(i)) for i in range(40)}
     res: dict[str, list] = {"staged": [], "mapped": []}
     for _ in range(rounds):
         for name in res:
             root = os.path.join(memory_dir, "save-" + name)
-            eng = CheckpointEngine(rank=0, world_size=1, fsync=False, direct_io="off", keep_last=2,
-                                   storage=SharedMemoryStorage() if name == "mapped" else None)
+            eng = CheckpointEngine(rank=0, world_size=1, keep_last=2,
+                                   storage=SharedMemoryStorage() if name == "mapped"
+                                   else PosixOptions(fsync=False, direct_io="off"))
             for it in range(1, 11):
                 cpu0 = time.process_time()
                 stats = eng.save(state, layout.checkpoint_dir(root, it)).wait()

@@ -60,7 +60,7 @@ class Engine:
     def __init__(self, bucket, state, threads, budget, lazy):
         self.bucket, self.state, self.lazy = bucket, state, lazy
         self.target = {k: torch.empty_like(v) for k, v in state.items()}
-        self.eng = CheckpointEngine(host_buffer_bytes=budget, writer_threads=threads, rank=0, world_size=1,
+        self.eng = CheckpointEngine(host_buffer_bytes=budget, rank=0, world_size=1,
                                     storage=storage_for(f"s3://{bucket}", writer_threads=threads,
                                                         read_threads=threads))
 

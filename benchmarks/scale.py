@@ -87,11 +87,12 @@ def _mark(label: str) -> None:
 def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
     """A real engine as rank 0 or 1: save `iters` checkpoints, then (rank 1) load its row back."""
     import torch
-    from datastates import CheckpointEngine, layout
+    from datastates import CheckpointEngine, PosixOptions, layout
     WORLD[0] = world
     store = _store(port)
     out = {}
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, copy_threads=1, rank=rank, world_size=world,
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), copy_threads=1,
+                          rank=rank, world_size=world,
                           store=store, registry=_registry(), publish_timeout_s=600) as eng:
         for it in range(1, iters + 1):
             store.wait([f"go/{it}"])

@@ -272,12 +272,13 @@ class _EngineBase(System):
     def setup(self, ctx):
         super().setup(ctx)
         if "engine" not in ctx:
-            from datastates import CheckpointEngine
+            from datastates import CheckpointEngine, PosixOptions
 
             ctx["engine"] = CheckpointEngine(
                 host_buffer_bytes=int(ctx.get("engine_buffer_bytes", 4 << 30)),
-                writer_threads=int(ctx.get("engine_writer_threads", 4)),
-                direct_io="auto", fsync=True, rank=self.rank, world_size=self.world)
+                storage=PosixOptions(writer_threads=int(ctx.get("engine_writer_threads", 4)), direct_io="auto",
+                                     fsync=True),
+                rank=self.rank, world_size=self.world)
         self.eng = ctx["engine"]
         self.handle = None
 

@@ -18,13 +18,14 @@ from .restore import CheckpointReader
 from .schema import Box, dtype_from_name
 from .copies import built_on_copy
 from .layout import normalize as normalize_path, scheme as url_scheme
-from .storage import Storage, read_index, read_json, storage_for
+from .storage import PosixOptions, Storage, read_index, read_json, storage_for
 from .storage.posix import fsync_dir, write_file
 from .tracker import Latest, find_latest, is_published, write_latest
 
 __all__ = [
     # saving and loading
-    "CheckpointEngine", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider", "register_provider",
+    "CheckpointEngine", "PosixOptions", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider",
+    "register_provider",
     "built_on_copy",
     # reading and checking one checkpoint
     "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",

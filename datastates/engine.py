@@ -28,7 +28,7 @@ from .restore import CheckpointReader, resolve_checkpoint
 from .copies import CopyBackend, make_backend
 from .pipeline import HeldSnapshot, SaveHandle, SavePipeline, SaveStats
 from .slots import StagingPool
-from .storage import DEFAULT_READ_THREADS, PosixStorage, Storage
+from .storage import PosixOptions, PosixStorage, Storage
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +37,16 @@ class CheckpointEngine:
     """Lazy asynchronous checkpoints to a parallel file system (or the memory tier), bounded host memory,
     native writers."""
 
-    def __init__(self, host_buffer_bytes: int = 4 << 30, writer_threads: int = 4, direct_io="auto",
-                 fsync: bool = True, rank: int | None = None, world_size: int | None = None,
-                 keep_last: int | None = None, publish_timeout_s: float = 600.0,
-                 registry: ProviderRegistry | None = None, copy_threads: int | None = None,
-                 copy_backend: CopyBackend | None = None, store: torch.distributed.Store | None = None,
-                 read_mode: str = "stream", read_threads: int = DEFAULT_READ_THREADS, storage: Storage | None = None,
-                 compress: str = "off", encode_threads: int = 2):
-        """`store` (a torch.distributed Store shared by the ranks) carries the agreement on each save; by
-        default the default process group's. `copy_backend` replaces the device backend (see `copies`).
-        `storage` is where checkpoints are saved and loaded: by default a POSIX file system (`PosixStorage`),
-        fsynced and with O_DIRECT as `fsync` and `direct_io` say, writing on `writer_threads` and reading as
-        `read_mode` says on `read_threads` native threads. `compress`: "off", "auto" (what pays on this storage,
+    def __init__(self, host_buffer_bytes: int = 4 << 30, storage: Storage | PosixOptions = PosixOptions(),
+                 rank: int | None = None, world_size: int | None = None, keep_last: int | None = None,
+                 publish_timeout_s: float = 600.0, registry: ProviderRegistry | None = None,
+                 copy_threads: int | None = None, copy_backend: CopyBackend | None = None,
+                 store: torch.distributed.Store | None = None, compress: str = "off", encode_threads: int = 2):
+        """`storage` is where checkpoints are saved and loaded: a backend (`storage.storage_for`), or the options
+        of a POSIX file system (`PosixOptions`: fsync, O_DIRECT, threads, read mode) to use one with; its
+        `writer_threads` also size the staging slots. `store` (a torch.distributed Store shared by the ranks)
+        carries the agreement on each save; by default the default process group's. `copy_backend` replaces the
+        device backend (see `copies`). `compress`: "off", "auto" (what pays on this storage,
         `codecs.for_storage`) or a codec's name; tensor chunks are encoded on `encode_threads` threads."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
@@ -56,13 +54,13 @@ class CheckpointEngine:
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        direct_io = {True: "on", False: "off", "auto": "auto", "on": "on", "off": "off"}[direct_io]
-        self.storage = storage or PosixStorage(fsync, direct_io, writer_threads, read_threads, read_mode)
+        self.storage = PosixStorage(storage) if isinstance(storage, PosixOptions) else storage
         self.registry = registry or default_registry
         if store is None and self.world_size > 1 and initialized:
             store = default_store()
         self.backend = copy_backend or make_backend(copy_threads)
-        self.pool = StagingPool(host_buffer_bytes, writer_threads, pinned=torch.cuda.is_available())
+        self.pool = StagingPool(host_buffer_bytes, self.storage.options.writer_threads,
+                                pinned=torch.cuda.is_available())
         self.codec = codecs.for_storage(compress, self.storage)
         self.pipeline = SavePipeline(self.rank, self.world_size, self.storage, self.pool, self.backend, store,
                                      keep_last, publish_timeout_s, self.codec, encode_threads)
@@ -153,7 +151,7 @@ class CheckpointEngine:
         if self._load_backend is None:
             self._load_backend = make_backend(self._copy_threads)
         resolved = resolve_checkpoint(path, self.storage)
-        version = self.storage.version(layout.join(resolved, layout.METADATA))
+        version = self.storage.stat(layout.join(resolved, layout.METADATA))
         key = None if version is None else (resolved, version)  # None: gone meanwhile, the reader reports it
         if key is None or self._reader is None or self._reader[0] != key:
             if self._reader is not None:

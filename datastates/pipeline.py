@@ -37,7 +37,8 @@ from .plan import Entry, Plan, align_up
 from .schema import Kind, Manifest
 from .copies import CopyBackend, SlotFiller, copy_tensor_bytes
 from .slots import StagingPool
-from .storage import DataSink, Storage
+from .save_root import Publisher
+from .storage import DataSink, PageLending, Storage
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class HeldSnapshot:
     """The snapshot of a save to storage that lends its pages (the memory tier), held (not reused by its
     storage) while another save writes from it."""
 
-    def __init__(self, storage: Storage, job: Job):
+    def __init__(self, storage: PageLending, job: Job):
         self.storage, self.job, self.held = storage, job, True
         storage.hold(job.final)
 
@@ -175,6 +176,8 @@ class SavePipeline:
         save: an engine that only loads needs none. `codec`: tensor chunks staged through slots are encoded
         with it on `encode_threads` threads (at writer priority) before they are written."""
         self.rank, self.world_size, self.storage, self.pool, self.backend = rank, world_size, storage, pool, backend
+        self.lends_pages = isinstance(storage, PageLending)  # the memory tier, which keeps no tracker
+        self.publisher = Publisher(storage, tracker=not self.lends_pages)  # publication, retention, the tracker
         self.codec = codec
         self._encoder = None if codec is None else ThreadPoolExecutor(
             encode_threads, thread_name_prefix="ds-encode", initializer=_lower_priority)
@@ -210,14 +213,14 @@ class SavePipeline:
         self._seq += 1
         job = Job(self._seq, handle, entries, plan, self.backend.begin(), t0, source)
         # a save whose tensors are written from pages (the memory tier's) keeps their planned layout
-        job.codec = self.codec if source is None and not self.storage.lends_pages else None
+        job.codec = self.codec if source is None and not self.lends_pages else None
         try:
-            job.partial = self.storage.prepare(handle.path)
+            job.partial = self.publisher.prepare(handle.path)
         except OSError as e:
             if source is not None:
                 source.release()
             raise CheckpointError(f"cannot prepare checkpoint {handle.path!r} ({e.filename!r}): {e.strerror}") from e
-        handle._lender = (self.storage, job) if self.storage.lends_pages else None
+        handle._lender = (self.storage, job) if self.lends_pages else None
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == Kind.OBJECT and e.item.write]
         with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
@@ -237,7 +240,7 @@ class SavePipeline:
         self._pickler.shutdown()
         if self._encoder is not None:
             self._encoder.shutdown()
-        self._deleter.submit(_logged, self.storage.sweep)
+        self._deleter.submit(_logged, self.publisher.sweep)
         self._deleter.shutdown()
 
     def _guard(self, name: str, stage) -> None:
@@ -313,7 +316,7 @@ class SavePipeline:
         """Run `copy_tensors()` and wait for the pickles: then nothing of this save reads the live state any
         more and the fence opens. Returns the pickled objects (none if the save failed)."""
         try:
-            job.data = self.storage.open_data(job.partial, self.rank, job.plan.tensor_region)
+            job.data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region)
             copy_tensors()
             self.backend.finish()
             pickled = [(e, f.result()) for e, f in job.objects]
@@ -469,7 +472,7 @@ class SavePipeline:
                 job.data.close(job.size)
                 job.manifest = fmt.signed_manifest(Manifest.written(self.rank, self.world_size, job.size,
                                                                     job.data.direct, [e.item for e in job.entries]))
-                self.storage.write_manifest(job.partial, self.rank, fmt.encode_json(job.manifest))
+                self.publisher.write_manifest(job.partial, self.rank, fmt.encode_json(job.manifest))
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         if job.failed and job.data is not None:
@@ -496,12 +499,12 @@ class SavePipeline:
                     index = fmt.index_metadata({r: Manifest.parse(doc, f"rank {r}'s report of {what}")
                                                 for r, doc in reports.items()},
                                                layout.iteration_of(job.final), self.world_size)
-                    retired = self.storage.publish(job.partial, job.final, fmt.encode_json(index), self.keep_last)
+                    retired = self.publisher.publish(job.partial, job.final, fmt.encode_json(index), self.keep_last)
                     self.coordinator.announce(job.seq, None, retired)
                     job.handle.stats.wait_ranks_s, job.handle.stats.publish_s = t1 - t0, time.perf_counter() - t1
                 else:
                     retired = self.coordinator.verdict(job.seq, what, self.publish_timeout_s)
-                self._deleter.submit(_logged, self.storage.delete, retired, self.rank, self.world_size)
+                self._deleter.submit(_logged, self.publisher.delete, retired, self.rank, self.world_size)
             except BaseException as e:  # noqa: BLE001
                 job.fail(e)
                 if self.rank == 0:
@@ -522,7 +525,7 @@ class SavePipeline:
         if not timed_out:  # let the ranks still writing finish touching the directory (they will fail anyway)
             self.coordinator.await_all_reports(job.seq, self.publish_timeout_s)
         try:
-            self.storage.abandon(job.partial)
+            self.publisher.abandon(job.partial)
         except Exception as e:  # noqa: BLE001
             log.warning("rank 0: cannot remove what the failed save of %r wrote (the next start will): %s",
                         job.final, e)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from . import format as fmt
-from . import layout, tracker
+from . import layout, save_root, tracker
 from .errors import CheckpointCorruptError, CheckpointError
 from .load_plan import BoxRead, plan_global, plan_whole
 from .problems import Problems
@@ -35,7 +35,7 @@ from .storage import DataSource, Storage, storage_for
 def resolve_checkpoint(path: str, storage: Storage) -> str:
     """An iteration directory, or a save root whose latest published iteration is meant."""
     path = layout.normalize(path)
-    if storage.is_published(path):
+    if save_root.is_published(storage, path):
         return path
     if layout.iteration_of(path) is None and storage.list(path):
         latest = tracker.find_latest(path, storage)

@@ -1,8 +1,8 @@
 """The tracker: which checkpoint a load of a save root resumes from, read through the storage that holds it.
 
-Ranks write into `iter_XXXXXXX.partial`; the storage publishes it under its final name and then replaces
-`latest_checkpointed_iteration.txt` (`Storage.publish`, `Storage.write_tracker`). `find_latest` is the one reader
-of the tracker: a crash at any point leaves either the old state or the new one, and the tracker may name a
+Ranks write into the unpublished place of a checkpoint; rank 0 publishes it under its final name and then
+replaces `latest_checkpointed_iteration.txt` (`save_root.Publisher.publish`). `find_latest` is the one reader of
+the tracker: a crash at any point leaves either the old state or the new one, and the tracker may name a
 checkpoint that retention retired since; both are resolved here.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import layout
+from . import save_root
 from .errors import CheckpointError
 from .storage import Storage, storage_for
 
@@ -54,24 +55,24 @@ class Latest:
 
 def find_latest(path: str, storage: Storage | None = None) -> Latest:
     """The checkpoint a load of the save root `path` resumes from. That is the one the tracker names (an
-    iteration, or Megatron's "release") if it holds a checkpoint (`Storage.holds_checkpoint`); else the newest
+    iteration, or Megatron's "release") if it holds a checkpoint (`save_root.holds_checkpoint`); else the newest
     iteration that does: after a crash between publication and the tracker update, or when the tracker names a
     retired checkpoint. An iteration directory is itself."""
     storage = storage or storage_for(path)
     path = layout.normalize(path)
     iteration = layout.iteration_of(path)
     if iteration is not None:
-        found = storage.holds_checkpoint(path)
+        found = save_root.holds_checkpoint(storage, path)
         return Latest(layout.parent(path), None, iteration if found else None, path if found else None)
     text = _tracker_text(path, storage)
     tracked = layout.RELEASE if text == layout.RELEASE else _tracked(text)
     if tracked is not None:
         named = layout.join(path, layout.RELEASE) if tracked == layout.RELEASE else \
             layout.checkpoint_dir(path, tracked)
-        if storage.holds_checkpoint(named):
+        if save_root.holds_checkpoint(storage, named):
             return Latest(path, text, tracked, named)
     its = sorted((i for i in map(layout.iteration_of, storage.list(path)) if i is not None), reverse=True)
-    newest = next((i for i in its if storage.holds_checkpoint(layout.checkpoint_dir(path, i))), None)
+    newest = next((i for i in its if save_root.holds_checkpoint(storage, layout.checkpoint_dir(path, i))), None)
     return Latest(path, text, newest, None if newest is None else layout.checkpoint_dir(path, newest))
 
 
@@ -82,18 +83,22 @@ def read_latest(root: str, storage: Storage | None = None) -> int | None:
 
 
 def published_iterations(root: str, storage: Storage | None = None) -> list[int]:
-    return (storage or storage_for(root)).published(root)
+    return save_root.published(storage or storage_for(root), root)
 
 
 def is_published(path: str, storage: Storage | None = None) -> bool:
-    return (storage or storage_for(path)).is_published(path)
+    return save_root.is_published(storage or storage_for(path), path)
 
 
 def write_latest(root: str, iteration: int, fsync: bool = True) -> None:
     """Point the tracker of `root` at `iteration` (for checkpoints written outside the engine: the other formats)."""
-    storage_for(root, fsync=fsync).write_tracker(root, iteration)
+    storage = storage_for(root, fsync=fsync) if layout.scheme(root) is None else storage_for(root)
+    try:
+        save_root.write_tracker(storage, root, iteration)
+    finally:
+        storage.close()
 
 
 def clean_leftovers(root: str, storage: Storage | None = None) -> list[str]:
-    """What saves killed before publication left under `root`, removed (`Storage.clean_leftovers`)."""
-    return (storage or storage_for(root)).clean_leftovers(root)
+    """What saves killed before publication left under `root`, removed (`save_root.clean_leftovers`)."""
+    return save_root.clean_leftovers(storage or storage_for(root), root)

@@ -105,7 +105,7 @@ def driver(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from datastates import CheckpointEngine, CheckpointError, layout, tracker
+    from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
 
     def log(*words):
         print(*words, flush=True)
@@ -113,8 +113,9 @@ def driver(a: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=a.barrier_timeout))
-    eng = CheckpointEngine(host_buffer_bytes=int(a.budget_mb * (1 << 20)), writer_threads=2,
-                           keep_last=a.keep_last, publish_timeout_s=a.publish_timeout, fsync=a.fsync)
+    eng = CheckpointEngine(host_buffer_bytes=int(a.budget_mb * (1 << 20)),
+                           storage=PosixOptions(writer_threads=2, fsync=a.fsync),
+                           keep_last=a.keep_last, publish_timeout_s=a.publish_timeout)
     if a.rank == 0:
         log("CLEANED", json.dumps(sorted(tracker.clean_leftovers(a.root))))
     dist.barrier()
@@ -305,9 +306,10 @@ class Verifier:
     """Loads published checkpoints in this process and compares them with the computed expectation."""
 
     def __init__(self, mb: float):
-        from datastates import CheckpointEngine
+        from datastates import CheckpointEngine, PosixOptions
         self.mb = mb
-        self.engine = CheckpointEngine(host_buffer_bytes=4 << 20, writer_threads=2, rank=0, world_size=WORLD)
+        self.engine = CheckpointEngine(host_buffer_bytes=4 << 20, storage=PosixOptions(writer_threads=2), rank=0,
+                                       world_size=WORLD)
         self.verified: dict[str, set] = collections.defaultdict(set)  # root -> iterations already checked
         self.loads = 0
 

@@ -48,7 +48,7 @@ sys.path[:0] = [HERE, ROOT]  # the datastates next to these tests, also in a cop
 import crash_fs  # noqa: E402
 import crash_harness  # noqa: E402
 import fs_trace  # noqa: E402
-from datastates import CheckpointEngine, layout, tracker  # noqa: E402
+from datastates import CheckpointEngine, PosixOptions, layout, tracker  # noqa: E402
 
 WORLD = 2
 MB = 0.0625  # state per rank: 4 tensors of 16 KiB, plus an index and objects
@@ -80,7 +80,8 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
             port = int(f.readline())
         store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
-    eng = CheckpointEngine(host_buffer_bytes=BUDGET, writer_threads=2, keep_last=KEEP_LAST, compress=compress)
+    eng = CheckpointEngine(host_buffer_bytes=BUDGET, storage=PosixOptions(writer_threads=2), keep_last=KEEP_LAST,
+                           compress=compress)
     if rank == 0:
         tracker.clean_leftovers(root)
     dist.barrier()
@@ -156,7 +157,8 @@ class Checker:
 
     def __init__(self, work: str):
         self.work = work
-        self.engine = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=0, world_size=WORLD)
+        self.engine = CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=0,
+                                       world_size=WORLD)
         self.loads: dict[tuple[int, str], list[str]] = {}
         self.count = 0
 

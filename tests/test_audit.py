@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointReader, Problems, audit_checkpoint, layout
+from datastates import CheckpointEngine, PosixOptions, CheckpointReader, Problems, audit_checkpoint, layout
 from datastates.errors import CheckpointCorruptError, CheckpointError
 from test_restore import Box, _registry
 
@@ -32,7 +32,8 @@ def saved(tmp_path_factory):
     whole = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3))
     path = layout.checkpoint_dir(str(tmp_path_factory.mktemp("audit")), 5)
     store = torch.distributed.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=48 << 10, writer_threads=2, rank=r, world_size=WORLD, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=48 << 10, storage=PosixOptions(writer_threads=2), rank=r,
+                                world_size=WORLD, store=store,
                                 registry=_registry(), publish_timeout_s=60) for r in range(WORLD)]
     try:
         for r, eng in enumerate(engines):
@@ -110,7 +111,7 @@ def test_a_truncated_file_still_has_the_items_before_its_end_verified(saved, tmp
 
 def test_the_load_stops_at_the_first_problem(damaged):
     path, whole, _, _ = damaged
-    with CheckpointEngine(host_buffer_bytes=48 << 10, writer_threads=2, rank=0, world_size=1,
+    with CheckpointEngine(host_buffer_bytes=48 << 10, storage=PosixOptions(writer_threads=2), rank=0, world_size=1,
                           registry=_registry()) as eng:
         template = {"w": Box("w", torch.zeros(ROWS // WORLD, COLS), whole.shape, (0, 0))}  # rank 0's rows
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch in .*rank_00000.data.* chunk 0"):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError
+from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError
 from datastates import format as fmt
 from datastates import layout
 
@@ -50,7 +50,7 @@ def same(a, b):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_input")
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=2)) as eng:
         eng.save(make_state(), str(root / "iter_0000001"))
         eng.wait()
     return root
@@ -58,7 +58,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine():
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=2)) as eng:
         yield eng
 
 
@@ -256,7 +256,7 @@ def test_edited_index_is_refused(tmp_path):
         return
     base = tmp_path / "base"
     outcomes = collections.Counter()
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=2)) as eng:
         eng.save(make_state(), str(base / "iter_0000001"))
         eng.wait()
         doc0 = json.loads(_paths(base)[3].read_text())
@@ -347,9 +347,9 @@ def test_forged_item_larger_than_its_tensor_is_refused(tmp_path):
     (unchecked, the native pread would write past the end of the 40-byte tensor: heap overflow, SIGSEGV)."""
     script = f"""
 import json, os, torch
-from datastates import CheckpointEngine, CheckpointError, format as fmt
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, format as fmt
 root = {str(tmp_path)!r}
-with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
     eng.save({{"a": torch.zeros(10), "big": torch.arange(200000, dtype=torch.float32)}}, root + "/iter_0000001")
     eng.wait()
     d = root + "/iter_0000001"

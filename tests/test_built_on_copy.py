@@ -4,7 +4,7 @@ for once; the checkpoint on disk then loads back as exactly those values, views 
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointError
+from datastates import CheckpointEngine, PosixOptions, CheckpointError
 from datastates.copies import built_on_copy
 
 BUDGET = 1 << 20
@@ -24,7 +24,8 @@ def test_a_tensor_built_on_copy_is_saved_range_by_range_and_loads_as_its_values(
     full, lazy = _source((3, 256, 1024), asked)  # 3 MiB through a 1 MiB staging budget
     other, other_lazy = _source((4, 1000), view_asked)
     state = {"big": lazy, "rows": other_lazy[1:3], "real": torch.ones(5)}
-    with CheckpointEngine(host_buffer_bytes=BUDGET, writer_threads=1, rank=0, world_size=1) as engine:
+    with CheckpointEngine(host_buffer_bytes=BUDGET, storage=PosixOptions(writer_threads=1), rank=0,
+                          world_size=1) as engine:
         engine.save(state, str(tmp_path / "ckpt" / "iter_0000001"))
         engine.wait()
         back = engine.load(str(tmp_path / "ckpt"), template={"big": torch.zeros(3, 256, 1024),
@@ -40,7 +41,8 @@ def test_a_tensor_built_on_copy_is_saved_range_by_range_and_loads_as_its_values(
 
 def test_a_non_contiguous_view_of_one_is_refused_before_anything_is_written(tmp_path):
     _, lazy = _source((8, 16), [])
-    with CheckpointEngine(host_buffer_bytes=BUDGET, writer_threads=1, rank=0, world_size=1) as engine:
+    with CheckpointEngine(host_buffer_bytes=BUDGET, storage=PosixOptions(writer_threads=1), rank=0,
+                          world_size=1) as engine:
         with pytest.raises(CheckpointError, match="non-contiguous view of a built_on_copy tensor"):
             engine.save({"cols": lazy[:, 3]}, str(tmp_path / "ckpt" / "iter_0000001"))
     assert not (tmp_path / "ckpt" / "iter_0000001").exists()

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from datastates import CheckpointEngine, audit_checkpoint
+from datastates import CheckpointEngine, PosixOptions, audit_checkpoint
 from test_restore import Box, _registry
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "fe86c63")
@@ -29,7 +29,8 @@ def state(rank: int) -> dict:
 def write(root: str) -> None:
     """Save the fixture (run with an older checkout first on sys.path)."""
     store = torch.distributed.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, rank=r, world_size=2, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1), rank=r,
+                                world_size=2, store=store,
                                 registry=_registry()) for r in range(2)]
     for r, eng in enumerate(engines):
         eng.save(state(r), os.path.join(root, "iter_0000003"))
@@ -56,7 +57,8 @@ def test_a_checkpoint_of_an_earlier_main_loads_and_verifies():
     audit = audit_checkpoint(os.path.join(FIXTURE, "iter_0000003"), verify=True)
     assert not audit.problems, audit.problems.summary()
     assert audit.stats["bytes_read"] > 0
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1),
+                          registry=_registry()) as eng:
         for rank in range(2):
             _same(state(rank), eng.load(FIXTURE, rank=rank))
         whole = torch.zeros(GLOBAL)

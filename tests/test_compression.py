@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError, audit_checkpoint
+from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError, audit_checkpoint
 from datastates import format as fmt
 from datastates.codecs import CODECS
 from s3_store import s3_server  # noqa: F401  (the session fixture)
@@ -58,7 +58,8 @@ def test_a_compressed_save_loads_bit_exact(tmp_path_factory, name, specs, seed):
     want = {f"t{i}": tensors(dtype, n, seed + i) for i, (dtype, n) in enumerate(specs)}
     want["obj"] = {"seed": seed}
     path = str(tmp_path_factory.mktemp("rt") / "iter_0000001")
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2, compress=name, fsync=False) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=2, fsync=False),
+                          compress=name) as eng:
         eng.save(want, path).wait()
         got = eng.load(path)
     assert got["obj"] == want["obj"]
@@ -73,8 +74,9 @@ def save_fixture_state(root, compress):
     """The compatibility fixture's state, saved by two ranks with `compress`."""
     import torch.distributed as dist
     store = dist.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, rank=r, world_size=2, store=store,
-                                registry=_registry(), compress=compress, fsync=False) for r in range(2)]
+    engines = [CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1, fsync=False),
+                                rank=r, world_size=2, store=store,
+                                registry=_registry(), compress=compress) for r in range(2)]
     for r, eng in enumerate(engines):
         eng.save(fixture_state(r), os.path.join(root, "iter_0000003"))
     for eng in engines:
@@ -103,7 +105,8 @@ def test_a_compressed_checkpoint_verifies_loads_and_loads_into_another_layout(co
     assert not audit.problems, audit.problems.summary()
     plain = sum(os.path.getsize(os.path.join(FIXTURE, "iter_0000003", f"rank_{r:05d}.data")) for r in range(2))
     assert sum(os.path.getsize(os.path.join(compressed, f"rank_{r:05d}.data")) for r in range(2)) < plain
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1),
+                          registry=_registry()) as eng:
         for rank in range(2):
             _same(fixture_state(rank), eng.load(compressed, rank=rank))
         whole = torch.zeros(GLOBAL)  # one rank takes both ranks' halves
@@ -131,7 +134,8 @@ def _damaged(src, tmp_path, edit):
 
 
 def _load_error(path):
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=1, registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=1),
+                          registry=_registry()) as eng:
         with pytest.raises(CheckpointError) as e:
             eng.load(path, rank=0)
     return str(e.value), e.type
@@ -198,9 +202,9 @@ def test_without_the_codec_library_the_engine_saves_uncompressed_and_names_the_p
 import sys
 sys.modules["zstandard"] = None
 import torch
-from datastates import CheckpointEngine, CheckpointError
+from datastates import CheckpointEngine, PosixOptions, CheckpointError
 for compress in ("off", "auto"):
-    with CheckpointEngine(host_buffer_bytes=1 << 20, fsync=False, compress=compress) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(fsync=False), compress=compress) as eng:
         eng.save({{"w": torch.ones(10)}}, {str(tmp_path / "iter_0000001")!r}).wait()
 for what in ("save", "load"):
     try:
@@ -276,7 +280,7 @@ def test_auto_compresses_on_an_object_store_and_the_checkpoint_loads(s3_server, 
     g = torch.Generator().manual_seed(7)
     want = {"bf16": (torch.randn(600_000, generator=g) * 0.02).bfloat16(), "fp32": torch.randn(300_000, generator=g),
             "step": 3}
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, compress="auto",
+    with CheckpointEngine(host_buffer_bytes=1 << 20, compress="auto",
                           storage=storage_for(root, writer_threads=2)) as eng:
         assert eng.codec is not None and eng.codec.name == "bytegroup-zstd"
         path = layout.checkpoint_dir(root, 5)

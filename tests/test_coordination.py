@@ -6,13 +6,14 @@ import threading
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
 from datastates.storage import posix
 
 
 def _engines(n=2, **kw):
     store = torch.distributed.HashStore()
-    return [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=n, store=store, **kw)
+    return [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=r, world_size=n,
+                             store=store, **kw)
             for r in range(n)]
 
 
@@ -47,7 +48,7 @@ def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypa
 
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device", "metadata.json")
-    monkeypatch.setattr(posix.PosixStorage, "publish", refuse)
+    monkeypatch.setattr(posix.PosixStorage, "commit", refuse)  # the publication of rank 0 fails
     path = layout.checkpoint_dir(str(tmp_path), 1)
     handles = [eng.save({"w": torch.full((1000,), float(r))}, path) for r, eng in enumerate(engines)]
     assert handles[1].join(30), "rank 1 waited for its timeout instead of hearing rank 0's failure"
@@ -65,7 +66,8 @@ def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypa
 
 
 def test_more_ranks_than_a_store_needs_is_a_clear_error(tmp_path):
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=0, world_size=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=0,
+                          world_size=2) as eng:
         with pytest.raises(CheckpointError, match="world_size=2 needs a torch.distributed store"):
             eng.save({"w": torch.ones(4)}, str(tmp_path / "iter_0000001"))
 

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import crash_harness  # noqa: E402
-from datastates import CheckpointEngine, CheckpointError  # noqa: E402
+from datastates import CheckpointEngine, PosixOptions, CheckpointError  # noqa: E402
 from datastates import layout, tracker  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def _save(eng, root, it):
 @pytest.fixture
 def three(tmp_path):
     """A save root with iterations 1, 2, 3 published (tracker 3)."""
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
         for it in (1, 2, 3):
             _save(eng, tmp_path, it)
         yield eng, tmp_path
@@ -115,7 +115,7 @@ def test_killed_during_retention_or_replacement(three):
 def test_rank0_missing_partial_never_loaded(tmp_path):
     """Rank 1 finished, rank 0 never did: rank 1 names it within the timeout; nothing loadable; cleaned later."""
     store = torch.distributed.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=2,
+    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=r, world_size=2,
                                 publish_timeout_s=0.5, store=store) for r in range(2)]
     try:
         engines[1].save({"w": torch.ones(10)}, str(tmp_path / "iter_0000001"))

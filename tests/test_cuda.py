@@ -8,7 +8,7 @@ ends, each fails a test.
 import pytest
 import torch
 
-from datastates import CheckpointEngine
+from datastates import CheckpointEngine, PosixOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,7 +35,7 @@ def _host_and_device(n: int, numel: int, seed: int = 0):
 def test_copy_is_ordered_after_work_queued_before_save(tmp_path):
     host, state = _host_and_device(8, 1 << 20)
     cycles = _sleep_cycles(0.5)
-    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=16 << 20, storage=PosixOptions(writer_threads=2)) as eng:
         torch.cuda._sleep(cycles)  # the step that produced the state is still running at save()
         for t in state.values():
             t.mul_(2)
@@ -54,7 +54,7 @@ def test_copy_is_ordered_after_work_queued_before_save(tmp_path):
 def test_save_returns_before_the_copy_and_the_fence_waits_for_it(tmp_path):
     _, state = _host_and_device(4, 16 << 20)  # 256 MiB
     cycles = _sleep_cycles(1.0)  # far longer than save() takes to return
-    with CheckpointEngine(host_buffer_bytes=1 << 30, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 30, storage=PosixOptions(writer_threads=2)) as eng:
         torch.cuda._sleep(cycles)
         for t in state.values():
             t.add_(1)
@@ -74,7 +74,7 @@ def test_pinned_staging_is_exactly_the_budget_and_copies_overlap(tmp_path):
     save() returns while the side-stream copies are still running."""
     _, state = _host_and_device(8, 16 << 20)  # 512 MiB on the device
     budget = 96 << 20
-    with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2)) as eng:
         assert eng.pool.pinned
         handle = eng.save(state, str(tmp_path / "iter_0000001"))
         assert not handle.snapshot_done, "save() waited for the device->host copies"
@@ -88,7 +88,7 @@ def test_pinned_staging_is_exactly_the_budget_and_copies_overlap(tmp_path):
 
 def test_load_lands_in_the_device_tensors_given(tmp_path):
     host, state = _host_and_device(6, 3 << 20)
-    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=16 << 20, storage=PosixOptions(writer_threads=2)) as eng:
         eng.save(state, str(tmp_path / "iter_0000001"))
         eng.wait()
         template = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
@@ -107,7 +107,7 @@ def test_dtypes_views_and_tensors_larger_than_the_budget(tmp_path):
     state = {k: v.cuda() for k, v in host.items()}
     state["wide_t"] = state["wide"].t()  # a non-contiguous view of a device tensor
     torch.cuda.synchronize()
-    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=16 << 20, storage=PosixOptions(writer_threads=2)) as eng:
         eng.save(state, str(tmp_path / "iter_0000001"))
         eng.wait()
         template = {k: torch.zeros_like(v) for k, v in state.items() if k != "wide_t"}
@@ -121,6 +121,6 @@ def test_tensor_on_another_device_is_refused(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     from datastates import CheckpointError
-    with CheckpointEngine(host_buffer_bytes=16 << 20, writer_threads=1) as eng:
+    with CheckpointEngine(host_buffer_bytes=16 << 20, storage=PosixOptions(writer_threads=1)) as eng:
         with pytest.raises(CheckpointError, match=r"'w'.*cuda:1.*one engine per device"):
             eng.save({"w": torch.ones(4, device="cuda:1")}, str(tmp_path / "iter_0000001"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError
+from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError
 from datastates import layout, read_json, tracker, format as fmt
 from datastates.storage import READ_MODES
 
@@ -72,7 +72,7 @@ def every_kind_of_state():
 
 @pytest.fixture
 def engine():
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
         yield eng
 
 
@@ -105,23 +105,24 @@ def test_both_read_modes_load_every_kind_and_bad_ones_are_refused(tmp_path, engi
     engine.save(state, path)
     engine.wait()
     for mode in READ_MODES:
-        with CheckpointEngine(host_buffer_bytes=1 << 20, read_mode=mode, read_threads=3) as loader:
+        with CheckpointEngine(host_buffer_bytes=1 << 20,
+                              storage=PosixOptions(read_mode=mode, read_threads=3)) as loader:
             template = every_kind_of_state()
             for t in template["dtypes"].values():
                 t.zero_()
             assert_same(state, loader.load(path, template=template))
             assert_same(state, loader.load(path))
     with pytest.raises(ValueError, match="read_mode must be one of"):
-        CheckpointEngine(read_mode="mmap")
+        CheckpointEngine(storage=PosixOptions(read_mode="mmap"))
     with pytest.raises(ValueError, match="read_threads must be >= 1"):
-        CheckpointEngine(read_threads=0)
+        CheckpointEngine(storage=PosixOptions(read_threads=0))
 
 
 def test_fence_protects_snapshot_from_later_mutation(tmp_path):
     gen = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randn(256, 1024, generator=gen) for i in range(24)}  # 24 MiB, 8x the budget
     expected = {k: v.clone() for k, v in state.items()}
-    with CheckpointEngine(host_buffer_bytes=3 << 20, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=3 << 20, storage=PosixOptions(writer_threads=2)) as eng:
         handle = eng.save(state, str(tmp_path / "iter_0000001"))
         snapshot_pending_at_return = not handle.snapshot_done
         eng.wait_for_snapshot()
@@ -136,7 +137,7 @@ def test_fence_protects_snapshot_from_later_mutation(tmp_path):
 def test_budget_holds_with_tensor_three_times_larger(tmp_path):
     budget = 1 << 20
     big = torch.randn(3 * budget // 4)  # 3 MiB of float32
-    with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2)) as eng:
         eng.save({"big": big, "small": torch.arange(5)}, str(tmp_path / "iter_0000001"))
         stats = eng.wait()[0]
         assert stats.peak_staging_bytes <= budget
@@ -244,14 +245,14 @@ def test_unpicklable_object_fails_save_and_keeps_previous(tmp_path, engine):
 def test_close_does_not_raise_an_error_the_caller_already_got(tmp_path):
     """A save fails, the caller catches it from its handle, later saves succeed: leaving the engine is quiet.
     A failure nobody waited for is still raised, once, by close()."""
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
         handle = eng.save({"fn": lambda x: x}, str(tmp_path / "iter_0000001"))
         with pytest.raises(CheckpointError, match=r"iter_0000001.*not picklable"):
             handle.wait()
         for it in (2, 3):
             eng.save({"w": torch.full((10,), float(it))}, str(tmp_path / f"iter_{it:07d}")).wait()
     assert tracker.read_latest(str(tmp_path)) == 3
-    eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2)
+    eng = CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2))
     eng.save({"fn": lambda x: x}, str(tmp_path / "iter_0000004"))
     with pytest.raises(CheckpointError, match=r"iter_0000004.*not picklable"):
         eng.close()
@@ -269,7 +270,7 @@ def test_restricted_unpickler_refuses_code(tmp_path, engine):
 
 
 def test_retention_keeps_newest(tmp_path):
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=2) as eng:
         for it in range(1, 5):
             _save_ok(eng, tmp_path, it, it)
     assert tracker.published_iterations(str(tmp_path)) == [3, 4]
@@ -281,7 +282,8 @@ def test_reshard_global_tensor_between_layouts(tmp_path):
     full = torch.randn(64, 48)
     path = str(tmp_path / "iter_0000005")
     store = torch.distributed.HashStore()  # the ranks' shared store, as torchrun's would be
-    engines = [CheckpointEngine(host_buffer_bytes=64 << 10, writer_threads=1, rank=r, world_size=2, store=store)
+    engines = [CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=1), rank=r,
+                                world_size=2, store=store)
                for r in range(2)]
     from datastates.providers import ProviderRegistry, StateProvider, default_registry
 
@@ -320,9 +322,9 @@ def test_reshard_global_tensor_between_layouts(tmp_path):
 def _fill_disk_script(root, data_dir, limit):
     return f"""
 import resource, signal, sys, torch
-from datastates import CheckpointEngine, CheckpointError
+from datastates import CheckpointEngine, PosixOptions, CheckpointError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
     eng.save({{"w": torch.full((1000,), 1.0)}}, "{root}/iter_0000001")
     eng.wait()
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]

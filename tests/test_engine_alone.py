@@ -16,11 +16,12 @@ try:
     raise SystemExit("megatron-core is visible")
 except ImportError:
     pass
-from datastates import CheckpointEngine, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, layout, tracker
 root = sys.argv[1]
 store = torch.distributed.HashStore()
 state = lambda r: {"w": torch.arange(1000, dtype=torch.float32) + r, "step": 7}
-engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=2, store=store)
+engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=r, world_size=2,
+                            store=store)
            for r in range(2)]
 for r, eng in enumerate(engines):
     eng.save(state(r), layout.checkpoint_dir(root, 3))

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -122,9 +122,9 @@ FAULT_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
 from test_faults import _state, _assert_is
-from datastates import CheckpointEngine, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
 root = {root!r}
-with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last={keep}) as eng:
+with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last={keep}) as eng:
     eng.save(_state(1), root + "/iter_0000001"); eng.wait()
     eng.save(_state(2, 4 << 20), root + "/iter_0000002")   # 16 MiB through 1 MiB of staging: many slots
     try:
@@ -178,7 +178,7 @@ def tmpfs(tmp_path):
 
 
 def test_disk_full_mid_flush_then_space_freed(tmpfs):
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last=1) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=1) as eng:
         eng.save(_state(1), str(tmpfs / "iter_0000001"))       # 4 MiB
         eng.wait()
         eng.save(_state(2, 3 << 20), str(tmpfs / "iter_0000002"))  # 12 MiB on a 12 MiB disk, 4 MiB used
@@ -201,10 +201,10 @@ def test_file_size_limit_mid_flush(tmp_path, limit_mb):
 import resource, signal, sys
 sys.path.insert(0, {HERE!r})
 from test_faults import _state, _assert_is
-from datastates import CheckpointEngine, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 root = {str(tmp_path)!r}
-with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
     eng.save(_state(1, 1000), root + "/iter_0000001"); eng.wait()
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
     resource.setrlimit(resource.RLIMIT_FSIZE, ({int(limit_mb * (1 << 20))}, hard))
@@ -259,7 +259,7 @@ def test_turns_read_only_mid_save(immutable_ok, what):
     root = immutable_ok / "ck"
     locked = []
     try:
-        with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, fsync=True) as eng:
+        with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2, fsync=True)) as eng:
             eng.save(_state(1), str(root / "iter_0000001"))
             eng.wait()
             eng.save(_state(2, 16 << 20), str(root / "iter_0000002"))  # 64 MiB through 1 MiB of staging
@@ -293,8 +293,8 @@ def test_permission_denied_names_the_path(tmp_path):
     root.mkdir()
     script = f"""
 import sys, torch
-from datastates import CheckpointEngine, CheckpointError
-with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2) as eng:
+from datastates import CheckpointEngine, PosixOptions, CheckpointError
+with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
     try:
         eng.save({{"w": torch.ones(10)}}, {str(root)!r} + "/iter_0000001"); eng.wait(); print("SAVED")
     except CheckpointError as e:
@@ -363,7 +363,7 @@ def test_missing_rank_is_named_within_the_timeout(tmp_path, victim, how):
 
 def test_retention_never_deletes_newest_published_around_failures(tmp_path):
     root = str(tmp_path)
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last=1) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=1) as eng:
         eng.save(_state(1, 1000), layout.checkpoint_dir(root, 1))
         eng.wait()
         for it in (2, 3):  # failing saves (an object that cannot be pickled) newer than the published one
@@ -378,7 +378,7 @@ def test_retention_never_deletes_newest_published_around_failures(tmp_path):
         assert tracker.published_iterations(root) == [4] and tracker.read_latest(root) == 4
     # keep_last=2 with a pipeline of saves where a middle one fails
     root2 = str(tmp_path / "two")
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, keep_last=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=2) as eng:
         for it in range(1, 7):
             st = _state(it, 1000)
             if it == 5:
@@ -408,7 +408,8 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
     def loop():  # in a thread so that a deadlock fails the test instead of hanging it
         nonlocal want
         try:
-            with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2, fsync=False, keep_last=2) as eng:
+            with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2, fsync=False),
+                                  keep_last=2) as eng:
                 for it in range(1, 9):
                     want = {k: v.clone() for k, v in state.items()}
                     eng.save(state, layout.checkpoint_dir(root, it))
@@ -433,6 +434,6 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
     published = [x for x in seen if x is not None]
     assert published == sorted(published), f"latest went backwards: {seen}"
     assert tracker.read_latest(root) == 8 and tracker.published_iterations(root) == [7, 8]
-    with CheckpointEngine(host_buffer_bytes=budget, writer_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2)) as eng:
         got = eng.load(root)
     assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointError, layout, tracker, format as fmt
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker, format as fmt
 from datastates.storage.posix import retire
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, TensorProvider
 from test_restore import Box, BoxProvider
@@ -52,7 +52,8 @@ def _as_schema_1(ckpt: str) -> None:
 
 @pytest.fixture
 def engine():
-    with CheckpointEngine(host_buffer_bytes=64 << 10, writer_threads=2, registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2),
+                          registry=_registry()) as eng:
         yield eng
 
 

@@ -28,7 +28,7 @@ def _worker(rank, root, port, errors):
 
 
 def _scenarios(rank, root):
-    from datastates import CheckpointEngine, CheckpointError, CheckpointTimeoutError, layout, tracker
+    from datastates import CheckpointEngine, PosixOptions, CheckpointError, CheckpointTimeoutError, layout, tracker
     from datastates.providers import ProviderRegistry, StateProvider, default_registry
 
     class Shard:  # a minimal stand-in for a sharded tensor: name, local data, global box
@@ -54,7 +54,8 @@ def _scenarios(rank, root):
                 # a DP-replicated tensor: rank 1 writes it, rank 0 only reads it back
                 "b": Shard("b", replicated + value, (0,), (5,), owner=rank == 1)}
 
-    eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, registry=registry, publish_timeout_s=60)
+    eng = CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), registry=registry,
+                           publish_timeout_s=60)
     first = layout.checkpoint_dir(root, 1)
 
     # 1. not published until the last rank is done

@@ -153,10 +153,10 @@ def _fails_everywhere(eng, path, rank, template, exchange) -> str:
 
 
 def _scenarios(rank, root):
-    from datastates import CheckpointEngine, layout
+    from datastates import CheckpointEngine, PosixOptions, layout
     from datastates.exchange import Exchange
 
-    eng = CheckpointEngine(host_buffer_bytes=64 << 10, writer_threads=2, registry=_registry(),
+    eng = CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2), registry=_registry(),
                            publish_timeout_s=60)
     exchange = Exchange(timeout_s=60)
 
@@ -192,7 +192,7 @@ def _scenarios(rank, root):
             f.write(b"\xff" * 8)
     dist.barrier()
     eng.close()  # a fresh engine: no page or reader kept from before the damage
-    eng = CheckpointEngine(host_buffer_bytes=64 << 10, writer_threads=2, registry=_registry())
+    eng = CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2), registry=_registry())
     message = _fails_everywhere(eng, path, rank, _state(rank, 2, fill=False), exchange)
     assert "failed on 1 rank(s): rank " in message and "checksum mismatch" in message and "norm" in message, message
 

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from datastates import (CheckpointCorruptError, CheckpointEngine, CheckpointError, CheckpointReader, Problems,
-                        ProviderRegistry, StateProvider)
+from datastates import (CheckpointCorruptError, CheckpointEngine, CheckpointError, CheckpointReader, PosixOptions,
+                        Problems, ProviderRegistry, StateProvider)
 from datastates.names import common_name, common_path, flat_name, is_flat, parse_shard_name, shard_name
 from datastates.providers import ContainerProvider, ObjectProvider, TensorProvider
 
@@ -76,7 +76,8 @@ def saved(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("reader_api") / "iter_0000007")
     store = torch.distributed.HashStore()
     registry = ProviderRegistry([AdapterNaming(), ContainerProvider(), TensorProvider(), ObjectProvider()])
-    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=world, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=r,
+                                world_size=world, store=store,
                                 registry=registry) for r in range(world)]
     try:
         for r, eng in enumerate(engines):

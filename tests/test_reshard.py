@@ -88,7 +88,7 @@ def global_items(ckpt: str) -> dict[str, dict]:
 
 def read_full(ckpt: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """(every global tensor assembled whole, every global object) of a published datastates checkpoint."""
-    from datastates import CheckpointEngine
+    from datastates import CheckpointEngine, PosixOptions
     from datastates.schema import dtype_from_name
     items = global_items(ckpt)
     template = {}
@@ -98,7 +98,7 @@ def read_full(ckpt: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
                                                      dtype=dtype_from_name(it["dtype"])))
         else:
             template[name] = _Whole(name)
-    with CheckpointEngine(host_buffer_bytes=64 << 20, writer_threads=2, rank=0, world_size=1,
+    with CheckpointEngine(host_buffer_bytes=64 << 20, storage=PosixOptions(writer_threads=2), rank=0, world_size=1,
                           registry=_registry()) as engine:
         loaded = engine.load(ckpt, template=template, rank=0)
     tensors = {k: v for k, v in loaded.items() if items[k]["kind"] == "tensor"}
@@ -200,7 +200,7 @@ def test_padded_vocab_shape_mismatch(tmp_path):
     """megatron-core marks the (TP-padded) vocabulary tensors `allow_shape_mismatch`: a checkpoint with another
     padded vocabulary size loads into the overlap, the rest zeroed, in both directions and on every TP rank."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from datastates import CheckpointEngine
+    from datastates import CheckpointEngine, PosixOptions
     from datastates.megatron import load_sharded, make_registry, save_sharded
 
     def shard(key, data, rank, tp):
@@ -210,7 +210,7 @@ def test_padded_vocab_shape_mismatch(tmp_path):
     full = torch.randn(128, 8)
     other = torch.randn(4)
     path = str(tmp_path / "iter_0000001")
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=0, world_size=1,
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=0, world_size=1,
                           registry=make_registry()) as eng:
         save_sharded(eng, {"emb": shard("emb", full.clone(), 0, 1),
                            "b": ShardedTensor.from_rank_offsets("b", other.clone())}, path).wait()

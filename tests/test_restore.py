@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from datastates import CheckpointEngine
+from datastates import CheckpointEngine, PosixOptions
 from datastates.errors import CheckpointCorruptError
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
 from datastates.restore import CheckpointReader
@@ -53,7 +53,8 @@ def saved(tmp_path_factory):
     state = {"w0": Box("w", whole[:SPLIT], whole.shape, (0, 0)), "w1": Box("w", whole[SPLIT:], whole.shape, (SPLIT, 0)),
              **local}
     path = str(tmp_path_factory.mktemp("restore") / "iter_0000001")
-    with CheckpointEngine(host_buffer_bytes=256 << 10, writer_threads=2, registry=_registry()) as eng:
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(writer_threads=2),
+                          registry=_registry()) as eng:
         eng.save(state, path)
         eng.wait()
     return path, whole, local
@@ -62,7 +63,8 @@ def saved(tmp_path_factory):
 @contextlib.contextmanager
 def _reading(path, budget, backend, read_mode="stream"):
     """(a reader of `path` on a staging pool of `budget` bytes and `backend`, that pool); all closed after."""
-    storage, pool = PosixStorage(read_threads=2, read_mode=read_mode), StagingPool(budget, writer_threads=2)
+    storage = PosixStorage(PosixOptions(read_threads=2, read_mode=read_mode))
+    pool = StagingPool(budget, writer_threads=2)
     reader = CheckpointReader(path, storage, pool, backend, _registry())
     try:
         yield reader, pool

@@ -24,8 +24,8 @@ def s3(s3_server, monkeypatch):
 
 def engines(root, n=1, budget=SMALL_SLOTS, **kw):
     store = torch.distributed.HashStore() if n > 1 else None
-    return [CheckpointEngine(host_buffer_bytes=budget, writer_threads=1, rank=r, world_size=n, store=store,
-                             storage=storage_for(root, writer_threads=2), **kw) for r in range(n)]
+    return [CheckpointEngine(host_buffer_bytes=budget, rank=r, world_size=n, store=store,
+                             storage=storage_for(root, writer_threads=1), **kw) for r in range(n)]
 
 
 def state(seed, big=3 << 20):

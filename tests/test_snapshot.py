@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointError
+from datastates import CheckpointEngine, PosixOptions, CheckpointError
 from datastates.copies import HostCopyBackend
 from datastates.slots import StagingPool
 from late_copies import LateCopyBackend
@@ -50,7 +50,8 @@ def test_late_out_of_order_copies_never_read_early(tmp_path, seed):
     backend = LateCopyBackend(seed)
     state = _state(seed)
     wanted = []
-    with CheckpointEngine(host_buffer_bytes=512 << 10, writer_threads=2, copy_backend=backend) as eng:
+    with CheckpointEngine(host_buffer_bytes=512 << 10, storage=PosixOptions(writer_threads=2),
+                          copy_backend=backend) as eng:
         for it in range(1, 5):
             wanted.append(_expected(state))
             eng.save(state, str(tmp_path / f"iter_{it:07d}"))
@@ -67,7 +68,7 @@ def test_native_host_copies_hold_the_state_at_save(tmp_path):
     """The default CPU backend (native copy threads, no GIL) under the same fence-then-mutate discipline."""
     state = _state(7)
     wanted = []
-    with CheckpointEngine(host_buffer_bytes=512 << 10, writer_threads=2, copy_threads=2) as eng:
+    with CheckpointEngine(host_buffer_bytes=512 << 10, storage=PosixOptions(writer_threads=2), copy_threads=2) as eng:
         assert isinstance(eng.backend, HostCopyBackend)
         for it in range(1, 4):
             wanted.append(_expected(state))
@@ -143,12 +144,13 @@ def _dies_cleanly(eng, tmp_path, thread_name, first_error):
 
 
 def test_copier_death_fails_pending_saves(tmp_path):
-    _dies_cleanly(CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, copy_backend=_CopyError(1)),
+    _dies_cleanly(CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1),
+                                   copy_backend=_CopyError(1)),
                   tmp_path, "copy", "CUDA error")
 
 
 def test_completer_death_fails_pending_saves(tmp_path):
-    eng = CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1)
+    eng = CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1))
     eng.storage._pools["write"] = _LosingIO(eng.storage._pool("write"))
     _dies_cleanly(eng, tmp_path, "complete", "complete thread died.*unknown ticket")
 
@@ -156,7 +158,8 @@ def test_completer_death_fails_pending_saves(tmp_path):
 def test_dead_rank_stage_fails_the_other_rank_at_once(tmp_path):
     """Rank 1's completer dies: rank 0 hears it through the store at once, not at its publish timeout."""
     store = torch.distributed.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1, rank=r, world_size=2, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), rank=r,
+                                world_size=2, store=store,
                                 publish_timeout_s=300) for r in range(2)]
     engines[1].storage._pools["write"] = _LosingIO(engines[1].storage._pool("write"))
     path = str(tmp_path / "iter_0000001")
@@ -171,7 +174,7 @@ def test_dead_rank_stage_fails_the_other_rank_at_once(tmp_path):
 
 
 def test_tensor_the_backend_cannot_copy_is_refused_at_save(tmp_path):
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=1) as eng:
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1)) as eng:
         with pytest.raises(CheckpointError, match=r"iter_0000001.*'w'.*meta"):
             eng.save({"w": torch.empty(4, device="meta")}, str(tmp_path / "iter_0000001"))
     assert not (tmp_path / "iter_0000001").exists()

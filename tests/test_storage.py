@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from datastates import CheckpointCorruptError, CheckpointEngine, CheckpointError, layout, tracker
+from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
 from datastates.copies import HostCopyBackend
+from datastates.memory_tier.replication import receive
 from datastates.storage import SPARES, SharedMemoryStorage
 from late_copies import LateCopyBackend
 from test_engine import assert_same, every_kind_of_state
@@ -29,12 +30,12 @@ class CountingCopies(HostCopyBackend):
 
 def _memory(tmp_path, **kw):
     kw.setdefault("host_buffer_bytes", MiB)
-    return CheckpointEngine(writer_threads=1, rank=0, world_size=1, fsync=False, direct_io="off", keep_last=2,
-                            storage=SharedMemoryStorage(pinned=False), **kw)
+    return CheckpointEngine(rank=0, world_size=1, keep_last=2,
+                            storage=SharedMemoryStorage(pinned=False, writer_threads=1), **kw)
 
 
 def _disk(**kw):
-    return CheckpointEngine(host_buffer_bytes=MiB, writer_threads=2, rank=0, world_size=1, **kw)
+    return CheckpointEngine(host_buffer_bytes=MiB, storage=PosixOptions(writer_threads=2), rank=0, world_size=1, **kw)
 
 
 def test_memory_save_lands_in_mapped_pages_and_loads_back(tmp_path):
@@ -132,10 +133,10 @@ def test_a_replica_whose_index_does_not_verify_is_refused(tmp_path):
         peer = layout.checkpoint_dir(str(tmp_path / "peer"), 1)
         os.makedirs(os.path.dirname(peer))
         with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
-            mem.storage.receive(peer, index.replace(b'"iteration":1', b'"iteration":2'), data, keep=2)
+            receive(mem.storage, peer, index.replace(b'"iteration":1', b'"iteration":2'), data, keep=2)
         assert os.listdir(os.path.dirname(peer)) == []  # nothing half-written is left
         with pytest.raises(CheckpointCorruptError, match="data bytes"):
-            mem.storage.receive(peer, index, data[:-1], keep=2)
+            receive(mem.storage, peer, index, data[:-1], keep=2)
         assert os.listdir(os.path.dirname(peer)) == []
-        mem.storage.receive(peer, index, data, keep=2)
+        receive(mem.storage, peer, index, data, keep=2)
         assert torch.equal(mem.load(peer)["w"], torch.arange(5000.0))

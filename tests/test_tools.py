@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from datastates import CheckpointEngine, layout, tracker, format as fmt
+from datastates import CheckpointEngine, PosixOptions, layout, tracker, format as fmt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSPECT = os.path.join(REPO, "tools", "inspect_checkpoint.py")
@@ -61,7 +61,8 @@ def rank_state(rank, full, world=2, with_common=True):
 def save_two_ranks(path, full):
     from datastates.megatron import ReplicaOwnership, make_registry, prepare_for_save
     store = torch.distributed.HashStore()
-    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, rank=r, world_size=2, store=store,
+    engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), rank=r,
+                                world_size=2, store=store,
                                 registry=make_registry(ReplicaOwnership()), publish_timeout_s=60) for r in (0, 1)]
     try:
         for r, eng in enumerate(engines):
@@ -326,7 +327,7 @@ def test_torch_dist_to_datastates_loads_with_the_engine(ckpt, torch_dist_ckpt, t
     assert main([str(ds), "--verify"]) == 0
     from datastates.megatron import load_sharded, make_registry
     for r in (0, 1):  # each rank of a two-rank layout reads its shards from the world-1 checkpoint
-        with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, rank=r, world_size=2,
+        with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), rank=r, world_size=2,
                               registry=make_registry()) as eng:
             template = rank_state(r, {k: torch.zeros_like(v) for k, v in full.items()})
             got = load_sharded(eng, template, str(ds))
@@ -412,7 +413,7 @@ def test_convert_refuses_a_tensor_not_fully_saved(tmp_path, capsys):
     from datastates.megatron import make_registry, save_sharded
     from tools.convert_checkpoint import main
     path = layout.checkpoint_dir(str(tmp_path / "half"), 1)
-    with CheckpointEngine(host_buffer_bytes=1 << 20, writer_threads=2, rank=0, world_size=1,
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), rank=0, world_size=1,
                           registry=make_registry()) as eng:  # one rank saves the first half of a (4, 6) tensor
         save_sharded(eng, {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 6), (0, 0, 2))}, path)
     from tools.inspect_checkpoint import main as inspect_main

@@ -39,4 +39,4 @@ def read_owner(storage: SharedMemoryStorage, job_file: str) -> dict | None:
 
 
 def write_owner(storage: SharedMemoryStorage, job_file: str, record: dict) -> None:
-    storage.replace_file(job_file, fmt.encode_json(record))
+    storage.write_bytes(job_file, fmt.encode_json(record), replace=True)

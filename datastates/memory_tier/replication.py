@@ -3,8 +3,8 @@ are kept on this node, so that a node lost entirely is recovered from its peers'
 
 The exchange runs on a background thread over a gloo group of the clique, in the order of the saves on every
 rank: the training thread never waits on it. A part travels as its index and its data file (read from the
-mapped pages), and is published on arrival through the same storage (`SharedMemoryStorage.receive`), which
-refuses one whose index does not verify. A failed exchange costs redundancy, never training: it is logged and
+mapped pages), and is published on arrival through the same storage (`receive`), which refuses one whose index
+does not verify. A failed exchange costs redundancy, never training: it is logged and
 kept in `errors`.
 """
 from __future__ import annotations
@@ -17,6 +17,10 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .. import format as fmt
+from .. import layout
+from ..errors import CheckpointCorruptError
+from ..save_root import Publisher
 from ..storage import SharedMemoryStorage
 from .paths import NodePaths
 from .topology import cliques
@@ -25,6 +29,26 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 _NOTHING = torch.empty(0, dtype=torch.uint8)
+
+
+def receive(storage: SharedMemoryStorage, final: str, index: bytes, data: torch.Tensor, keep: int) -> None:
+    """Publish a checkpoint another rank sent (a replica): its data file and its index, refused unless the index
+    verifies and describes that data; then keep the newest `keep` of its save root."""
+    partial = layout.partial_dir(final)
+    storage.remove(partial)
+    partial = storage.stage(final)
+    try:
+        part = fmt.parse_index(index, final).part(0)
+        if part.data_bytes != data.numel():
+            raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
+                                         f"{data.numel()} came")
+        storage.write_bytes(layout.join(partial, layout.data_file(0)), data.numpy())
+        storage.write_bytes(layout.join(partial, layout.METADATA), index)
+    except BaseException:
+        storage.remove(partial)
+        raise
+    publisher = Publisher(storage, tracker=False)
+    publisher.delete(publisher.publish(partial, final, None, keep), 0, 1)
 
 
 def join_clique(rank: int, world_size: int, factor: int, jump: int, timeout_s: float,
@@ -78,7 +102,7 @@ class Replicator:
                 for peer, (index, data) in zip(self.clique, self._exchange(*mine)):
                     if self.nodes[peer] != self.paths.node and index:  # a rank of this node has it already
                         self.storage.make_dirs(self.paths.rank_dir(peer))
-                        self.storage.receive(self.paths.part(peer, iteration), index, data, self.keep)
+                        receive(self.storage, self.paths.part(peer, iteration), index, data, self.keep)
             except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
                 log.warning("rank %d: replicating the memory checkpoint of iteration %d failed: %s", self.rank,
                             iteration, e)

@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
+from ..save_root import published
 from ..storage import SharedMemoryStorage
 from .identity import read_owner
 from .notices import notice
 from .paths import NodePaths, rank_of
+from .replication import receive
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ def held_parts(storage: SharedMemoryStorage, paths: NodePaths, owner: dict) -> d
     held = {}
     for name in storage.list(paths.node_dir):
         rank = rank_of(name)
-        if rank is not None and (its := storage.published(paths.rank_dir(rank))):
+        if rank is not None and (its := published(storage, paths.rank_dir(rank))):
             held[rank] = its
     return held
 
@@ -93,7 +95,7 @@ def _recover_missing(iteration: int, holders: Holders, *, nodes: tuple[int, ...]
             index, data = (torch.empty(int(n), dtype=torch.uint8) for n in sizes)
             dist.recv(index, sender)
             dist.recv(data, sender)
-            storage.receive(paths.part(rank, iteration), bytes(index.numpy()), data, keep)
+            receive(storage, paths.part(rank, iteration), bytes(index.numpy()), data, keep)
             notice(f"rank {part}: memory checkpoint of iteration {iteration} recovered from rank {sender}'s "
                    f"replica (node {nodes[sender]})", any_rank=True)
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
 from ..layout import join
+from ..save_root import clean_leftovers
 from ..storage import SharedMemoryStorage
 from . import restart
 from .identity import owner, read_owner, write_owner
@@ -26,14 +27,14 @@ class LocalTier:
 
     def __init__(self, base_dir: str, job: str, rank: int, world_size: int, layout: list, *, keep: int = 2,
                  replication_factor: int = 1, replication_jump: int | None = None, timeout_s: float = 600.0,
-                 **engine_kwargs):
+                 writer_threads: int = 4, **engine_kwargs):
         """Collective when the default group is initialised (every rank builds its tier at the same point).
         `layout` describes how the state is split (e.g. TP, PP, DP sizes): a tier of another layout is
         cleared, never loaded."""
         self.rank, self.world_size, self.keep, self.job = rank, world_size, keep, job
         self.node, per_node = node_of(rank, world_size)
         self.paths = NodePaths(join(base_dir, job), self.node)
-        self.storage = SharedMemoryStorage()
+        self.storage = SharedMemoryStorage(writer_threads=writer_threads)
         self._owner = owner(job, world_size, layout)
         self._nodes = gather_nodes(world_size, self.node)
         self._set_up(distributed=dist.is_available() and dist.is_initialized())
@@ -55,9 +56,9 @@ class LocalTier:
         if self.rank == min(r for r in range(self.world_size) if self._nodes[r] == self.node):
             if stale:
                 notice(f"memory tier {node_dir} holds checkpoints of another layout: cleared")
-                self.storage.remove_tree(node_dir)
+                self.storage.remove(node_dir)
             for name in self.storage.list(node_dir):
-                self.storage.clean_leftovers(join(node_dir, name))
+                clean_leftovers(self.storage, join(node_dir, name))
         if stale or not self.storage.exists(self.paths.job_file):
             self.storage.make_dirs(self.paths.root)
             write_owner(self.storage, self.paths.job_file, self._owner)
@@ -98,7 +99,7 @@ class LocalTier:
 
     def remove(self) -> None:
         """The job finished: delete this node's tier (after every rank of the node closed its tier)."""
-        self.storage.remove_tree(self.paths.node_dir)
+        self.storage.remove(self.paths.node_dir)
         for path in (self.paths.job_file, self.paths.root):  # unless another node's directory is there
             self.storage.remove_empty(path)
 

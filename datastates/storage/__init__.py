@@ -1,37 +1,52 @@
-"""The storage seam: where checkpoints live. The protocol, both ways, is `base`; each backend is one module:
+"""The storage contract and its backends: where checkpoints live, bytes only. The contract, both ways, is
+`base.Storage`; the policy above it (publication, the tracker, retention, clean-up) is `save_root`'s. Each backend
+is one module that implements the contract and nothing else:
 
 - `posix.PosixStorage` (local disks, Lustre, NFS): aligned writes through the native pool, O_DIRECT where the
-  file system accepts it, publication in the documented fsync order, stream or parallel reads.
+  file system accepts it, rename-atomic commits in the documented fsync order, stream or parallel reads.
 - `shared_memory.SharedMemoryStorage` (the node-local memory tier, a /dev/shm-style directory): the data file is
-  mapped, the snapshot copies straight into its pages, nothing is fsynced. Pages of a retired checkpoint are kept
-  mapped and reused by the next one: a fresh tmpfs page costs a fault and a zeroing on every save, a reused one
-  nothing.
+  mapped, the snapshot copies straight into its pages, nothing is fsynced; it lends pages (`base.PageLending`).
+  Pages of a retired checkpoint are kept mapped and reused by the next one: a fresh tmpfs page costs a fault and
+  a zeroing on every save, a reused one nothing.
 - `s3.S3Storage` (s3://bucket/prefix, and msc://profile/prefix through `msc.py`): object stores, multipart
-  uploads from the staging slots, publication by the index's PUT, ranged GETs (docs/object-storage.md).
+  uploads from the staging slots, checkpoints written in place and made visible by the index's PUT, ranged GETs
+  (docs/object-storage.md).
 
-`storage_for(path)` is the backend a path names (its URL scheme; a plain path is a file system's).
+`storage_for(path, **flags)` is the backend a path names (its URL scheme; a plain path is a file system's), made
+with the options of that backend that `flags` give (`options_for`).
 """
 from __future__ import annotations
 
 from .. import format as fmt
 from .. import layout
 from ..errors import CheckpointError
-from .base import DataSink, DataSource, Done, Storage
-from .posix import DEFAULT_READ_THREADS, READ_MODES, PosixStorage, check_read_mode
+from .base import DataSink, DataSource, Done, Options, PageLending, Stat, Storage
+from .posix import DEFAULT_READ_THREADS, READ_MODES, PosixOptions, PosixStorage, check_read_mode
 from .shared_memory import SPARES, MappedSink, SharedMemoryStorage
 
+FILE_SYSTEM_ONLY = ("fsync", "direct_io", "read_mode")  # flags that mean nothing to an object store
 
-def storage_for(path: str, **options) -> Storage:
-    """The backend for checkpoints at `path`, made with `options` (its constructor's keywords)."""
+
+def options_for(path: str, **flags) -> Options:
+    """The options of the backend `path` names, from one set of flags (the trainer's --ckpt-* serve every
+    storage): an object store takes its threads and leaves the file system's flags aside."""
+    if layout.scheme(path) is None:
+        return PosixOptions(**flags)
+    from .s3 import S3Options
+    return S3Options(**{k: v for k, v in flags.items() if k not in FILE_SYSTEM_ONLY})
+
+
+def storage_for(path: str, **flags) -> Storage:
+    """The backend for checkpoints at `path`, made with its options from `flags` (`options_for`)."""
     scheme = layout.scheme(path)
     if scheme is None:
-        return PosixStorage(**options)
+        return PosixStorage(options_for(path, **flags))
     if scheme == "s3":
         from .s3 import s3_storage  # boto3 only where an s3:// path is used
-        return s3_storage(**options)
+        return s3_storage(options_for(path, **flags))
     if scheme == "msc":
         from .msc import msc_storage
-        return msc_storage(path, **options)
+        return msc_storage(path, options_for(path, **flags))
     raise CheckpointError(f"{path!r}: no storage backend for {scheme}:// paths")
 
 
@@ -45,5 +60,6 @@ def read_index(directory: str):
     return fmt.read_index(storage_for(directory), directory)
 
 
-__all__ = ["Storage", "DataSink", "DataSource", "Done", "PosixStorage", "SharedMemoryStorage", "MappedSink", "SPARES",
-           "DEFAULT_READ_THREADS", "READ_MODES", "check_read_mode", "storage_for", "read_json", "read_index"]
+__all__ = ["Storage", "Options", "Stat", "PageLending", "DataSink", "DataSource", "Done", "PosixOptions",
+           "PosixStorage", "SharedMemoryStorage", "MappedSink", "SPARES", "DEFAULT_READ_THREADS", "READ_MODES",
+           "check_read_mode", "options_for", "storage_for", "read_json", "read_index"]

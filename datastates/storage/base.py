@@ -1,40 +1,37 @@
-"""The storage protocol, both ways: what the engine asks of any place checkpoints live (after PyTorch DCP's
-StorageWriter and StorageReader: the engine plans, copies and verifies; the backend owns the bytes).
+"""The storage contract: bytes only. What the engine asks of any place checkpoints live, and nothing else: the
+policy above it (publication order, the tracker, retention, clean-up, format detection) is `save_root`'s, once
+for every backend. After PyTorch DCP's StorageWriter and StorageReader: the engine plans, copies and verifies;
+the backend owns the bytes.
 
-Saving one checkpoint, in this order:
-
-    prepare(final)                         every rank: the unpublished place of `final`, made
-    open_data(partial, rank, nbytes)       every rank: its `DataSink` (buffers submitted at offsets)
-    write_manifest(partial, rank, doc)     every rank: its written proof of its part
-    publish(partial, final, index, keep)   rank 0, once every rank reported: visible in one step, retention
-    abandon(partial)                       rank 0, on failure: what the save wrote goes
-    delete(retired, rank, world_size)      every rank, off the save path: its share of the retired checkpoints
-
-Reading, and the save root:
-
-    open_source(path)                      a data file for ranged reads (`DataSource`)
-    read_bytes(path), version(path)        the small objects: index, manifests, tracker
-    list(path), exists(path), size(path)   what a save root or a checkpoint holds
-    write_tracker(root, iteration)         the tracker replaced in one step
-    clean_leftovers(root)                  what killed saves left, at the start of a run
+    open_data(path, nbytes)         a data object written in parts (`DataSink`: buffers submitted at offsets)
+    open_source(path)               a data object for ranged reads (`DataSource`), each segment's crc32c
+    read_bytes(path)                a small object (index, manifest, tracker); FileNotFoundError when missing
+    write_bytes(path, data, replace)  a small object, durable where the storage syncs; `replace`: in one step
+    list(path), stat(path)          the names directly under a path; an object's size and version
+    remove(path)                    an object, or everything under a path (open uploads included)
+    stage(final), commit(partial, final)   where a checkpoint is written unseen; made visible in one step
+    retire(path)                    a checkpoint out of sight in one step, its bytes left for `remove`
+    abort_uploads(root)             writes killed before they completed, cancelled
 
 Every path is a string the backend understands (a file system path, or a URL of its scheme); names inside a
-checkpoint and a save root are `format`'s. A missing small object raises FileNotFoundError.
+checkpoint and a save root are `layout`'s. Options are typed per backend (`PosixOptions`, `s3.S3Options`). What
+the memory tier needs beyond the contract (pages lent to another save, replicas, free space) is the declared
+sub-protocol `PageLending`.
 """
 from __future__ import annotations
 
-from typing import Callable
+import abc
+import dataclasses
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
-
-from .. import layout
 
 # what a submitted read or write returns: a call that blocks until it is done and gives the crc32c of each
 # segment; it raises OSError when the I/O failed
 Done = Callable[[], list[int]]
 
 
-class DataSink:
+class DataSink(abc.ABC):
     """One rank's data of one checkpoint, being written. `pages`: memory the snapshot may be copied into in place
     (then submitting a view of it only checksums it), or None: the engine stages buffers and submits them."""
 
@@ -42,129 +39,151 @@ class DataSink:
     direct = False  # whether the bytes bypass the page cache (recorded in the manifest)
     pages: torch.Tensor | None = None
 
+    @abc.abstractmethod
     def submit(self, buffer: torch.Tensor, offset: int, segments: list[tuple[int, int]]) -> Done:
         """Write `buffer` (a uint8 tensor that lives until the returned call returns) at `offset`; the crc32c of
         each (start, length) segment of it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self, nbytes: int) -> None:
-        """Everything is submitted and done: the data is exactly `nbytes` long, durable where the storage syncs."""
-        raise NotImplementedError
+        """Everything is submitted and done: the data is `nbytes` long (at least: the memory tier's reused pages
+        may be longer; the index says how much is data), durable where the storage syncs."""
 
     def discard(self) -> None:
-        """The save failed: let go of whatever is open (what was written goes with `abandon`)."""
+        """The save failed: let go of whatever is open (what was written goes with `Storage.remove`)."""
 
 
-class DataSource:
-    """A published data file, for ranged reads. `streams`: a read straight into its target is the cheapest
+class DataSource(abc.ABC):
+    """A published data object, for ranged reads. `streams`: a read straight into its target is the cheapest
     (sequential reads through a cache); otherwise reads land in staging slots first."""
 
     path: str
     streams = True
 
+    @abc.abstractmethod
     def size(self) -> int:
-        raise NotImplementedError
+        """The object's length in bytes."""
 
+    @abc.abstractmethod
     def submit(self, buffer: torch.Tensor, nbytes: int, offset: int, segments: list[tuple[int, int]]) -> Done:
         """Read `nbytes` at `offset` into `buffer` (living until the returned call returns); the crc32c of each
         (start, length) segment read."""
-        raise NotImplementedError
 
     def close(self) -> None:
         pass
 
 
-class Storage:
-    """The protocol (see the module docstring); the retention rule and the published listing are shared."""
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What every backend takes: the threads that write data objects and those that read them. A backend's own
+    options extend these (`posix.PosixOptions`, `s3.S3Options`) and hold nothing that means nothing there."""
 
-    fsync = True
-    lends_pages = False  # whether a save to it can lend its snapshot's pages to another save (`hold`, `release`)
+    writer_threads: int = 4
+    read_threads: int = 8
 
-    # ----- saving a checkpoint -----
+    def __post_init__(self):
+        if self.writer_threads < 1 or self.read_threads < 1:
+            raise ValueError(f"writer_threads and read_threads must be >= 1, got {self.writer_threads}, "
+                             f"{self.read_threads}")
 
-    def prepare(self, final: str) -> str:
-        raise NotImplementedError
 
-    def open_data(self, partial: str, rank: int, nbytes: int) -> DataSink:
-        """`nbytes`: the tensor bytes planned, to preallocate (the objects come after them)."""
-        raise NotImplementedError
+@dataclasses.dataclass(frozen=True)
+class Stat:
+    """An object's size, and what changes when it is replaced (a reader of it is kept only while it is the same)."""
 
-    def write_manifest(self, partial: str, rank: int, doc: bytes) -> None:
-        raise NotImplementedError
+    size: int
+    version: tuple
 
-    def publish(self, partial: str, final: str, index: bytes, keep_last: int | None) -> list[str]:
-        """Make `partial` visible as `final` with its index, then keep the newest `keep_last` checkpoints of the
-        save root and point the tracker at `final`; returns what was retired, for `delete`."""
-        raise NotImplementedError
 
-    def abandon(self, partial: str) -> None:
-        raise NotImplementedError
+class Storage(abc.ABC):
+    """The contract (see the module docstring). Two facts about a backend steer the policy above it:
+    `in_place` (a checkpoint is written under its final name: object stores, which have no rename) and
+    `spreads_deletes` (deleting files costs time on a file system, so each rank deletes its own share of a
+    retired checkpoint; an object store deletes a prefix in one batched request)."""
 
-    def delete(self, retired: list[str], rank: int, world_size: int) -> None:
-        raise NotImplementedError
+    options: Options
+    in_place = False
+    spreads_deletes = True
 
-    def sweep(self) -> None:
-        """At close, off the save path: what retirement left behind goes."""
+    @abc.abstractmethod
+    def open_data(self, path: str, nbytes: int) -> DataSink:
+        """A data object at `path`; `nbytes`: the bytes planned, to preallocate (more may come after them)."""
 
-    def close(self) -> None:
-        pass
-
-    # ----- reading -----
-
+    @abc.abstractmethod
     def open_source(self, path: str) -> DataSource:
-        raise NotImplementedError
+        """A published data object, for ranged reads."""
 
+    @abc.abstractmethod
     def read_bytes(self, path: str) -> bytes:
-        raise NotImplementedError
+        """A small object whole; FileNotFoundError when it is missing."""
 
-    def version(self, path: str) -> tuple | None:
-        """What changes when the object at `path` is replaced (None: it is missing), so a reader of it is kept
-        only while it is the same."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def write_bytes(self, path: str, data, replace: bool = False) -> None:
+        """Create `path` with `data` (bytes-like), durable where the storage syncs (the name itself becomes
+        durable with the `commit` of its checkpoint). `replace`: a reader sees the old object or the new, never a
+        part, and the name is durable on return."""
 
-    # ----- the save root -----
-
+    @abc.abstractmethod
     def list(self, path: str) -> list[str]:
         """The names directly under `path`; [] when there is nothing."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    def stat(self, path: str) -> Stat | None:
+        """The object (or directory) at `path`, None when there is none."""
+
+    @abc.abstractmethod
+    def remove(self, path: str) -> None:
+        """The object at `path`, or everything under it (open uploads included), gone; nothing there is no error."""
+
+    @abc.abstractmethod
+    def stage(self, final: str) -> str:
+        """Where the checkpoint `final` is written before `commit` (made ready here): no reader looks there."""
+
+    @abc.abstractmethod
+    def commit(self, partial: str, final: str) -> list[str]:
+        """Make what was written under `partial` (its index last) visible as `final` in one step, durably. A
+        checkpoint `final` displaced is retired (`retire`) and returned, for the caller to remove."""
+
+    @abc.abstractmethod
+    def retire(self, path: str) -> str:
+        """Take the checkpoint `path` out of every reader's sight in one step (durable with the next `commit` or
+        replacing `write_bytes` of its root); returns where its bytes are now, for `remove`."""
+
+    @abc.abstractmethod
+    def abort_uploads(self, root: str) -> list[str]:
+        """Data objects under `root` whose writing a killed process left open, cancelled; what they were."""
+
+    def close(self) -> None:
+        """Let go of threads, descriptors and maps."""
 
     def exists(self, path: str) -> bool:
-        raise NotImplementedError
+        """Whether anything is at or under `path`."""
+        return self.stat(path) is not None or bool(self.list(path))
 
     def size(self, path: str) -> int:
-        """The size of the object at `path` (OSError when it cannot be had)."""
-        raise NotImplementedError
-
-    def write_tracker(self, root: str, iteration: int) -> None:
-        raise NotImplementedError
-
-    def clean_leftovers(self, root: str) -> list[str]:
-        """Remove what saves killed before publication left under `root`; returns what went. On one rank, before
-        the first save of a run, while no rank saves."""
-        raise NotImplementedError
-
-    def published(self, root: str) -> list[int]:
-        """The iterations of `root` with a published checkpoint, oldest first."""
-        its = (layout.iteration_of(name) for name in self.list(root))
-        return sorted(i for i in its if i is not None and self.is_published(layout.checkpoint_dir(root, i)))
-
-    def is_published(self, path: str) -> bool:
-        return self.exists(layout.join(path, layout.METADATA))
-
-    def holds_checkpoint(self, path: str) -> bool:
-        """Whether a load may resume from `path`: a published checkpoint (its metadata.json: this engine's format
-        and megatron-core's torch_dist), or Megatron's legacy torch format (mp_rank_* directories, written without
-        an index before the tracker names them)."""
-        return self.is_published(path) or any(name.startswith("mp_rank_") for name in self.list(path))
+        """The size of the object at `path` (FileNotFoundError when it is missing)."""
+        st = self.stat(path)
+        if st is None:
+            raise FileNotFoundError(2, "no such object", path)
+        return st.size
 
 
-def retention(published: list[int], keep_last: int, protect: int) -> list[int]:
-    """The one retention rule: `protect` was just published; add it to `published` (sorted, kept up to date in
-    place) and return the iterations to retire: all but the newest `keep_last`, never `protect`."""
-    if protect not in published:
-        published.append(protect)
-        published.sort()
-    keep = set(published[-keep_last:]) | {protect}
-    doomed = [i for i in published if i not in keep]
-    published[:] = [i for i in published if i in keep]
-    return doomed
+@runtime_checkable
+class PageLending(Protocol):
+    """The memory tier's sub-protocol (`shared_memory.SharedMemoryStorage`): a checkpoint's pages lent to a save
+    that writes from them, a part sent as a replica from them, and the tier's own bookkeeping."""
+
+    def hold(self, checkpoint: str) -> None:
+        """A save writes from the pages of `checkpoint` (its final name): they are not reused until `release`."""
+
+    def release(self, checkpoint: str) -> None: ...
+
+    def part(self, final: str) -> tuple[bytes, torch.Tensor]:
+        """A published checkpoint of one rank as it travels: its index, and its data, mapped."""
+
+    def make_dirs(self, path: str) -> None: ...
+
+    def remove_empty(self, path: str) -> None:
+        """`path` goes if it is a file or an empty directory."""
+
+    def free_bytes(self, path: str) -> int: ...

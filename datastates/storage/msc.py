@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .. import layout
 from ..errors import CheckpointError
-from .s3 import S3Storage, client
+from .s3 import S3Options, S3Storage, client
 
 S3_PROVIDERS = ("s3", "s8k")  # MSC's providers that speak the S3 API
 STATIC_CREDENTIALS = "S3Credentials"
@@ -35,7 +35,7 @@ def read_profile(profile: str, url: str) -> dict:
     return profiles[profile]
 
 
-def msc_storage(url: str, writer_threads: int = 4, read_threads: int = 8, **options) -> S3Storage:
+def msc_storage(url: str, options: S3Options = S3Options()) -> S3Storage:
     """The S3 backend for the profile `url` names; every URL under that profile is located by its base path."""
     profile, _ = profile_of(url)
     config = read_profile(profile, url)
@@ -63,5 +63,4 @@ def msc_storage(url: str, writer_threads: int = 4, read_threads: int = 8, **opti
         return bucket, "/".join(p for p in (base, key) if p)
 
     return S3Storage(locate, client(opts.get("endpoint_url"), opts.get("region_name"), None,
-                                    max(writer_threads, read_threads) + 2, keys),
-                     writer_threads, read_threads, **options)
+                                    max(options.writer_threads, options.read_threads) + 2, keys), options)

@@ -1,8 +1,9 @@
 """The POSIX backend (local disks, Lustre, NFS): aligned writes through the native pool with O_DIRECT where the
 file system accepts it, reads as one sequential stream or several O_DIRECT reads in flight, and rename-atomic
-publication in the documented fsync order (`PosixStorage.publish`)."""
+commits in the documented fsync order (`PosixStorage.commit`; the order of publication is `save_root`'s)."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import os
@@ -12,7 +13,7 @@ import time
 
 from .. import _native
 from .. import layout
-from .base import DataSink, DataSource, Storage, retention
+from .base import DataSink, DataSource, Options, Stat, Storage
 
 # Writers run at a lower priority than training and the snapshot copies: a flush may take a little longer,
 # the copies the fence waits for and the next step do not.
@@ -75,23 +76,38 @@ class FileSource(DataSource):
         self.file.close()
 
 
-class PosixStorage(Storage):
-    """A POSIX file system. Rank 0 keeps, per save root, the published iterations (for retention, scanned once)
-    and an open descriptor (for its fsyncs). The native pools are made at first use: a reader never starts
-    writer threads."""
+@dataclasses.dataclass(frozen=True)
+class PosixOptions(Options):
+    """How a file system is written and read: the native `writer_threads` and `read_threads`, `fsync` (data
+    files, small files and directories made durable), `direct_io` ("auto", "on", "off": O_DIRECT where the file
+    system accepts it; True and False read as "on" and "off"), and `read_mode` (READ_MODES)."""
 
-    def __init__(self, fsync: bool = True, direct_io: str = "auto", writer_threads: int = 4,
-                 read_threads: int = DEFAULT_READ_THREADS, read_mode: str = "stream"):
-        check_read_mode(read_mode)
-        if read_threads < 1:
-            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
-        self.fsync, self.direct_io, self.read_mode = fsync, direct_io, read_mode
-        self._threads = {"write": writer_threads, "read": read_threads}
+    read_threads: int = DEFAULT_READ_THREADS
+    fsync: bool = True
+    direct_io: str = "auto"
+    read_mode: str = "stream"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_read_mode(self.read_mode)
+        direct_io = {True: "on", False: "off"}.get(self.direct_io, self.direct_io)
+        if direct_io not in ("auto", "on", "off"):
+            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', not {self.direct_io!r}")
+        object.__setattr__(self, "direct_io", direct_io)
+
+
+class PosixStorage(Storage):
+    """A POSIX file system: a checkpoint is written into `iter_X.partial` and renamed into place; an open
+    descriptor of each save root is kept for its fsyncs. The native pools are made at first use: a reader never
+    starts writer threads."""
+
+    def __init__(self, options: PosixOptions = PosixOptions()):
+        self.options = options
+        self.fsync, self.direct_io, self.read_mode = options.fsync, options.direct_io, options.read_mode
+        self._threads = {"write": options.writer_threads, "read": options.read_threads}
         self._pools: dict[str, _native.IOPool] = {}
         self._pools_lock = threading.Lock()
-        self._published: dict[str, list[int]] = {}
         self._root_fds: dict[str, int] = {}
-        self._emptying: list[list] = []  # rank 0: retired directories the ranks are emptying, [path, looks]
 
     def _pool(self, kind: str) -> _native.IOPool:
         """The writers (below training's priority) or the readers (a restart waits on them: normal priority)."""
@@ -100,40 +116,67 @@ class PosixStorage(Storage):
                 self._pools[kind] = _native.IOPool(self._threads[kind], WRITER_NICE if kind == "write" else 0)
             return self._pools[kind]
 
-    # ----- saving -----
+    # ----- data objects -----
 
-    def prepare(self, final):
+    def open_data(self, path, nbytes):
+        return FileSink(path, self.direct_io, nbytes, self._pool("write"), self.fsync)
+
+    def open_source(self, path):
+        return FileSource(path, self._pool("read"), self.read_mode, self.direct_io)
+
+    # ----- small objects -----
+
+    def read_bytes(self, path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    def write_bytes(self, path, data, replace=False):
+        if not replace:  # its directory entry is made durable by the commit's fsync of the directory
+            write_file(path, data, self.fsync)
+            return
+        tmp = f"{path}.tmp.{os.getpid()}"
+        write_file(tmp, data, self.fsync)
+        os.replace(tmp, path)
+        self._sync_dir(layout.parent(path))
+
+    # ----- names -----
+
+    def list(self, path):
+        try:
+            return os.listdir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def stat(self, path):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return Stat(st.st_size, (st.st_ino, st.st_mtime_ns, st.st_size))
+
+    def exists(self, path):
+        return os.path.exists(path)
+
+    def remove(self, path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ----- publication -----
+
+    def stage(self, final):
         partial = layout.partial_dir(final)
         make_dir(partial)
         return partial
 
-    def open_data(self, partial, rank, nbytes):
-        return FileSink(layout.join(partial, layout.data_file(rank)), self.direct_io, nbytes, self._pool("write"),
-                        self.fsync)
-
-    def write_manifest(self, partial, rank, doc):
-        # the directory entry is made durable by rank 0's fsync of the directory at publication
-        write_file(layout.join(partial, layout.manifest_file(rank)), doc, self.fsync)
-
-    def publish(self, partial, final, index, keep_last):
-        """Rank 0: make a checkpoint visible, retire old ones, point the tracker at it. Returns the retired
-        directories (renamed out of sight, durably): those of retention and an earlier save of the same
-        iteration, if any.
-
-        Order, each step durable before the next depends on it:
-          1. metadata.json is written into the unpublished directory and fsynced, then the directory is fsynced:
-             the index and every rank's file entries are durable (no temporary name: the directory is not
-             visible yet);
-          2. the directory is renamed into place, the parent fsynced: the checkpoint is durable;
-          3. old checkpoints are renamed out of sight and the tracker is replaced; one fsync of the parent makes
-             both durable.
-        A crash leaves the tracker naming the new checkpoint or the previous one (`tracker.find_latest` skips a
-        tracker that names a retired one), and no rank deletes from a retired directory before its rename is
-        durable."""
-        write_file(layout.join(partial, layout.METADATA), index, self.fsync)
+    def commit(self, partial, final):
+        """The directory is fsynced (every file entry in it durable; no temporary name: it is not visible yet),
+        renamed into place, its parent fsynced."""
         if self.fsync:
             fsync_dir(partial)
-        root = layout.parent(final)
         retired = []
         try:
             os.rename(partial, final)
@@ -141,74 +184,25 @@ class PosixStorage(Storage):
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
             # No rename replaces a non-empty directory: a crash before the second rename leaves the old one under
-            # `.deleting` and none under `final`; `clean_leftovers` gives the old one its name back.
-            retired.append(retire(final))
+            # `.deleting` and none under `final`; `save_root.clean_leftovers` gives the old one its name back.
+            retired.append(self.retire(final))
             os.rename(partial, final)
-        self._sync_root(root)
-        iteration = layout.iteration_of(final)
-        if iteration is not None:
-            if keep_last is not None:
-                if root not in self._published:  # scanned once per save root, then kept up to date here
-                    self._published[root] = self.published(root)
-                doomed = retention(self._published[root], keep_last, iteration)
-                retired += [retire(layout.checkpoint_dir(root, i)) for i in doomed]
-            self._replace_tracker(root, iteration)
-            self._sync_root(root)
+        self._sync_dir(layout.parent(final))
         return retired
 
-    def _sync_root(self, root: str) -> None:
+    def retire(self, path):
+        return retire(path)
+
+    def abort_uploads(self, root):
+        return []
+
+    def _sync_dir(self, root: str) -> None:
+        """fsync a save root, through a descriptor kept open for the next publication."""
         if not self.fsync:
             return
         if root not in self._root_fds:
             self._root_fds[root] = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         os.fsync(self._root_fds[root])
-
-    def _replace_tracker(self, root: str, iteration: int) -> None:
-        """Replace the tracker atomically (a reader never sees it empty); its directory entry is the caller's
-        to sync."""
-        tracker = layout.join(root, layout.TRACKER)
-        tmp = f"{tracker}.tmp.{os.getpid()}"
-        write_file(tmp, str(iteration).encode(), self.fsync)
-        os.replace(tmp, tracker)
-
-    def write_tracker(self, root, iteration):
-        self._replace_tracker(root, iteration)
-        if self.fsync:
-            fsync_dir(root)
-
-    def abandon(self, partial):
-        shutil.rmtree(partial, ignore_errors=True)
-
-    def delete(self, retired, rank, world_size):
-        """Every rank deletes its share (`deletes`); rank 0 then removes the emptied directories, looking
-        again at each publication, and after a few looks (a rank died, or the checkpoint came from a larger
-        world) removes what is left itself."""
-        for path in retired:
-            for name in deletes(rank, world_size):
-                try:
-                    os.unlink(layout.join(path, name))
-                except FileNotFoundError:
-                    pass
-        if rank != 0:
-            return
-        still = []
-        for entry in self._emptying:
-            try:
-                os.rmdir(entry[0])
-            except FileNotFoundError:
-                pass
-            except OSError:
-                entry[1] += 1
-                if entry[1] < 3:
-                    still.append(entry)
-                else:
-                    shutil.rmtree(entry[0], ignore_errors=True)
-        self._emptying = still + [[path, 0] for path in retired]
-
-    def sweep(self):
-        for path, _ in self._emptying:
-            shutil.rmtree(path, ignore_errors=True)
-        self._emptying = []
 
     def close(self):
         for fd in self._root_fds.values():
@@ -219,79 +213,11 @@ class PosixStorage(Storage):
         for pool in pools:
             pool.close()
 
-    # ----- reading -----
-
-    def open_source(self, path):
-        return FileSource(path, self._pool("read"), self.read_mode, self.direct_io)
-
-    def read_bytes(self, path):
-        with open(path, "rb") as f:
-            return f.read()
-
-    def version(self, path):
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
-
-    # ----- the save root -----
-
-    def list(self, path):
-        try:
-            return os.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    def exists(self, path):
-        return os.path.exists(path)
-
-    def size(self, path):
-        return os.path.getsize(path)
-
-    def clean_leftovers(self, root):
-        """`.partial` and `.deleting` directories and temporary trackers go. A re-save of the tracker's iteration
-        killed between moving the old directory aside and renaming the new one into place is rolled back first:
-        the old one gets its name again (see `publish`)."""
-        removed = []
-        names = self.list(root)
-        try:
-            text = self.read_bytes(layout.join(root, layout.TRACKER)).decode().strip()
-        except (OSError, UnicodeDecodeError):
-            text = ""
-        final = layout.checkpoint_dir(root, int(text)) if text.isdigit() else None
-        if final is not None and not os.path.exists(final):
-            prefix = layout.name(final) + layout.DELETING + "."
-            for name in sorted(n for n in names if n.startswith(prefix)):
-                if self.is_published(layout.join(root, name)):
-                    os.rename(layout.join(root, name), final)
-                    names.remove(name)
-                    break
-        for name in names:
-            path = layout.join(root, name)
-            if name.endswith(layout.PARTIAL) or layout.DELETING in name:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-            elif ".tmp." in name and name.startswith(layout.TRACKER):
-                os.unlink(path)
-                removed.append(path)
-        return removed
-
-
-def deletes(rank: int, world_size: int) -> list[str]:
-    """The files of a retired checkpoint that `rank` deletes: its own; rank 1 also rank 0's and the index. Rank 0,
-    which publishes, only renames the directory out of sight and removes it once it is empty, so no rank's
-    share of a deletion grows with the world size. Alone, rank 0 deletes everything."""
-    if world_size == 1:
-        return [layout.METADATA, layout.data_file(0), layout.manifest_file(0)]
-    mine = [layout.data_file(rank), layout.manifest_file(rank)] if rank else []
-    return mine + ([layout.METADATA, layout.data_file(0), layout.manifest_file(0)] if rank == 1 else [])
-
 
 def retire(path: str) -> str:
     """Take a checkpoint out of sight in one atomic rename; returns the new name, for the caller to delete
     (deleting large files can take long, e.g. on file systems mounted with discard). A crash before the
-    deletion leaves a `.deleting` leftover that `clean_leftovers` removes."""
+    deletion leaves a `.deleting` leftover that `save_root.clean_leftovers` removes."""
     doomed = f"{path}{layout.DELETING}.{os.getpid()}.{time.monotonic_ns()}"
     os.rename(path, doomed)
     return doomed

@@ -1,21 +1,22 @@
 """The S3 backend: AWS S3 and the stores that speak its API (SeaweedFS, MinIO, Ceph RGW; msc:// profiles of an S3
 provider through `msc.py`), on boto3's low-level client (docs/object-storage.md).
 
-An object store has no rename, no directories and no fsync; the protocol maps onto it thus:
-- a checkpoint is a key prefix and is written in place: `prepare` returns the final prefix itself, after deleting
+An object store has no rename, no directories and no fsync; the contract (`base`) maps onto it thus:
+- a checkpoint is a key prefix and is written in place: `stage` returns the final prefix itself, after deleting
   the index an earlier save of the same iteration left there (that one is invisible from then on);
 - a rank's data file is one multipart upload whose parts are the submitted buffers themselves when they are
   S3-sized (a staging slot of 5 MiB or more: no copy); smaller submits are copied into a part buffer (at most one
   copy, at most `2 * upload threads` part buffers alive);
-- publication is the index's PUT (a prefix without it is invisible to every reader), then retention (a retired
-  checkpoint's index is deleted first), then the tracker's PUT; a PUT is durable once acknowledged and visible
-  to every later read (S3's read-after-write consistency);
+- publication (`save_root`) is the index's PUT (a prefix without it is invisible to every reader; `commit` has
+  nothing left to do), then retention (`retire` deletes a checkpoint's index first), then the tracker's PUT; a
+  PUT is durable once acknowledged and visible to every later read (S3's read-after-write consistency);
 - reads are ranged GETs in parallel, straight into the buffer they fill; a reset connection resumes the range
   where it broke.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import functools
 import io
@@ -28,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from .. import _native
 from .. import layout
 from ..errors import CheckpointError
-from .base import DataSink, DataSource, Storage, retention
+from .base import DataSink, DataSource, Options, Stat, Storage
 
 PART_MIN = 5 << 20  # S3's smallest part, but for the last one
 MAX_PARTS = 10_000
@@ -274,26 +275,28 @@ class RangedSource(DataSource):
                 time.sleep(0.1 * 2 ** (failures - 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class S3Options(Options):
+    """How an object store is written and read: multipart uploads on `writer_threads` threads, ranged GETs on
+    `read_threads`. Nothing else: an acknowledged PUT is durable (no fsync), a read lands straight in its target
+    (no read mode, no O_DIRECT)."""
+
+
 class S3Storage(Storage):
-    """Checkpoints under URLs that `locate` maps to (bucket, key), reached with `client` (a boto3 S3 client,
-    thread-safe and shared). Uploads run on `writer_threads` threads, ranged GETs on `read_threads`; `fsync`,
-    `direct_io` and `read_mode` are the file system's and mean nothing here (an acknowledged PUT is durable, a
-    read lands straight in its target): they are accepted so that one set of --ckpt-* flags serves both.
+    """Objects under URLs that `locate` maps to (bucket, key), reached with `client` (a boto3 S3 client,
+    thread-safe and shared), on the threads `options` say. A checkpoint is written in place (`in_place`: no
+    rename) and is visible once its index is; a retired one is removed by rank 0 alone (`spreads_deletes` off):
+    one listing and one DeleteObjects per 1000 keys, fewer requests than a DELETE per object from each rank, and
+    it also removes the files of a larger earlier world."""
 
-    Retired checkpoints are deleted by rank 0 alone: one listing and one DeleteObjects per 1000 keys, fewer
-    requests than a DELETE per object from each rank, and it also removes the files of a larger earlier world."""
+    in_place = True
+    spreads_deletes = False
 
-    fsync = False
-
-    def __init__(self, locate, client, writer_threads: int = 4, read_threads: int = 8, fsync: bool = True,
-                 direct_io: str = "auto", read_mode: str = "stream"):
-        if writer_threads < 1 or read_threads < 1:
-            raise ValueError(f"writer_threads and read_threads must be >= 1, got {writer_threads}, {read_threads}")
-        self.locate, self.client = locate, client
-        self.upload_threads = writer_threads
-        self.uploads = ThreadPoolExecutor(writer_threads, thread_name_prefix="ds-s3-put")
-        self.downloads = ThreadPoolExecutor(read_threads, thread_name_prefix="ds-s3-get")
-        self._published: dict[str, list[int]] = {}
+    def __init__(self, locate, client, options: S3Options = S3Options()):
+        self.locate, self.client, self.options = locate, client, options
+        self.upload_threads = options.writer_threads
+        self.uploads = ThreadPoolExecutor(options.writer_threads, thread_name_prefix="ds-s3-put")
+        self.downloads = ThreadPoolExecutor(options.read_threads, thread_name_prefix="ds-s3-get")
 
     def call(self, url: str, operation: str, **params):
         """One S3 request about `url` (boto3 retries throttling and transient failures with backoff); a failure
@@ -307,65 +310,26 @@ class S3Storage(Storage):
         bucket, key = self.locate(url)
         return bucket, key.rstrip("/") + "/" if key else ""
 
-    # ----- saving -----
+    # ----- data objects -----
 
-    def prepare(self, final):
-        final = layout.normalize(final)
-        self._delete_key(layout.join(final, layout.METADATA))
-        return final
-
-    def open_data(self, partial, rank, nbytes):
-        return MultipartSink(self, layout.join(partial, layout.data_file(rank)), nbytes)
-
-    def write_manifest(self, partial, rank, doc):
-        self._put(layout.join(partial, layout.manifest_file(rank)), doc)
-
-    def publish(self, partial, final, index, keep_last):
-        """The index makes the checkpoint visible; then retention retires old checkpoints (each index deleted,
-        so none is visible, before `delete` removes the rest), then the tracker names the new one. A crash after
-        the index leaves the tracker naming an older checkpoint or a retired one: `tracker.find_latest` then
-        takes the newest published, the new one."""
-        self._put(layout.join(final, layout.METADATA), index)
-        root = layout.parent(final)
-        iteration = layout.iteration_of(final)
-        retired = []
-        if iteration is not None:
-            if keep_last is not None:
-                if root not in self._published:
-                    self._published[root] = self.published(root)
-                for doomed in retention(self._published[root], keep_last, iteration):
-                    path = layout.checkpoint_dir(root, doomed)
-                    self._delete_key(layout.join(path, layout.METADATA))
-                    retired.append(path)
-            self.write_tracker(root, iteration)
-        return retired
-
-    def abandon(self, partial):
-        self._remove_prefix(partial)
-
-    def delete(self, retired, rank, world_size):
-        if rank == 0:
-            for path in retired:
-                self._remove_prefix(path)
-
-    def close(self):
-        self.uploads.shutdown()
-        self.downloads.shutdown()
-
-    # ----- reading -----
+    def open_data(self, path, nbytes):
+        return MultipartSink(self, path, nbytes)
 
     def open_source(self, path):
         return RangedSource(self, path)
+
+    # ----- small objects -----
 
     def read_bytes(self, path):
         bucket, key = self.locate(path)
         return self.call(path, "get_object", Bucket=bucket, Key=key)["Body"].read()
 
-    def version(self, path):
-        head = self._head(path)
-        return None if head is None else (head["ETag"], head["LastModified"], head["ContentLength"])
+    def write_bytes(self, path, data, replace=False):
+        """A PUT: durable once acknowledged, and it replaces an object in one step whatever `replace` says."""
+        bucket, key = self.locate(path)
+        self.call(path, "put_object", Bucket=bucket, Key=key, Body=bytes(data))
 
-    # ----- the save root -----
+    # ----- names -----
 
     def list(self, path):
         bucket, prefix = self._prefix(path)
@@ -374,7 +338,12 @@ class S3Storage(Storage):
                                 Bucket=bucket, Prefix=prefix, Delimiter="/"):
             names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
             names += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
-        return names
+        return [n for n in names if n]  # not the prefix itself (SeaweedFS keeps an emptied one as a marker)
+
+    def stat(self, path):
+        head = self._head(path)
+        return None if head is None else Stat(head["ContentLength"], (head["ETag"], head["LastModified"],
+                                                                      head["ContentLength"]))
 
     def exists(self, path):
         if self._head(path) is not None:
@@ -382,41 +351,56 @@ class S3Storage(Storage):
         bucket, prefix = self._prefix(path)
         return self.call(path, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
 
-    def size(self, path):
-        head = self._head(path)
-        if head is None:
-            raise FileNotFoundError(errno.ENOENT, "no such object", path)
-        return head["ContentLength"]
+    def remove(self, path):
+        """Everything under the prefix `path/` (open multipart uploads aborted, objects deleted in batches), or
+        else the object `path`."""
+        bucket, prefix = self._prefix(path)
+        uploads = self._uploads(path, bucket, prefix)
+        for upload in uploads:
+            self.call(path, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        keys = [o["Key"] for page in self._pages(path, "list_objects_v2", "ContinuationToken",
+                                                 "NextContinuationToken", Bucket=bucket, Prefix=prefix)
+                for o in page.get("Contents", [])]
+        if not uploads and not keys:
+            self._delete_key(path)
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": k} for k in keys[start:start + DELETE_BATCH]]
+            reply = self.call(path, "delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+            if reply.get("Errors"):
+                first = reply["Errors"][0]
+                raise OSError(errno.EIO, f"cannot delete {first.get('Key')}: {first.get('Message')}", path)
 
-    def write_tracker(self, root, iteration):
-        self._put(layout.join(root, layout.TRACKER), str(iteration).encode())
+    # ----- publication -----
 
-    def clean_leftovers(self, root):
-        """Prefixes of iterations without an index that the tracker does not name go (killed saves, retired
-        checkpoints whose deletion was cut short), and every multipart upload still open under `root`."""
-        try:
-            tracked = self.read_bytes(layout.join(root, layout.TRACKER)).decode().strip()
-        except (FileNotFoundError, UnicodeDecodeError):
-            tracked = ""
-        removed = []
-        for name in self.list(root):
-            path = layout.join(root, name)
-            iteration = layout.iteration_of(name)
-            unfinished = name.endswith(layout.PARTIAL) or layout.DELETING in name
-            doomed = unfinished or (iteration is not None and str(iteration) != tracked and not self.is_published(path))
-            if doomed and self._remove_prefix(path):  # an emptied prefix may still be listed (SeaweedFS)
-                removed.append(path)
+    def stage(self, final):
+        """The final prefix itself, once the index an earlier save of the same iteration left there is deleted
+        (that one is invisible from then on)."""
+        final = layout.normalize(final)
+        self._delete_key(layout.join(final, layout.METADATA))
+        return final
+
+    def commit(self, partial, final):
+        """Nothing: the index's PUT made the checkpoint visible, in place."""
+        return []
+
+    def retire(self, path):
+        """Its index deleted: no reader sees it; the rest goes with `remove`."""
+        self._delete_key(layout.join(path, layout.METADATA))
+        return path
+
+    def abort_uploads(self, root):
         bucket, prefix = self._prefix(root)
+        aborted = []
         for upload in self._uploads(root, bucket, prefix):
             self.call(root, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-            removed.append(f"{root} (an open multipart upload of {upload['Key']})")
-        return removed
+            aborted.append(f"{root} (an open multipart upload of {upload['Key']})")
+        return aborted
+
+    def close(self):
+        self.uploads.shutdown()
+        self.downloads.shutdown()
 
     # ----- requests -----
-
-    def _put(self, url: str, data: bytes) -> None:
-        bucket, key = self.locate(url)
-        self.call(url, "put_object", Bucket=bucket, Key=key, Body=data)
 
     def _head(self, url: str) -> dict | None:
         bucket, key = self.locate(url)
@@ -446,24 +430,6 @@ class S3Storage(Storage):
             if not page.get("IsTruncated"):
                 return uploads
             params.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
-
-    def _remove_prefix(self, url: str) -> int:
-        """Everything under the prefix `url`: its open multipart uploads aborted, its objects deleted; how many
-        there were."""
-        bucket, prefix = self._prefix(url)
-        uploads = self._uploads(url, bucket, prefix)
-        for upload in uploads:
-            self.call(url, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-        keys = [o["Key"] for page in self._pages(url, "list_objects_v2", "ContinuationToken",
-                                                 "NextContinuationToken", Bucket=bucket, Prefix=prefix)
-                for o in page.get("Contents", [])]
-        for start in range(0, len(keys), DELETE_BATCH):
-            batch = [{"Key": k} for k in keys[start:start + DELETE_BATCH]]
-            reply = self.call(url, "delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
-            if reply.get("Errors"):
-                first = reply["Errors"][0]
-                raise OSError(errno.EIO, f"cannot delete {first.get('Key')}: {first.get('Message')}", url)
-        return len(uploads) + len(keys)
 
 
 def client(endpoint: str | None, region: str | None, profile: str | None, connections: int, credentials=None):
@@ -498,7 +464,7 @@ def s3_url_location(url: str) -> tuple[str, str]:
     return bucket, key
 
 
-def s3_storage(writer_threads: int = 4, read_threads: int = 8, **options) -> S3Storage:
+def s3_storage(options: S3Options = S3Options()) -> S3Storage:
     """The backend of s3:// paths: endpoint, region, profile and credentials from the standard AWS variables and
     files (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE, AWS_ACCESS_KEY_ID, ...)."""
     env = os.environ.get
@@ -506,5 +472,5 @@ def s3_storage(writer_threads: int = 4, read_threads: int = 8, **options) -> S3S
     keys = None if profile else tuple(env(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                                         "AWS_SESSION_TOKEN") if env(k))
     c = client(env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL"), env("AWS_REGION") or env("AWS_DEFAULT_REGION"),
-               profile, max(writer_threads, read_threads) + 2, keys)
-    return S3Storage(s3_url_location, c, writer_threads, read_threads, **options)
+               profile, max(options.writer_threads, options.read_threads) + 2, keys)
+    return S3Storage(s3_url_location, c, options)

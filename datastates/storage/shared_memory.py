@@ -4,7 +4,6 @@ are reused by the next one."""
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import torch
@@ -12,11 +11,10 @@ import torch
 from .. import _native
 from .. import format as fmt
 from .. import layout
-from ..errors import CheckpointCorruptError
 from ..plan import ALIGN, align_up
 from ..slots import cuda_host_register
-from .base import DataSink, retention
-from .posix import PosixStorage, retire, write_file
+from .base import DataSink
+from .posix import DEFAULT_READ_THREADS, PosixOptions, PosixStorage, retire, write_file
 
 SPARES = "spare" + layout.DELETING  # a memory tier's reusable pages, out of sight of every reader (clean_leftovers)
 _NOTHING = torch.empty(0, dtype=torch.uint8)
@@ -57,26 +55,28 @@ class MappedSink(DataSink):
 
 class SharedMemoryStorage(PosixStorage):
     """One rank's own checkpoints (world size 1) in a memory file system: mapped data files, no fsync; read like
-    any file system (`PosixStorage`).
+    any file system (`PosixStorage`). It lends pages (`base.PageLending`).
 
     A published checkpoint's pages stay mapped: a storage level writes from them (`hold`, `release`). When
     retention retires it, its file moves aside as a spare, still mapped, and the next checkpoint that fits
-    takes it over. The memory tier's own bookkeeping (its directories, its job marker, the space left) goes
-    through here too."""
+    takes it over. The memory tier's own bookkeeping (its directories, the space left) goes through here too."""
 
-    lends_pages = True
+    spreads_deletes = False  # a retired checkpoint is removed whole: its pages become a spare
 
-    def __init__(self, pinned: bool | None = None, **read_options):
-        super().__init__(fsync=False, direct_io="off", **read_options)
+    def __init__(self, pinned: bool | None = None, writer_threads: int = 4, read_threads: int = DEFAULT_READ_THREADS,
+                 read_mode: str = "stream"):
+        """`writer_threads` size the staging slots of a save's objects (its tensors are copied into the pages)."""
+        super().__init__(PosixOptions(writer_threads=writer_threads, read_threads=read_threads, fsync=False,
+                                      direct_io="off", read_mode=read_mode))
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._lock = threading.Lock()  # the engine's stage threads and its deleter share the maps
-        self._live: dict[str, MappedSink] = {}  # checkpoint directory (partial or final) -> its data
+        self._live: dict[str, MappedSink] = {}  # checkpoint directory (partial, final or retired) -> its data
         self._spares: list[MappedSink] = []
         self._holds: dict[str, int] = {}  # checkpoint (final name) -> saves writing from its pages
         self._held_retired: dict[str, list[MappedSink]] = {}  # retired while held: dropped at the last release
 
-    def open_data(self, partial, rank, nbytes):
-        path = layout.join(partial, layout.data_file(rank))
+    def open_data(self, path, nbytes):
+        partial = layout.parent(path)
         nbytes = max(align_up(nbytes), ALIGN)
         with self._lock:
             spare = next((s for s in self._spares if s.nbytes >= nbytes), None)
@@ -88,7 +88,7 @@ class SharedMemoryStorage(PosixStorage):
             data = spare
         else:
             data = MappedSink(path, nbytes, self.pinned)
-        data.final = partial[:-len(layout.PARTIAL)]
+        data.final = partial[:-len(layout.PARTIAL)] if partial.endswith(layout.PARTIAL) else partial
         with self._lock:
             self._live[partial] = data
         return data
@@ -98,73 +98,35 @@ class SharedMemoryStorage(PosixStorage):
         with self._lock:
             return self._live.get(layout.normalize(checkpoint))
 
-    def publish(self, partial, final, index, keep_last):
+    def _move(self, old: str, new: str) -> None:
+        """The mapped data of the checkpoint `old` follows it to `new`."""
         with self._lock:
-            data = self._live.pop(partial, None)
+            data = self._live.pop(old, None)
             if data is not None:
-                self._live[final] = data
-                data.path = layout.join(final, layout.name(data.path))
-        if index is not None:  # None: a received replica, whose index is in place
-            write_file(layout.join(partial, layout.METADATA), index, fsync=False)
-        retired = []
-        if os.path.isdir(final):  # re-saving an iteration: the new one wins
-            retired.append(self._retire(final))
+                data.path = layout.join(new, layout.name(data.path))
+                self._live[new] = data
+
+    def commit(self, partial, final):
+        retired = [self.retire(final)] if os.path.isdir(final) else []  # re-saving an iteration: the new one wins
+        self._move(partial, final)
         os.rename(partial, final)
-        root, iteration = layout.parent(final), layout.iteration_of(final)
-        if keep_last is not None and iteration is not None:
-            doomed = retention(self.published(root), keep_last, iteration)
-            retired += [self._retire(layout.checkpoint_dir(root, it)) for it in doomed]
         return retired
 
-    def part(self, final: str) -> tuple[bytes, torch.Tensor]:
-        """A published checkpoint of one rank as it travels: its index, and the bytes of its data file that the
-        index describes, mapped (read from the tier's pages, never copied here; a reused file may be longer)."""
-        index = self.read_bytes(layout.join(final, layout.METADATA))
-        size = fmt.parse_index(index, final).part(0).data_bytes
-        data = layout.join(final, layout.data_file(0))
-        return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
-
-    def receive(self, final: str, index: bytes, data: torch.Tensor, keep: int) -> None:
-        """Publish a checkpoint another rank sent (a replica): its data file and its index, refused unless the
-        index verifies and describes that data; then keep the newest `keep` of its save root."""
-        partial = layout.partial_dir(final)
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-        try:
-            part = fmt.parse_index(index, final).part(0)
-            if part.data_bytes != data.numel():
-                raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
-                                             f"{data.numel()} came")
-            write_file(layout.join(partial, layout.data_file(0)), data.numpy(), fsync=False)
-            write_file(layout.join(partial, layout.METADATA), index, fsync=False)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        self.delete(self.publish(partial, final, None, keep), 0, 1)
-
-    def _retire(self, path: str) -> str:
+    def retire(self, path):
         doomed = retire(path)
-        with self._lock:
-            data = self._live.pop(path, None)
-            if data is not None:
-                data.path = layout.join(doomed, layout.name(data.path))
-                self._live[doomed] = data
+        self._move(path, doomed)
         return doomed
 
-    def abandon(self, partial):
+    def remove(self, path):
+        """A failed save's pages go; a retired checkpoint's are kept for the next one."""
         with self._lock:
-            data = self._live.pop(partial, None)
+            data = self._live.pop(path, None)
         if data is not None:
-            self._drop(data)
-        super().abandon(partial)
-
-    def delete(self, retired, rank, world_size):
-        for path in retired:
-            with self._lock:
-                data = self._live.pop(path, None)
-            if data is not None:
+            if path.endswith(layout.PARTIAL):
+                self._drop(data)
+            else:
                 self._spare(data, layout.parent(path))
-            shutil.rmtree(path, ignore_errors=True)
+        super().remove(path)
 
     def _spare(self, data: MappedSink, root: str) -> None:
         """Keep a retired checkpoint's pages for the next one, unless a save still writes from them (then they
@@ -185,6 +147,25 @@ class SharedMemoryStorage(PosixStorage):
         with self._lock:
             self._spares.append(data)
 
+    def _drop(self, data: MappedSink) -> None:
+        try:
+            os.unlink(data.path)
+        except OSError:
+            pass
+        data.unmap()
+
+    def close(self):
+        with self._lock:
+            spares, self._spares = self._spares, []
+            live, self._live = list(self._live.values()), {}
+        for data in spares:
+            self._drop(data)
+        for data in live:  # the files stay: they are the tier
+            data.unmap()
+        super().close()
+
+    # ----- lending pages (base.PageLending) -----
+
     def hold(self, checkpoint: str) -> None:
         """A save writes from the pages of `checkpoint` (its final name): they are not reused until `release`."""
         with self._lock:
@@ -199,34 +180,16 @@ class SharedMemoryStorage(PosixStorage):
         for data in gone:
             self._drop(data)
 
-    def _drop(self, data: MappedSink) -> None:
-        try:
-            os.unlink(data.path)
-        except OSError:
-            pass
-        data.unmap()
-
-    def sweep(self):
-        with self._lock:
-            spares, self._spares = self._spares, []
-        for data in spares:
-            self._drop(data)
-
-    def close(self):
-        self.sweep()
-        with self._lock:
-            live, self._live = list(self._live.values()), {}
-        for data in live:  # the files stay: they are the tier
-            data.unmap()
-        super().close()
-
-    # ----- the memory tier's own bookkeeping -----
+    def part(self, final: str) -> tuple[bytes, torch.Tensor]:
+        """A published checkpoint of one rank as it travels: its index, and the bytes of its data file that the
+        index describes, mapped (read from the tier's pages, never copied here; a reused file may be longer)."""
+        index = self.read_bytes(layout.join(final, layout.METADATA))
+        size = fmt.parse_index(index, final).part(0).data_bytes
+        data = layout.join(final, layout.data_file(0))
+        return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
 
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
-
-    def remove_tree(self, path: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)
 
     def remove_empty(self, path: str) -> None:
         """`path` goes if it is a file or an empty directory; else (another rank's files are there) it stays."""
@@ -234,12 +197,6 @@ class SharedMemoryStorage(PosixStorage):
             (os.rmdir if os.path.isdir(path) else os.unlink)(path)
         except OSError:
             pass
-
-    def replace_file(self, path: str, data: bytes) -> None:
-        """`path` replaced by `data` in one step (a reader sees the old bytes or the new)."""
-        tmp = f"{path}.tmp.{os.getpid()}"
-        write_file(tmp, data, fsync=False)
-        os.replace(tmp, path)
 
     def free_bytes(self, path: str) -> int:
         """The space left in the memory file system holding `path` (made if missing)."""

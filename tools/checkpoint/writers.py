@@ -35,7 +35,7 @@ def save_whole(state: dict, tensors: dict, objects: dict, object_shapes: dict, o
         "tensors": {name: ShardedTensor.from_rank_offsets(name, t, replica_id=0) for name, t in tensors.items()},
         "objects": {f"{k}@{o}": ShardedObject(k, v, object_shapes[k], o, replica_id=0)
                     for (k, o), v in objects.items()}}
-    with CheckpointEngine(host_buffer_bytes=host_buffer_bytes, writer_threads=threads, rank=0, world_size=1,
+    with CheckpointEngine(host_buffer_bytes=host_buffer_bytes, rank=0, world_size=1,
                           registry=make_registry(), storage=storage_for(out, writer_threads=threads)) as engine:
         save_sharded(engine, state, out)
         engine.wait()

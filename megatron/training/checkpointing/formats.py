@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from datastates import CheckpointEngine, CheckpointError
-from datastates import layout, tracker
+from datastates import layout, save_root, tracker
 from datastates.exchange import Exchange
 from datastates.pipeline import SaveHandle
 from datastates.reads import LoadStats
@@ -306,7 +306,7 @@ class TorchFormat(CheckpointFormat):
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:
-        return any(n.startswith("mp_rank_") for n in storage_for(ckpt_dir).list(ckpt_dir))
+        return save_root.holds_legacy(storage_for(ckpt_dir), ckpt_dir)
 
     def write(self, state: dict, ckpt_dir: str) -> int:
         nbytes = state_nbytes(state)
@@ -391,7 +391,7 @@ def _engine(args, ownership: ReplicaOwnership, root: str) -> CheckpointEngine:
                           writer_threads=args.ckpt_writer_threads, read_threads=read_threads,
                           read_mode=args.ckpt_read_mode)
     return CheckpointEngine(
-        host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)), writer_threads=args.ckpt_writer_threads,
+        host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
         keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
         registry=make_registry(ownership), storage=storage, compress=args.ckpt_compress)
 

@@ -1,0 +1,328 @@
+"""One conformance suite, run against every backend of the storage contract (datastates/storage/base.py) with
+the policy above it (datastates/save_root.py): a POSIX file system, shared memory (the memory tier's), S3
+(a real SeaweedFS), msc:// (an MSC profile onto the same store), and a fifth backend written in the tests
+(tests/memory_storage.py, one short module: proof that a backend is one module). Each test asserts bytes read
+back, names listed, and errors raised: atomic publication (a reader never sees half a checkpoint), retention,
+re-saves, leftovers of a killed save, ranged reads and their checksums, a write failing midway, and the engine
+saving and loading through the backend, a corrupt byte refused."""
+import contextlib
+import dataclasses
+import resource
+import signal
+import threading
+
+import pytest
+import torch
+
+from datastates import CheckpointCorruptError, CheckpointEngine, _native, layout, save_root, tracker
+from datastates.save_root import Publisher
+from datastates.storage import PosixOptions, PosixStorage, SharedMemoryStorage, Storage, options_for, storage_for
+from memory_storage import MemoryStorage
+
+MiB = 1 << 20
+PART = 5 * MiB  # S3's smallest multipart part: a data object of two of them is written in two parts everywhere
+BACKENDS = ["posix", "shared_memory", "s3", "msc", "memory"]
+
+
+@dataclasses.dataclass
+class Backend:
+    kind: str
+    storage: Storage
+    root: str
+    breaking: object  # a context manager factory: writes to the storage fail inside it
+    fresh: object  # another storage object of the same backend (an engine closes the one it is given)
+
+    def checkpoint(self, iteration: int) -> str:
+        return layout.checkpoint_dir(self.root, iteration)
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """This process may not write a file past `nbytes` (a full disk, for real: pwrite fails with EFBIG)."""
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path, monkeypatch):
+    kind = request.param
+    if kind in ("s3", "msc"):
+        s3_server = request.getfixturevalue("s3_server")
+        for k, v in s3_server.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        bucket = s3_server.create_bucket()
+        if kind == "msc":
+            pytest.importorskip("multistorageclient")
+            monkeypatch.setenv("MSC_CONFIG", str(s3_server.write_msc_config(tmp_path / "msc.json", profile="ckpt",
+                                                                            bucket=bucket, prefix="base")))
+        root = f"s3://{bucket}/run" if kind == "s3" else "msc://ckpt/run"
+        prefix = "run/" if kind == "s3" else "base/run/"
+
+        @contextlib.contextmanager
+        def breaking():  # the store loses the open uploads under the root: the next part or completion fails
+            c = s3_server.client()
+            for u in c.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []):
+                c.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+            yield
+        def fresh():
+            return storage_for(root, writer_threads=2)
+    elif kind == "memory":
+        memory, root = MemoryStorage(), "mem://run"
+
+        def fresh():
+            return memory
+
+        @contextlib.contextmanager
+        def breaking():  # the store fills up
+            memory.capacity = sum(len(v) for v in memory.objects.values()) + MiB
+            try:
+                yield
+            finally:
+                memory.capacity = None
+    else:
+        root = str(tmp_path / "run")
+        def fresh():
+            return (PosixStorage(PosixOptions(direct_io="off")) if kind == "posix"
+                    else SharedMemoryStorage(pinned=False))
+
+        def breaking():
+            return file_size_limit(PART + MiB)
+    storage = fresh()
+    yield Backend(kind, storage, root, breaking, fresh)
+    storage.close()
+
+
+def content(iteration: int, rank: int, nbytes: int) -> torch.Tensor:
+    """The bytes rank `rank` writes for `iteration`: different for each, known to the reader."""
+    return torch.arange(nbytes, dtype=torch.int64).add_(iteration * 31 + rank * 7).to(torch.uint8)
+
+
+def write_part(pub: Publisher, partial: str, rank: int, iteration: int, nbytes: int) -> None:
+    """What a rank writes of a checkpoint: its data object in parts of `PART` (at most), then its manifest."""
+    data = content(iteration, rank, nbytes)
+    sink = pub.open_data(partial, rank, nbytes)
+    for offset in range(0, nbytes, PART):
+        piece = data[offset:offset + PART]
+        sink.submit(piece, offset, [(0, piece.numel())])()
+    sink.close(nbytes)
+    pub.write_manifest(partial, rank, f"manifest {iteration} {rank}".encode())
+
+
+def save(b: Backend, pub: Publisher, iteration: int, keep_last=None, ranks=1, nbytes=64 << 10) -> list[str]:
+    """A whole save through the policy, as the pipeline makes it; returns what publication retired."""
+    partial = pub.prepare(b.checkpoint(iteration))
+    for rank in range(ranks):
+        write_part(pub, partial, rank, iteration, nbytes)
+    return pub.publish(partial, b.checkpoint(iteration), f"index {iteration} {ranks}".encode(), keep_last)
+
+
+def read_data(storage: Storage, path: str, offset: int, nbytes: int, segments) -> tuple[bytes, list[int]]:
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    source = storage.open_source(path)
+    try:
+        crcs = source.submit(buffer, nbytes, offset, segments)()
+    finally:
+        source.close()
+    return bytes(buffer.numpy()), crcs
+
+
+def check_complete(b: Backend, iteration: int, ranks=1, nbytes=64 << 10) -> None:
+    """The checkpoint `iteration` is there whole: its index, and every rank's data and manifest as written."""
+    path = b.checkpoint(iteration)
+    index = b.storage.read_bytes(layout.join(path, layout.METADATA)).decode()
+    iteration_, ranks_ = map(int, index.split()[1:])
+    assert iteration_ == iteration
+    for rank in range(ranks_):
+        data = layout.join(path, layout.data_file(rank))
+        assert b.storage.size(data) >= nbytes  # the memory tier's reused pages may be longer
+        got, _ = read_data(b.storage, data, 0, nbytes, [(0, nbytes)])
+        assert got == bytes(content(iteration, rank, nbytes).numpy()), f"{data} differs"
+        manifest = b.storage.read_bytes(layout.join(path, layout.manifest_file(rank)))
+        assert manifest == f"manifest {iteration} {rank}".encode()
+
+
+def visible(b: Backend) -> list[str]:
+    """The names under the save root that a reader may look at: the memory tier keeps a retired checkpoint's pages
+    for the next one, out of sight (`.deleting`), and SeaweedFS may list an emptied prefix."""
+    return sorted(n for n in b.storage.list(b.root) if layout.DELETING not in n
+                  and b.storage.exists(layout.join(b.root, n)))
+
+
+def test_ranged_reads_give_the_bytes_and_the_checksum_of_each_segment(backend):
+    nbytes = 2 * PART + 12345  # three parts, the last short
+    path = layout.join(backend.storage.stage(backend.checkpoint(1)), layout.data_file(0))
+    data = content(1, 0, nbytes)
+    sink = backend.storage.open_data(path, nbytes)
+    crcs = []
+    for offset in range(0, nbytes, PART):
+        piece = data[offset:offset + PART]
+        crcs += sink.submit(piece, offset, [(0, 100), (100, piece.numel() - 100)])()
+    sink.close(nbytes)
+    whole = bytes(data.numpy())
+    assert crcs == [_native.crc32c(whole[o:o + n]) for p in range(0, nbytes, PART)
+                    for o, n in ((p, 100), (p + 100, min(PART, nbytes - p) - 100))]
+    size = backend.storage.size(path)
+    assert size >= nbytes
+    offset, n = PART - 4096, PART + 8192  # across the part boundary
+    got, crcs = read_data(backend.storage, path, offset, n, [(0, 4096), (4096, n - 4096)])
+    assert got == whole[offset:offset + n]
+    assert crcs == [_native.crc32c(whole[offset:offset + 4096]), _native.crc32c(whole[offset + 4096:offset + n])]
+    corrupt = bytearray(whole)
+    corrupt[offset + 5000] ^= 1
+    backend.storage.write_bytes(path, bytes(corrupt))  # a flipped bit: the checksum of its segment tells
+    assert read_data(backend.storage, path, offset, n, [(0, 4096), (4096, n - 4096)])[1][1] != crcs[1]
+    with pytest.raises(OSError):
+        read_data(backend.storage, path, size - 10, 100, [(0, 100)])  # past the end: an error, not garbage
+
+
+def test_small_objects_listing_and_removal(backend):
+    s, root = backend.storage, backend.root
+    with pytest.raises(FileNotFoundError):
+        s.read_bytes(layout.join(root, "missing"))
+    assert s.stat(layout.join(root, "missing")) is None and s.list(root) == [] and not s.exists(root)
+    place = s.stage(backend.checkpoint(1))
+    s.write_bytes(layout.join(place, "a"), b"first")
+    before = s.stat(layout.join(place, "a"))
+    s.write_bytes(layout.join(place, "a"), b"second!", replace=True)
+    assert s.read_bytes(layout.join(place, "a")) == b"second!"
+    after = s.stat(layout.join(place, "a"))
+    assert after.size == 7 and after != before  # a replaced object is another version
+    s.write_bytes(layout.join(place, "b"), b"x")
+    assert sorted(s.list(place)) == ["a", "b"] and layout.name(place) in s.list(root)
+    s.remove(layout.join(place, "a"))
+    assert s.list(place) == ["b"]
+    s.remove(place)
+    assert s.list(place) == [] and not s.exists(place)
+    s.remove(place)  # nothing there is no error
+
+
+def test_a_reader_never_sees_half_a_checkpoint(backend):
+    """Two ranks' saves published one after the other while a reader resolves the save root over and over:
+    whatever it finds is complete, and it ends at the last one."""
+    pub, seen, errors, done = Publisher(backend.storage), set(), [], threading.Event()
+    nbytes = 32 << 10
+
+    def reader():
+        while not done.is_set():
+            try:
+                latest = tracker.find_latest(backend.root, backend.storage)
+                if latest.path is not None:
+                    assert not latest.path.endswith(layout.PARTIAL)
+                    check_complete(backend, latest.iteration, nbytes=nbytes)
+                    seen.add(latest.iteration)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                return
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for iteration in range(1, 6):
+            partial = pub.prepare(backend.checkpoint(iteration))
+            for rank in range(2):
+                write_part(pub, partial, rank, iteration, nbytes)
+                assert tracker.find_latest(backend.root, backend.storage).iteration == (iteration - 1 or None)
+            pub.publish(partial, backend.checkpoint(iteration), f"index {iteration} 2".encode(), None)
+            assert tracker.read_latest(backend.root, backend.storage) == iteration
+    finally:
+        done.set()
+        thread.join()
+    assert not errors, errors[0]
+    assert 5 in seen or tracker.read_latest(backend.root, backend.storage) == 5
+    assert save_root.published(backend.storage, backend.root) == [1, 2, 3, 4, 5]
+
+
+def test_retention_keeps_the_newest_and_a_resave_replaces_whole(backend):
+    pub = Publisher(backend.storage)
+    for iteration in range(1, 5):
+        retired = save(backend, pub, iteration, keep_last=2, ranks=2)
+        for rank in (1, 0):  # every rank its share, rank 0 last (as the deleter threads may run)
+            pub.delete(retired, rank, 2)
+    pub.sweep()
+    assert save_root.published(backend.storage, backend.root) == [3, 4]
+    assert visible(backend) == ["iter_0000003", "iter_0000004", layout.TRACKER]
+    assert tracker.read_latest(backend.root, backend.storage) == 4
+    partial = pub.prepare(backend.checkpoint(4))  # the same iteration saved again: the new one wins
+    write_part(pub, partial, 0, 40, 64 << 10)
+    pub.delete(pub.publish(partial, backend.checkpoint(4), b"index 4 1", keep_last=2), 0, 1)
+    pub.sweep()
+    got, _ = read_data(backend.storage, layout.join(backend.checkpoint(4), layout.data_file(0)), 0, 64 << 10,
+                       [(0, 64 << 10)])
+    assert got == bytes(content(40, 0, 64 << 10).numpy())
+    check_complete(backend, 3, ranks=2)
+    assert visible(backend) == ["iter_0000003", "iter_0000004", layout.TRACKER]
+
+
+def test_leftovers_of_a_killed_save_are_cleaned_and_the_last_good_one_stays(backend):
+    pub = Publisher(backend.storage)
+    save(backend, pub, 1)
+    partial = pub.prepare(backend.checkpoint(2))  # killed midway: one part written, the object left open
+    sink = pub.open_data(partial, 0, 2 * PART)
+    sink.submit(content(2, 0, PART), 0, [(0, PART)])()
+    pub.write_manifest(partial, 0, b"manifest 2 0")
+    assert tracker.read_latest(backend.root, backend.storage) == 1
+    removed = save_root.clean_leftovers(backend.storage, backend.root)
+    assert removed and all(r.startswith(backend.root) for r in removed)
+    assert visible(backend) == ["iter_0000001", layout.TRACKER]
+    assert backend.storage.abort_uploads(backend.root) == []  # nothing left open
+    assert save_root.clean_leftovers(backend.storage, backend.root) == []
+    check_complete(backend, 1)
+    sink.discard()
+
+
+def test_a_write_failing_midway_fails_the_save_and_leaves_the_last_good_one(backend):
+    pub = Publisher(backend.storage)
+    save(backend, pub, 1)
+    partial = pub.prepare(backend.checkpoint(2))
+    sink = pub.open_data(partial, 0, 2 * PART)
+    sink.submit(content(2, 0, PART), 0, [(0, PART)])()
+    with pytest.raises(OSError):
+        with backend.breaking():
+            sink.submit(content(2, 0, PART), PART, [(0, PART)])()
+            sink.close(2 * PART)
+    sink.discard()
+    pub.abandon(partial)  # what the pipeline does with a failed save
+    assert visible(backend) == ["iter_0000001", layout.TRACKER]
+    assert save_root.clean_leftovers(backend.storage, backend.root) == []
+    assert tracker.read_latest(backend.root, backend.storage) == 1
+    check_complete(backend, 1)
+
+
+def test_the_engine_saves_and_loads_through_it_and_refuses_a_corrupt_byte(backend):
+    state = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(3)), "step": 7}
+    with CheckpointEngine(host_buffer_bytes=MiB, storage=backend.fresh(), rank=0, world_size=1, keep_last=1) as eng:
+        for iteration in (1, 2):
+            eng.save(dict(state, step=iteration), backend.checkpoint(iteration)).wait()
+        got = eng.load(backend.root)
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 2
+        assert save_root.published(backend.storage, backend.root) == [2]
+    data = layout.join(backend.checkpoint(2), layout.data_file(0))
+    damaged = bytearray(backend.storage.read_bytes(data))
+    damaged[1000] ^= 0x40
+    backend.storage.write_bytes(data, bytes(damaged))
+    with CheckpointEngine(host_buffer_bytes=MiB, storage=backend.fresh(), rank=0, world_size=1) as eng:
+        with pytest.raises(CheckpointCorruptError, match="rank_00000.data"):
+            eng.load(backend.root)
+
+
+def test_a_backend_missing_an_operation_is_refused_and_options_are_typed_per_backend():
+    class Incomplete(Storage):
+        def read_bytes(self, path):
+            return b""
+    with pytest.raises(TypeError, match="abstract method.*commit"):
+        Incomplete()
+    from datastates.storage.s3 import S3Options
+    for flag in ("fsync", "direct_io", "read_mode"):  # they mean nothing to an object store
+        with pytest.raises(TypeError, match=flag):
+            S3Options(**{flag: False})
+    assert options_for("s3://b/run", fsync=False, read_mode="stream", writer_threads=3) == S3Options(writer_threads=3)
+    assert options_for("/ckpt", fsync=False, direct_io=False) == PosixOptions(fsync=False, direct_io="off")
+    with pytest.raises(ValueError, match="read_mode must be one of"):
+        PosixOptions(read_mode="mmap")
+    with pytest.raises(ValueError, match="writer_threads and read_threads must be >= 1"):
+        S3Options(read_threads=0)

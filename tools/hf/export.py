@@ -8,6 +8,7 @@ The directory is written under a temporary name and renamed when complete; a fai
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -103,9 +104,11 @@ def _copy_tokenizer(out: OutputDirectory, directory: str) -> None:
 
 
 def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None, drop_mtp: bool = False) -> str:
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None, drop_mtp: bool = False,
+           progress: bool = True) -> str:
     """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format);
-    `drop_mtp` leaves the run's multi-token prediction layers out."""
+    `drop_mtp` leaves the run's multi-token prediction layers out; `progress`: a progress bar on a terminal (the
+    trainer's export, on a background thread, has none)."""
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise HFError(f"--tokenizer {tokenizer!r} is not a directory")
     source = open_source(kind, path, STAGING_BYTES, init_distributed)
@@ -124,18 +127,23 @@ def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
             out.write_json("config.json", hf_config(geo, str(dtype).replace("torch.", "")))
             if tokenizer is not None:
                 _copy_tokenizer(out, tokenizer)
-            _write_tensors(source, rules, geo, planned, out.path, max_shard_bytes)
+            _write_tensors(source, rules, geo, planned, out.path, max_shard_bytes, progress)
     finally:
         source.close()
     log.info("exported %s (%s, %s) to %s", source.path, kind, geo.arch, output)
     return os.path.normpath(output)
 
 
-def _write_tensors(source, rules, geo, planned, directory: str, max_shard_bytes: int) -> None:
+def _progress_bar(total: int, shown: bool):
+    if not shown:
+        return contextlib.nullcontext(None)
     from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=None)
+
+
+def _write_tensors(source, rules, geo, planned, directory: str, max_shard_bytes: int, progress: bool) -> None:
     shards = plan_shards(planned, max_shard_bytes)
-    with tqdm(total=sum(p.nbytes for p in planned), unit="B", unit_scale=True, desc="export",
-              disable=None) as bar:
+    with _progress_bar(sum(p.nbytes for p in planned), progress) as bar:
         writer = ShardedWriter(directory, shards, bar)
         try:
             for rule, index in _units(rules, geo):

@@ -30,6 +30,7 @@ from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
 from .formats import Written, format_class
+from .hf_publish import Exported, HFPublisher
 from .state import build_state, current_layout
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class CheckpointManager:
         self._outside_engine_s: dict[SaveHandle, float] = {}  # each save's stall outside the engine
         self._published_before_run: int | None = None  # the tracker's iteration at this run's first save
         self._memory_iteration: int | None = None  # the iteration of the newest memory save
+        # --save-hf: rank 0 exports published checkpoints as transformers models, behind training
+        self.hf: HFPublisher | None = HFPublisher(args) if getattr(args, "save_hf", None) and self.rank == 0 \
+            else None
 
     def _memory_tier(self) -> LocalTier:
         """The node-local memory tier (`datastates.memory_tier`), after checking that it fits in memory."""
@@ -198,6 +202,9 @@ class CheckpointManager:
         for level, engine in self._engines():
             for handle in engine.maybe_finalize():
                 self._finished(level, handle)
+        if self.hf is not None:
+            for exported in self.hf.finished():
+                self._exported(exported)
 
     def _finished(self, level: str, handle: SaveHandle) -> None:
         iteration = layout.iteration_of(handle.path)
@@ -207,6 +214,8 @@ class CheckpointManager:
         if handle.error is None:
             stall = outside + handle.stats.blocking_s
             self._record(iteration, handle.stats, stall, level)
+            if level == STORAGE and self.hf is not None and self.hf.due(iteration):
+                self.hf.submit(iteration, handle.path)
         elif level == MEMORY:
             log.warning("rank %d: memory checkpoint of iteration %d failed: %s", self.rank, iteration, handle.error)
         else:
@@ -219,10 +228,34 @@ class CheckpointManager:
         for handle in list(self._newest.values()):
             handle.join()
         self.maybe_finalize()
+        self._last_export()
         self.agree_on_failures(last)
         if self.tier is not None:
             self.tier.drain()
         self._log_summary()
+
+    # ----- --save-hf -----
+
+    def _last_export(self) -> None:
+        """The run's last published checkpoint is exported whatever --save-hf-interval says; every export waited
+        for (at the end of training, where the checkpoints are waited for too)."""
+        if self.hf is None:
+            return
+        published = [r["iteration"] for r in self.records if r["tier"] == STORAGE]
+        if published and self.hf.submitted != published[-1]:
+            self.hf.submit(published[-1], layout.checkpoint_dir(self.args.save, published[-1]))
+        for exported in self.hf.drain():
+            self._exported(exported)
+
+    def _exported(self, exported: Exported) -> None:
+        if exported.error is None:
+            log.info("published the Hugging Face model of iteration %d: %s", exported.iteration, exported.path)
+        elif self.args.ckpt_on_failure == "stop":
+            self.failures.append((exported.iteration, exported.error))
+        else:
+            log.warning("rank %d: the Hugging Face export of iteration %d failed, training goes on "
+                        "(--ckpt-on-failure warn); the newest Hugging Face model is still %s: %s", self.rank,
+                        exported.iteration, self.hf.newest(), exported.error)
 
     # ----- failures -----
 
@@ -296,6 +329,8 @@ class CheckpointManager:
             log.error("rank %d: a checkpoint still in flight at exit failed: %s", self.rank, e)
         if self.tier is not None:
             self.tier.close()
+        if self.hf is not None:
+            self.hf.close()
 
     def remove_memory_tier(self) -> None:
         """After close() on every rank (the caller's barrier): the finished job's memory tier goes."""

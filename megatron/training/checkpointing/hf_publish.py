@@ -1,0 +1,210 @@
+"""--save-hf: each published checkpoint (every --save-hf-interval-th, and the last) also as a transformers model.
+
+Rank 0 exports on a thread of its own, behind the checkpoint: only once the checkpoint is published, from it,
+through the offline tool's own export (`tools/hf/export.py`: the same architecture registry, mapping and
+safetensors writer), so a model published here is byte for byte what `convert_checkpoint.py --to hf` writes from
+that checkpoint. Under --save-hf:
+
+    iter_0000100/           config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json, tokenizer
+    latest                  `iter_0000100`: the newest complete model (replaced by rename, after the model)
+    iter_0000200.partial.<pid>/   an export under way (renamed to iter_0000200/ when complete)
+
+A model directory appears complete or not at all (written under `.partial.<pid>`, fsynced, renamed); `latest`
+names only complete ones; --save-hf-keep-last retires the oldest (renamed to `.deleting`, then removed) after the
+new one is named. What a killed export leaves is removed at the next start (`clean_leftovers`). A failed export
+is reported as a failed save (the manager applies --ckpt-on-failure). Nothing here is on the training thread but
+`submit`, which queues.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+
+from datastates import checkpoint_dir, fsync_dir, iteration_of, url_scheme, write_file
+
+log = logging.getLogger(__name__)
+
+POINTER = "latest"
+LEFTOVER_RE = re.compile(r"^iter_\d{7,}(\.partial\.\d+|\.deleting)$")
+
+
+@dataclass(frozen=True)
+class Exported:
+    """An export that finished: `error` None when `path` was published."""
+    iteration: int
+    path: str
+    error: BaseException | None = None
+
+
+def read_pointer(root: str) -> str | None:
+    """The directory name `latest` gives (None when there is none yet)."""
+    try:
+        with open(os.path.join(root, POINTER)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def write_pointer(root: str, name: str) -> None:
+    """`latest` replaced in one rename, after the model it names is durable."""
+    tmp = os.path.join(root, f".{POINTER}.tmp.{os.getpid()}")
+    write_file(tmp, f"{name}\n".encode(), True)
+    os.replace(tmp, os.path.join(root, POINTER))
+    fsync_dir(root)
+
+
+def published_models(root: str) -> list[int]:
+    """The iterations of the complete models under `root`, oldest first."""
+    found = []
+    for name in os.listdir(root):
+        it = iteration_of(name)
+        if it is not None and os.path.isfile(os.path.join(root, name, "model.safetensors.index.json")):
+            found.append(it)
+    return sorted(found)
+
+
+def clean_leftovers(root: str) -> list[str]:
+    """Remove what a killed export or retention left (`.partial.<pid>`, `.deleting`, the pointer's temporary);
+    call before any export of this job starts. The removed paths."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        if LEFTOVER_RE.match(name) or name.startswith(f".{POINTER}.tmp."):
+            path = os.path.join(root, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            removed.append(path)
+    return removed
+
+
+class HFPublisher:
+    """Rank 0's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order;
+    `finished` / `drain` hand back what ended (the manager reports failures as failed saves)."""
+
+    def __init__(self, args):
+        self.root = os.path.abspath(args.save_hf)
+        self.interval = args.save_hf_interval or args.save_interval
+        self.keep_last = args.save_hf_keep_last
+        self.tokenizer = args.save_hf_tokenizer
+        self.fsync = args.ckpt_fsync
+        self.submitted: int | None = None  # the newest iteration queued
+        os.makedirs(self.root, exist_ok=True)
+        for path in clean_leftovers(self.root):
+            log.info("--save-hf: removed the leftovers of an unfinished export: %s", path)
+        self._queue: queue.Queue = queue.Queue()
+        self._done: list[Exported] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="hf-export", daemon=True)
+        self._thread.start()
+
+    def due(self, iteration: int) -> bool:
+        return iteration % self.interval == 0
+
+    def newest(self) -> str | None:
+        """The model `latest` names (what an evaluation job takes now)."""
+        name = read_pointer(self.root)
+        return os.path.join(self.root, name) if name else None
+
+    def submit(self, iteration: int, ckpt_dir: str) -> None:
+        """Export the published checkpoint `ckpt_dir` of `iteration` once those before it are exported."""
+        self.submitted = iteration
+        self._queue.put((iteration, ckpt_dir))
+
+    def finished(self) -> list[Exported]:
+        """The exports that ended since the last call (non-blocking)."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def drain(self) -> list[Exported]:
+        """Wait for every queued export; the exports that ended since the last call."""
+        self._queue.join()
+        return self.finished()
+
+    def close(self) -> None:
+        """Drop what was not started, let the export under way finish (it is never left half-published)."""
+        while True:
+            try:
+                self._queue.get_nowait()
+                self._queue.task_done()
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                iteration, ckpt_dir = job
+                final = checkpoint_dir(self.root, iteration)
+                try:
+                    self._export(ckpt_dir, final)
+                    result = Exported(iteration, final)
+                except Exception as e:  # noqa: BLE001 (any failure is the save's, reported, never raised here)
+                    result = Exported(iteration, final, e)
+                with self._lock:
+                    self._done.append(result)
+            finally:
+                self._queue.task_done()
+
+    def _export(self, ckpt_dir: str, final: str) -> None:
+        from tools.hf.export import export  # the offline tool's export: one mapping, one writer
+        if os.path.isfile(os.path.join(final, "model.safetensors.index.json")):
+            log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
+        else:
+            export("datastates", ckpt_dir, final, tokenizer=self.tokenizer, drop_mtp=True, progress=False)
+        write_pointer(self.root, os.path.basename(final))
+        self._retire()
+
+    def _retire(self) -> None:
+        """--save-hf-keep-last K: the oldest models beyond the newest K go (never the one `latest` names)."""
+        if not self.keep_last:
+            return
+        keep = read_pointer(self.root)
+        for it in published_models(self.root)[:-self.keep_last]:
+            path = checkpoint_dir(self.root, it)
+            if os.path.basename(path) == keep:
+                continue
+            os.rename(path, path + ".deleting")
+            shutil.rmtree(path + ".deleting")
+            log.info("--save-hf-keep-last %d: removed %s", self.keep_last, path)
+
+
+def check_save_hf(args) -> str | None:
+    """Why --save-hf cannot run with these flags (None: it can): the offline tool's own refusals of the model,
+    and what this first version does not do, said before any work."""
+    if url_scheme(args.save_hf) is not None:
+        return (f"--save-hf {args.save_hf}: only a file system path is supported for now (s3:// and msc:// are not); "
+                "convert from the checkpoint with tools/convert_checkpoint.py --to hf instead")
+    if not args.save:
+        return "--save-hf needs --save (the model is exported from each published checkpoint)"
+    if args.ckpt_format != "datastates":
+        return f"--save-hf needs --ckpt-format datastates (got {args.ckpt_format})"
+    for flag, value in (("--save-hf-interval", args.save_hf_interval), ("--save-hf-keep-last", args.save_hf_keep_last)):
+        if value is not None and value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    if args.save_hf_interval and args.save_interval and args.save_hf_interval % args.save_interval:
+        return (f"--save-hf-interval {args.save_hf_interval} is not a multiple of --save-interval "
+                f"{args.save_interval}: a model is exported from a checkpoint of the same iteration")
+    if args.save_hf_tokenizer is not None:
+        from tools.hf.export import TOKENIZER_FILES
+        if not os.path.isdir(args.save_hf_tokenizer) or not any(
+                os.path.isfile(os.path.join(args.save_hf_tokenizer, n)) for n in TOKENIZER_FILES):
+            return (f"--save-hf-tokenizer {args.save_hf_tokenizer!r} is not a directory holding any of the tokenizer "
+                    f"files {', '.join(TOKENIZER_FILES)}")
+    from tools.hf import HFError
+    from tools.hf.arch import architecture_of
+    try:
+        architecture_of(args, "--save-hf", drop_mtp=True)
+    except HFError as e:
+        return str(e)
+    return None

@@ -1,0 +1,123 @@
+"""--save-hf: transformers models published while training (megatron/training/checkpointing/hf_publish.py).
+
+A TP2 x PP2 run publishes a model at every checkpoint: each is byte for byte what `convert_checkpoint.py --to hf`
+writes from the checkpoint of the same iteration, transformers loads the newest and computes megatron-core's
+logits, `latest` names the newest, --save-hf-keep-last retires the oldest. A job SIGKILLed in the middle of an
+export leaves `latest` naming the previous complete model, and the next start removes the leftovers. What the
+offline tool refuses is refused at start-up.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_helpers import ROOT, TINY, torchrun, torchrun_command
+
+pytest.importorskip("transformers")
+
+from hf_helpers import TRAIN, assert_computes_as_megatron_core, convert, hf_model, reference  # noqa: E402
+from test_hf import tiny_tokenizer  # noqa: E402
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--ffn-hidden-size", "96", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--group-query-attention", "--num-query-groups", "2"]
+
+
+def files_of(directory: str) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def assert_same_bytes(a: str, b: str) -> None:
+    fa, fb = files_of(a), files_of(b)
+    assert sorted(fa) == sorted(fb), (sorted(fa), sorted(fb))
+    for name in fa:
+        assert fa[name] == fb[name], f"{name} differs between {a} and {b}"
+
+
+def test_models_published_during_training_are_the_offline_tool_s(tmp_path):
+    save, hf, tok = str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(tmp_path / "tok")
+    tiny_tokenizer(tok)
+    train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
+    _, log = torchrun(4, MODEL + train + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                          "--save", save, "--save-interval", "2", "--async-ckpt", "--save-hf", hf,
+                                          "--save-hf-tokenizer", tok, "--save-hf-keep-last", "2"])
+    assert "published the Hugging Face model of iteration 6" in log, log[-3000:]
+    # keep-last 2: iteration 2's model retired, 4 and 6 complete, latest names 6, nothing else left
+    assert sorted(os.listdir(hf)) == ["iter_0000004", "iter_0000006", "latest"], os.listdir(hf)
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000006\n"
+    for it in (4, 6):
+        offline = str(tmp_path / f"offline_{it}")
+        convert("--from", "datastates", "--to", "hf", "--input", os.path.join(save, f"iter_{it:07d}"),
+                "--output", offline, "--tokenizer", tok)
+        assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
+    ref = reference(save, str(tmp_path / "reference.pt"), MODEL + TRAIN)  # the newest checkpoint: 6
+    assert_computes_as_megatron_core(hf_model(os.path.join(hf, "iter_0000006")), ref)
+
+
+def refusal(tmp_path, *flags: str) -> str:
+    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.validation import validate_args
+    sys.path.insert(0, ROOT)
+    argv = TINY + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2", *flags]
+    with pytest.raises(ArgumentError) as e:
+        validate_args(parse_args(argv=argv), 1, cuda=False)
+    return str(e.value)
+
+
+def test_what_the_export_refuses_is_refused_at_start_up(tmp_path):
+    hf = str(tmp_path / "hf")
+    # the default GPT with RoPE: no transformers class computes it (the offline tool's own message)
+    message = refusal(tmp_path, "--save-hf", hf, "--position-embedding-type", "rope")
+    assert "no transformers architecture computes this model exactly" in message and "GPT-2" in message, message
+    assert "--save-hf-interval 3 is not a multiple of --save-interval 2" in refusal(
+        tmp_path, "--save-hf", hf, "--save-hf-interval", "3")
+    assert "is not a directory holding any of the tokenizer files" in refusal(
+        tmp_path, "--save-hf", hf, "--save-hf-tokenizer", str(tmp_path))
+    assert "only a file system path" in refusal(tmp_path, "--save-hf", "s3://bucket/hf")
+    assert "--save-hf-keep-last given without --save-hf" in refusal(tmp_path, "--save-hf-keep-last", "1")
+    assert not os.path.exists(hf)
+
+
+LARGER = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "32",
+          "--vocab-size", "8000", "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-3",
+          "--mock-data", "--seed", "1234", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+          "--swiglu", "--ffn-hidden-size", "512", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
+def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path):
+    """SIGKILL the whole job as soon as a second export is under way: `latest` still names the first complete
+    model, and the next start (a resume with --save-hf) removes the half-written one before any export."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    flags = LARGER + ["--train-iters", "40", "--save", save, "--save-interval", "1", "--async-ckpt",
+                      "--save-hf", hf, "--save-hf-keep-last", "1", "--no-save-optim"]
+    cmd, env = torchrun_command(1, flags)
+    job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    partial, deadline = None, time.monotonic() + 180
+    try:
+        while partial is None and job.poll() is None and time.monotonic() < deadline:
+            names = os.listdir(hf) if os.path.isdir(hf) else []
+            if "latest" in names:
+                partial = next((n for n in names if ".partial." in n), None)
+            time.sleep(0.002)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert partial is not None, "no export was seen under way"
+    newest = open(os.path.join(hf, "latest")).read().strip()
+    assert newest != partial.split(".")[0] and os.path.isfile(
+        os.path.join(hf, newest, "model.safetensors.index.json"))
+    assert os.path.isdir(os.path.join(hf, partial))  # what the kill left
+    flags[flags.index("--train-iters") + 1] = "1"  # restart: nothing left to train; only the start-up clean-up
+    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])
+    assert f"removed the leftovers of an unfinished export: {os.path.join(hf, partial)}" in out, out[-3000:]
+    assert not [n for n in os.listdir(hf) if ".partial." in n or ".deleting" in n]

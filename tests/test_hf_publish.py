@@ -7,7 +7,6 @@ export leaves `latest` naming the previous complete model, and the next start re
 offline tool refuses is refused at start-up.
 """
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ pytest.importorskip("transformers")
 
 from hf_helpers import TRAIN, assert_computes_as_megatron_core, convert, hf_model, reference  # noqa: E402
 from test_hf import tiny_tokenizer  # noqa: E402
+from trainer_kills import kill_tree  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -110,7 +110,7 @@ def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path
                 partial = next((n for n in names if ".partial." in n), None)
             time.sleep(0.002)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
+        kill_tree(job.pid)  # torchrun's workers run in sessions of their own: the whole tree, frozen, then killed
         job.wait()
     assert partial is not None, "no export was seen under way"
     newest = open(os.path.join(hf, "latest")).read().strip()

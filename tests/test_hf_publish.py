@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megatron_helpers import ROOT, TINY, torchrun, torchrun_command
 
@@ -121,3 +122,19 @@ def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path
     _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])
     assert f"removed the leftovers of an unfinished export: {os.path.join(hf, partial)}" in out, out[-3000:]
     assert not [n for n in os.listdir(hf) if ".partial." in n or ".deleting" in n]
+
+
+def test_an_ep2_mixtral_in_bf16_saved_synchronously(tmp_path):
+    """Experts spread over 2 ranks (EP2, distributed optimizer), bf16 weights, a synchronous save: the model
+    published at the end of the run is the tool's bytes, a bf16 MixtralForCausalLM."""
+    from test_hf_moe import MIXTRAL
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    torchrun(2, MIXTRAL + TRAIN + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
+                                   "--save", save, "--save-interval", "2", "--save-hf", hf])
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n"
+    offline = str(tmp_path / "offline")
+    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline)
+    assert_same_bytes(os.path.join(hf, "iter_0000002"), offline)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(hf, "iter_0000002"))
+    assert type(model).__name__ == "MixtralForCausalLM" and model.dtype == torch.bfloat16

@@ -23,6 +23,7 @@ import queue
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 
 from datastates import checkpoint_dir, fsync_dir, iteration_of, url_scheme, write_file
@@ -39,6 +40,8 @@ class Exported:
     iteration: int
     path: str
     error: BaseException | None = None
+    at: float = 0.0  # time.perf_counter() when it ended
+    seconds: float = 0.0  # how long the export itself took (from its start on the export thread)
 
 
 def read_pointer(root: str) -> str | None:
@@ -145,12 +148,14 @@ class HFPublisher:
                 if job is None:
                     return
                 iteration, ckpt_dir = job
-                final = checkpoint_dir(self.root, iteration)
+                final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
                 try:
                     self._export(ckpt_dir, final)
-                    result = Exported(iteration, final)
+                    error = None
                 except Exception as e:  # noqa: BLE001 (any failure is the save's, reported, never raised here)
-                    result = Exported(iteration, final, e)
+                    error = e
+                now = time.perf_counter()
+                result = Exported(iteration, final, error, now, now - t0)
                 with self._lock:
                     self._done.append(result)
             finally:

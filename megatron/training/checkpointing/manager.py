@@ -73,6 +73,7 @@ class CheckpointManager:
         # --save-hf: rank 0 exports published checkpoints as transformers models, behind training
         self.hf: HFPublisher | None = HFPublisher(args) if getattr(args, "save_hf", None) and self.rank == 0 \
             else None
+        self._save_called: dict[int, float] = {}
 
     def _memory_tier(self) -> LocalTier:
         """The node-local memory tier (`datastates.memory_tier`), after checking that it fits in memory."""
@@ -115,6 +116,8 @@ class CheckpointManager:
         if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
             self._published_before_run = tracker.read_latest(self.args.save)
         t0 = time.perf_counter()
+        if self.hf is not None:
+            self._save_called[iteration] = t0  # for the export's time from the save call to its model published
         state = self._state(iteration, consumed, wrap_common=self.checkpoint_format.wraps_common)
         self.agree_on_failures(iteration)
         memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
@@ -248,8 +251,14 @@ class CheckpointManager:
             self._exported(exported)
 
     def _exported(self, exported: Exported) -> None:
+        called = self._save_called.pop(exported.iteration, None)
         if exported.error is None:
-            log.info("published the Hugging Face model of iteration %d: %s", exported.iteration, exported.path)
+            durable = [r["durable_ms"] for r in self.records if r["iteration"] == exported.iteration and
+                       r["tier"] == STORAGE]
+            log.info("published the Hugging Face model of iteration %d: %s | export ms: %.2f | ms from the save "
+                     "call: %s | checkpoint's time to durable ms: %s", exported.iteration, exported.path,
+                     exported.seconds * 1e3, f"{(exported.at - called) * 1e3:.2f}" if called is not None else "?",
+                     f"{durable[-1]:.2f}" if durable else "?")
         elif self.args.ckpt_on_failure == "stop":
             self.failures.append((exported.iteration, exported.error))
         else:

@@ -29,6 +29,9 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--group-query-attention", "--num-query-groups", "2"]
 
 
+SHARD = "100000"  # bytes: several safetensors files, written by different ranks
+
+
 def files_of(directory: str) -> dict[str, bytes]:
     out = {}
     for name in sorted(os.listdir(directory)):
@@ -40,6 +43,7 @@ def files_of(directory: str) -> dict[str, bytes]:
 def assert_same_bytes(a: str, b: str) -> None:
     fa, fb = files_of(a), files_of(b)
     assert sorted(fa) == sorted(fb), (sorted(fa), sorted(fb))
+    assert sum(n.endswith(".safetensors") for n in fa) >= 2
     for name in fa:
         assert fa[name] == fb[name], f"{name} differs between {a} and {b}"
 
@@ -50,7 +54,8 @@ def test_models_published_during_training_are_the_offline_tool_s(tmp_path):
     train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
     _, log = torchrun(4, MODEL + train + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                           "--save", save, "--save-interval", "2", "--async-ckpt", "--save-hf", hf,
-                                          "--save-hf-tokenizer", tok, "--save-hf-keep-last", "2"])
+                                          "--save-hf-tokenizer", tok, "--save-hf-keep-last", "2",
+                                          "--save-hf-max-shard-size", SHARD])
     assert "published the Hugging Face model of iteration 6" in log, log[-3000:]
     # keep-last 2: iteration 2's model retired, 4 and 6 complete, latest names 6, nothing else left
     assert sorted(os.listdir(hf)) == ["iter_0000004", "iter_0000006", "latest"], os.listdir(hf)
@@ -58,7 +63,7 @@ def test_models_published_during_training_are_the_offline_tool_s(tmp_path):
     for it in (4, 6):
         offline = str(tmp_path / f"offline_{it}")
         convert("--from", "datastates", "--to", "hf", "--input", os.path.join(save, f"iter_{it:07d}"),
-                "--output", offline, "--tokenizer", tok)
+                "--output", offline, "--tokenizer", tok, "--max-shard-size", SHARD)
         assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
     ref = reference(save, str(tmp_path / "reference.pt"), MODEL + TRAIN)  # the newest checkpoint: 6
     assert_computes_as_megatron_core(hf_model(os.path.join(hf, "iter_0000006")), ref)
@@ -99,7 +104,8 @@ def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path
     model, and the next start (a resume with --save-hf) removes the half-written one before any export."""
     save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     flags = LARGER + ["--train-iters", "40", "--save", save, "--save-interval", "1", "--async-ckpt",
-                      "--save-hf", hf, "--save-hf-keep-last", "1", "--no-save-optim"]
+                      "--save-hf", hf, "--save-hf-keep-last", "1", "--no-save-optim",
+                      "--save-hf-max-shard-size", "4000000"]
     cmd, env = torchrun_command(1, flags)
     job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            start_new_session=True)
@@ -108,7 +114,7 @@ def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path
         while partial is None and job.poll() is None and time.monotonic() < deadline:
             names = os.listdir(hf) if os.path.isdir(hf) else []
             if "latest" in names:
-                partial = next((n for n in names if ".partial." in n), None)
+                partial = next((n for n in names if n.endswith(".partial")), None)
             time.sleep(0.002)
     finally:
         kill_tree(job.pid)  # torchrun's workers run in sessions of their own: the whole tree, frozen, then killed
@@ -121,7 +127,7 @@ def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path
     flags[flags.index("--train-iters") + 1] = "1"  # restart: nothing left to train; only the start-up clean-up
     _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])
     assert f"removed the leftovers of an unfinished export: {os.path.join(hf, partial)}" in out, out[-3000:]
-    assert not [n for n in os.listdir(hf) if ".partial." in n or ".deleting" in n]
+    assert not [n for n in os.listdir(hf) if ".partial" in n or ".deleting" in n]
 
 
 def test_an_ep2_mixtral_in_bf16_saved_synchronously(tmp_path):
@@ -130,10 +136,11 @@ def test_an_ep2_mixtral_in_bf16_saved_synchronously(tmp_path):
     from test_hf_moe import MIXTRAL
     save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     torchrun(2, MIXTRAL + TRAIN + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
-                                   "--save", save, "--save-interval", "2", "--save-hf", hf])
+                                   "--save", save, "--save-interval", "2", "--save-hf", hf,
+                                   "--save-hf-max-shard-size", SHARD])
     assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n"
     offline = str(tmp_path / "offline")
-    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline)
+    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
     assert_same_bytes(os.path.join(hf, "iter_0000002"), offline)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(os.path.join(hf, "iter_0000002"))

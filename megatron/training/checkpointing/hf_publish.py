@@ -17,6 +17,7 @@ is reported as a failed save (the manager applies --ckpt-on-failure). Nothing he
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import queue
@@ -26,12 +27,16 @@ import threading
 import time
 from dataclasses import dataclass
 
-from datastates import checkpoint_dir, fsync_dir, iteration_of, url_scheme, write_file
+import torch
+
+from datastates import CheckpointError, checkpoint_dir, fsync_dir, iteration_of, url_scheme, write_file
 
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
-LEFTOVER_RE = re.compile(r"^iter_\d{7,}(\.partial\.\d+|\.deleting)$")
+PARTIAL = ".partial"  # a model being written, by every rank, under this suffix
+INDEX = "model.safetensors.index.json"
+LEFTOVER_RE = re.compile(r"^iter_\d{7,}(\.partial(\.\d+)?|\.deleting)$")
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ def published_models(root: str) -> list[int]:
     found = []
     for name in os.listdir(root):
         it = iteration_of(name)
-        if it is not None and os.path.isfile(os.path.join(root, name, "model.safetensors.index.json")):
+        if it is not None and os.path.isfile(os.path.join(root, name, INDEX)):
             found.append(it)
     return sorted(found)
 
@@ -87,19 +92,26 @@ def clean_leftovers(root: str) -> list[str]:
 
 
 class HFPublisher:
-    """Rank 0's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order;
-    `finished` / `drain` hand back what ended (the manager reports failures as failed saves)."""
+    """One rank's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order.
+    Every rank writes its share of the safetensors files (shard k on rank k mod world), reading only the units of
+    the checkpoint those hold; each reports to rank 0 through the torch.distributed store, and rank 0 writes
+    config.json, the tokenizer and the index, then publishes. `finished` / `drain` hand back, on rank 0, what
+    ended (the manager reports failures as failed saves)."""
 
-    def __init__(self, args):
+    def __init__(self, args, rank: int = 0, world_size: int = 1, store=None):
         self.root = os.path.abspath(args.save_hf)
         self.interval = args.save_hf_interval or args.save_interval
         self.keep_last = args.save_hf_keep_last
         self.tokenizer = args.save_hf_tokenizer
-        self.fsync = args.ckpt_fsync
+        self.max_shard_bytes = args.save_hf_max_shard_size
+        self.timeout_s = args.ckpt_publish_timeout_s
+        self.rank, self.world_size = rank, world_size
+        self.store = None if store is None else torch.distributed.PrefixStore("save_hf/", store)
         self.submitted: int | None = None  # the newest iteration queued
-        os.makedirs(self.root, exist_ok=True)
-        for path in clean_leftovers(self.root):
-            log.info("--save-hf: removed the leftovers of an unfinished export: %s", path)
+        if rank == 0:  # before any export of this job: a rank exports only a checkpoint published after this
+            os.makedirs(self.root, exist_ok=True)
+            for path in clean_leftovers(self.root):
+                log.info("--save-hf: removed the leftovers of an unfinished export: %s", path)
         self._queue: queue.Queue = queue.Queue()
         self._done: list[Exported] = []
         self._lock = threading.Lock()
@@ -155,20 +167,75 @@ class HFPublisher:
                 except Exception as e:  # noqa: BLE001 (any failure is the save's, reported, never raised here)
                     error = e
                 now = time.perf_counter()
-                result = Exported(iteration, final, error, now, now - t0)
-                with self._lock:
-                    self._done.append(result)
+                if self.rank == 0:  # the job's verdict
+                    with self._lock:
+                        self._done.append(Exported(iteration, final, error, now, now - t0))
             finally:
                 self._queue.task_done()
 
     def _export(self, ckpt_dir: str, final: str) -> None:
-        from tools.hf.export import export  # the offline tool's export: one mapping, one writer
-        if os.path.isfile(os.path.join(final, "model.safetensors.index.json")):
+        iteration = iteration_of(final)
+        published = os.path.isfile(os.path.join(final, INDEX))  # the same answer on every rank: see _agree
+        error = None
+        if not published:
+            try:
+                self._write_share(ckpt_dir, final + PARTIAL, publish=self.rank == 0)
+            except Exception as e:  # noqa: BLE001 (reported to rank 0, which fails the export with it)
+                error = e
+        self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
+        if self.rank != 0:
+            return
+        if published:
             log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
         else:
-            export("datastates", ckpt_dir, final, tokenizer=self.tokenizer, drop_mtp=True, progress=False)
+            fsync_dir(final + PARTIAL)
+            os.rename(final + PARTIAL, final)
+            fsync_dir(self.root)
         write_pointer(self.root, os.path.basename(final))
         self._retire()
+
+    def _write_share(self, ckpt_dir: str, directory: str, publish: bool) -> None:
+        """This rank's safetensors files (and rank 0's config.json, tokenizer and index), through the offline tool's
+        own plan and writer: one mapping, the same bytes."""
+        from tools.hf.export import plan_export, write_metadata, write_tensors
+        os.makedirs(directory, exist_ok=True)
+        plan = plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
+        try:
+            shards = plan.shards(self.max_shard_bytes)
+            mine = {k for k in range(len(shards)) if k % self.world_size == self.rank}
+            if mine:
+                write_tensors(plan, directory, shards, mine)
+            if publish:
+                write_metadata(plan, directory, shards)
+        finally:
+            plan.close()
+
+    def _agree(self, iteration: int, error: BaseException | None) -> None:
+        """Every rank reports its share to rank 0 through the store; rank 0 waits for all of them (at most
+        --ckpt-publish-timeout-s) and raises, naming the ranks, if any failed or did not report."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        key = f"{iteration}/r/"
+        self.store.set(f"{key}{self.rank}", "ok" if error is None else f"{type(error).__name__}: {error}")
+        if self.rank != 0:
+            return
+        keys = [f"{key}{r}" for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError:  # the store's timeout
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            raise CheckpointError(f"--save-hf: ranks {missing} did not report their share of the export of "
+                                  f"iteration {iteration} within {self.timeout_s:g} s") from None
+        reports = {r: self.store.get(k).decode() for r, k in enumerate(keys)}
+        for k in keys:
+            self.store.delete_key(k)
+        failed = {r: why for r, why in reports.items() if why != "ok"}
+        if failed:
+            shutil.rmtree(checkpoint_dir(self.root, iteration) + PARTIAL, ignore_errors=True)
+            raise CheckpointError(f"--save-hf: the export of iteration {iteration} failed on rank(s) " + "; ".join(
+                f"{r}: {why}" for r, why in failed.items()))
 
     def _retire(self) -> None:
         """--save-hf-keep-last K: the oldest models beyond the newest K go (never the one `latest` names)."""
@@ -194,7 +261,8 @@ def check_save_hf(args) -> str | None:
         return "--save-hf needs --save (the model is exported from each published checkpoint)"
     if args.ckpt_format != "datastates":
         return f"--save-hf needs --ckpt-format datastates (got {args.ckpt_format})"
-    for flag, value in (("--save-hf-interval", args.save_hf_interval), ("--save-hf-keep-last", args.save_hf_keep_last)):
+    for flag, value in (("--save-hf-interval", args.save_hf_interval), ("--save-hf-keep-last", args.save_hf_keep_last),
+                        ("--save-hf-max-shard-size", args.save_hf_max_shard_size)):
         if value is not None and value < 1:
             return f"{flag} must be at least 1, got {value}"
     if args.save_hf_interval and args.save_interval and args.save_hf_interval % args.save_interval:

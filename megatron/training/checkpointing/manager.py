@@ -24,6 +24,7 @@ import torch
 
 from datastates import CheckpointError
 from datastates import layout, tracker
+from datastates.coordination import default_store
 from datastates.pipeline import SaveHandle, SaveStats
 from datastates.memory_tier import LocalTier, check_fits, job_id, node_of
 from datastates.megatron import make_registry, save_sharded
@@ -70,9 +71,8 @@ class CheckpointManager:
         self._outside_engine_s: dict[SaveHandle, float] = {}  # each save's stall outside the engine
         self._published_before_run: int | None = None  # the tracker's iteration at this run's first save
         self._memory_iteration: int | None = None  # the iteration of the newest memory save
-        # --save-hf: rank 0 exports published checkpoints as transformers models, behind training
-        self.hf: HFPublisher | None = HFPublisher(args) if getattr(args, "save_hf", None) and self.rank == 0 \
-            else None
+        # --save-hf: the ranks export published checkpoints as transformers models, behind training
+        self.hf: HFPublisher | None = self._hf_publisher() if getattr(args, "save_hf", None) else None
         self._save_called: dict[int, float] = {}
 
     def _memory_tier(self) -> LocalTier:
@@ -238,6 +238,10 @@ class CheckpointManager:
         self._log_summary()
 
     # ----- --save-hf -----
+
+    def _hf_publisher(self) -> HFPublisher:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return HFPublisher(self.args, self.rank, world, default_store() if world > 1 else None)
 
     def _last_export(self) -> None:
         """The run's last published checkpoint is exported whatever --save-hf-interval says; every export waited

@@ -1,18 +1,19 @@
 """--save-hf: each published checkpoint (every --save-hf-interval-th, and the last) also as a transformers model.
 
-Rank 0 exports on a thread of its own, behind the checkpoint: only once the checkpoint is published, from it,
-through the offline tool's own export (`tools/hf/export.py`: the same architecture registry, mapping and
-safetensors writer), so a model published here is byte for byte what `convert_checkpoint.py --to hf` writes from
-that checkpoint. Under --save-hf:
+Behind the checkpoint: once it is published, every rank exports it on a thread of its own, through the offline
+tool's own plan and writer (`tools/hf/export.py`: the same architecture registry, mapping and safetensors
+writer), so a model published here is byte for byte what `convert_checkpoint.py --to hf` writes from that
+checkpoint with the same shard size. Rank k writes safetensors files k, k + world, ...; rank 0, once every rank
+reported through the store, writes config.json, the tokenizer and the index, and publishes. Under --save-hf:
 
     iter_0000100/           config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json, tokenizer
     latest                  `iter_0000100`: the newest complete model (replaced by rename, after the model)
-    iter_0000200.partial.<pid>/   an export under way (renamed to iter_0000200/ when complete)
+    iter_0000200.partial/   an export under way (renamed to iter_0000200/ when complete)
 
-A model directory appears complete or not at all (written under `.partial.<pid>`, fsynced, renamed); `latest`
-names only complete ones; --save-hf-keep-last retires the oldest (renamed to `.deleting`, then removed) after the
-new one is named. What a killed export leaves is removed at the next start (`clean_leftovers`). A failed export
-is reported as a failed save (the manager applies --ckpt-on-failure). Nothing here is on the training thread but
+A model directory appears complete or not at all (written under `.partial`, fsynced, renamed); `latest` names
+only complete ones; --save-hf-keep-last retires the oldest (renamed to `.deleting`, then removed) after the new
+one is named. What a killed export leaves is removed at the next start (`clean_leftovers`). A failed export is
+reported as a failed save (the manager applies --ckpt-on-failure). Nothing here is on the training thread but
 `submit`, which queues.
 """
 from __future__ import annotations

@@ -145,3 +145,22 @@ def test_an_ep2_mixtral_in_bf16_saved_synchronously(tmp_path):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(os.path.join(hf, "iter_0000002"))
     assert type(model).__name__ == "MixtralForCausalLM" and model.dtype == torch.bfloat16
+
+
+def test_a_failed_export_warns_and_training_goes_on(tmp_path):
+    """--ckpt-on-failure warn: iteration 4's model cannot be published (a file already holds its name), so its
+    export fails; training goes on, the warning names the model that stays newest, iteration 6's is published, and
+    nothing of the failed export is left."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    os.makedirs(hf)
+    open(os.path.join(hf, "iter_0000004"), "w").close()
+    _, log = torchrun(1, TINY + ["--train-iters", "6", "--global-batch-size", "2", "--save", save,
+                                 "--save-interval", "2", "--async-ckpt", "--ckpt-on-failure", "warn", "--save-hf", hf,
+                                 "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                                 "--disable-bias-linear"])
+    assert ("the Hugging Face export of iteration 4 failed, training goes on (--ckpt-on-failure warn); the newest "
+            f"Hugging Face model is still {os.path.join(hf, 'iter_0000002')}") in log, log[-3000:]
+    assert "training done at iteration 6" in log
+    assert sorted(os.listdir(hf)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000006\n"
+    assert os.path.isfile(os.path.join(hf, "iter_0000004"))  # the file is as it was; no .partial left

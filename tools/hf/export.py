@@ -54,8 +54,9 @@ def _exported(names: set[str], drop_mtp: bool) -> set[str]:
     if not drop_mtp:
         return names
     dropped = {n for n in names if n.startswith(MTP)}
-    log.info("--drop-mtp: leaving out the %d tensors of the multi-token prediction layers (under %r); the main "
-             "model's logits do not depend on them", len(dropped), MTP)
+    if dropped:
+        log.info("--drop-mtp: leaving out the %d tensors of the multi-token prediction layers (under %r); the main "
+                 "model's logits do not depend on them", len(dropped), MTP)
     return names - dropped
 
 

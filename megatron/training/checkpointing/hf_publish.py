@@ -48,6 +48,7 @@ class Exported:
     error: BaseException | None = None
     at: float = 0.0  # time.perf_counter() when it ended
     seconds: float = 0.0  # how long the export itself took (from its start on the export thread)
+    newest: str | None = None  # the model `latest` named when it ended (the one that stays newest on a failure)
 
 
 def read_pointer(root: str) -> str | None:
@@ -170,7 +171,7 @@ class HFPublisher:
                 now = time.perf_counter()
                 if self.rank == 0:  # the job's verdict
                     with self._lock:
-                        self._done.append(Exported(iteration, final, error, now, now - t0))
+                        self._done.append(Exported(iteration, final, error, now, now - t0, self.newest()))
             finally:
                 self._queue.task_done()
 
@@ -183,14 +184,22 @@ class HFPublisher:
                 self._write_share(ckpt_dir, final + PARTIAL, publish=self.rank == 0)
             except Exception as e:  # noqa: BLE001 (reported to rank 0, which fails the export with it)
                 error = e
-        self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
+        try:
+            self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
+        except BaseException:
+            shutil.rmtree(final + PARTIAL, ignore_errors=True)
+            raise
         if self.rank != 0:
             return
         if published:
             log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
         else:
-            fsync_dir(final + PARTIAL)
-            os.rename(final + PARTIAL, final)
+            try:
+                fsync_dir(final + PARTIAL)
+                os.rename(final + PARTIAL, final)
+            except OSError:
+                shutil.rmtree(final + PARTIAL, ignore_errors=True)  # a failed export leaves nothing
+                raise
             fsync_dir(self.root)
         write_pointer(self.root, os.path.basename(final))
         self._retire()
@@ -234,7 +243,6 @@ class HFPublisher:
             self.store.delete_key(k)
         failed = {r: why for r, why in reports.items() if why != "ok"}
         if failed:
-            shutil.rmtree(checkpoint_dir(self.root, iteration) + PARTIAL, ignore_errors=True)
             raise CheckpointError(f"--save-hf: the export of iteration {iteration} failed on rank(s) " + "; ".join(
                 f"{r}: {why}" for r, why in failed.items()))
 

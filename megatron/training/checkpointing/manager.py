@@ -268,7 +268,7 @@ class CheckpointManager:
         else:
             log.warning("rank %d: the Hugging Face export of iteration %d failed, training goes on "
                         "(--ckpt-on-failure warn); the newest Hugging Face model is still %s: %s", self.rank,
-                        exported.iteration, self.hf.newest(), exported.error)
+                        exported.iteration, exported.newest, exported.error)
 
     # ----- failures -----
 

@@ -35,6 +35,7 @@ from datastates import CheckpointError, checkpoint_dir, fsync_dir, iteration_of,
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
+NICE = 10  # the export thread's niceness: it yields the cores to training, the snapshot and the checkpoint's writes
 PARTIAL = ".partial"  # a model being written, by every rank, under this suffix
 INDEX = "model.safetensors.index.json"
 LEFTOVER_RE = re.compile(r"^iter_\d{7,}(\.partial(\.\d+)?|\.deleting)$")
@@ -156,6 +157,10 @@ class HFPublisher:
         self._thread.join()
 
     def _run(self) -> None:
+        try:  # below training and the snapshot copies, as the engine's writers (nice +5) are
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (OSError, AttributeError):
+            pass
         while True:
             job = self._queue.get()
             try:

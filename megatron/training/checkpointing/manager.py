@@ -116,8 +116,10 @@ class CheckpointManager:
         if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
             self._published_before_run = tracker.read_latest(self.args.save)
         t0 = time.perf_counter()
-        if self.hf is not None:
-            self._save_called[iteration] = t0  # for the export's time from the save call to its model published
+        if self.hf is not None:  # for the export's time from the save call to its model published
+            self._save_called[iteration] = t0
+            if len(self._save_called) > 64:  # saves never exported (between --save-hf-interval's) are dropped
+                del self._save_called[min(self._save_called)]
         state = self._state(iteration, consumed, wrap_common=self.checkpoint_format.wraps_common)
         self.agree_on_failures(iteration)
         memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them

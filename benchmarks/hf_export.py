@@ -50,7 +50,7 @@ def _command(ranks: int, flags: list[str]) -> tuple[list[str], dict]:
             *flags], env
 
 
-def one_run(ranks: int, flags: list[str], work: str, hf: bool) -> dict:
+def one_run(ranks: int, flags: list[str], work: str, hf: bool, shard: int) -> dict:
     """One training run; its iteration times, end-to-end time, export lines and peak memory."""
     from common import MemorySampler
     save, out = os.path.join(work, "ckpt"), os.path.join(work, "hf")
@@ -58,7 +58,7 @@ def one_run(ranks: int, flags: list[str], work: str, hf: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     flags = flags + ["--save", save]
     if hf:
-        flags += ["--save-hf", out]
+        flags += ["--save-hf", out, "--save-hf-max-shard-size", str(shard)]
     cmd, env = _command(ranks, flags)
     memory = MemorySampler().start()  # this process's tree: the run's processes above this one's baseline
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
@@ -81,18 +81,18 @@ def one_run(ranks: int, flags: list[str], work: str, hf: bool) -> dict:
     return {"iters": iters, "total_s": done - first, "exports": exports, "peak_bytes": peak, "save": save}
 
 
-def offline(save: str, work: str) -> tuple[float, float]:
+def offline(save: str, work: str, shard: int) -> tuple[float, float]:
     """(the converter process's wall seconds, its export call's seconds in this process) on `save`'s latest."""
     out = os.path.join(work, "offline")
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", "datastates",
-                    "--to", "hf", "--input", save, "--output", out], check=True, cwd=ROOT, capture_output=True)
+                    "--to", "hf", "--input", save, "--output", out, "--max-shard-size", str(shard)], check=True, cwd=ROOT, capture_output=True)
     wall = time.perf_counter() - t0
     shutil.rmtree(out)
     from tools.hf.export import export
     t0 = time.perf_counter()
-    export("datastates", save, out, progress=False)
+    export("datastates", save, out, progress=False, max_shard_bytes=shard)
     call = time.perf_counter() - t0
     shutil.rmtree(out)
     return wall, call
@@ -104,10 +104,13 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--out", default="/tmp/hf_export_bench")
+    ap.add_argument("--shard-mb", type=float, default=4.0,
+                    help="safetensors files of at most this size (spread over the ranks), in both exports [4]")
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     model, iters, interval = (QUICK, 8, 2) if a.quick else (FULL, 12, 2)
     rounds = a.rounds or (1 if a.quick else 2)
+    shard = int(a.shard_mb * 2**20)
     batch = str(2 * a.ranks)
     flags = model + LLAMA + ["--micro-batch-size", "2", "--global-batch-size", batch, "--train-iters", str(iters),
                              "--save-interval", str(interval), "--async-ckpt", "--ckpt-host-buffer-gb",
@@ -116,16 +119,16 @@ def main() -> None:
     runs = {False: [], True: []}
     for r in range(rounds):
         for hf in ((False, True) if r % 2 == 0 else (True, False)):
-            runs[hf].append(one_run(a.ranks, flags, a.out, hf))
+            runs[hf].append(one_run(a.ranks, flags, a.out, hf, shard))
             print(f"round {r + 1}: {'with' if hf else 'without'} --save-hf: {runs[hf][-1]['total_s']:.2f} s",
                   flush=True)
-    wall, call = offline(runs[True][-1]["save"], a.out)
+    wall, call = offline(runs[True][-1]["save"], a.out, shard)
 
     def loop(rs):
         return statistics.median(ms for x in rs for i, ms in x["iters"].items() if i > 1)
     exports = [e for x in runs[True] for e in x["exports"]]
     print(f"\n{'quick: ' if a.quick else ''}{a.ranks} rank(s), {iters} iterations, a checkpoint (and an export) every "
-          f"{interval}, staging budget {BUDGET_GB} GiB, rounds {rounds}")
+          f"{interval}, staging budget {BUDGET_GB} GiB, safetensors files of {a.shard_mb:g} MiB, rounds {rounds}")
     print(f"loop: median iteration {loop(runs[True]):.1f} ms with, {loop(runs[False]):.1f} ms without: ratio "
           f"{loop(runs[True]) / loop(runs[False]):.3f}")
     tw, to = (statistics.median(x["total_s"] for x in runs[k]) for k in (True, False))

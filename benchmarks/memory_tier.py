@@ -12,6 +12,7 @@
    tier before the storage seam) against copied into the reused mapped pages of SharedMemoryStorage.
 
     python benchmarks/memory_tier.py [--iters 30] [--rounds 2] [--out /tmp/memtier] [--only restart|loop|save]
+    python benchmarks/memory_tier.py --quick --out DIR --memory-dir DIR   # seconds: a tiny GPT, 1 round, 4 iterations
 """
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ sys.path.insert(0, HERE)
 from common import evict_tree  # noqa: E402
 from trainer_e2e import MODEL, RE_ITER  # noqa: E402
 
+# --quick: the same runs with a tiny GPT (process start dominates) and a small state for the save measurement
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
+        "--log-interval", "1"]
+SIZES = {"model": MODEL, "save_tensors": 40, "save_numel": 1_740_000}
+
 RE_LOADED = re.compile(r"successfully loaded checkpoint from (.*) \(datastates\) at iteration (\d+) in ([\d.]+) ms")
 
 
@@ -51,7 +59,7 @@ def _run(flags, stop_at=None, timeout=900):
     """Run the trainer; with `stop_at` (a regex), SIGKILL it when a line matches. Returns (lines with their
     arrival times, seconds from start to the first iteration line, the process's exit code, its CPU seconds)."""
     t0, cpu0 = time.perf_counter(), _cpu_s()
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *flags], cwd=ROOT,
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *SIZES["model"], *flags], cwd=ROOT,
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, first = [], None
     for line in p.stdout:
@@ -138,7 +146,8 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
     import torch
     from datastates import CheckpointEngine, PosixOptions, layout
     from datastates.storage import SharedMemoryStorage
-    state = {f"t{i}": torch.randn(1_740_000, generator=torch.Generator().manual_seed(i)) for i in range(40)}
+    state = {f"t{i}": torch.randn(SIZES["save_numel"], generator=torch.Generator().manual_seed(i))
+             for i in range(SIZES["save_tensors"])}
     res: dict[str, list] = {"staged": [], "mapped": []}
     for _ in range(rounds):
         for name in res:
@@ -164,7 +173,7 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
@@ -172,7 +181,12 @@ def main() -> None:
     ap.add_argument("--memory-dir", default="/dev/shm/datastates-bench",
                     help="the memory tier's directory: a memory file system, as in production")
     ap.add_argument("--only", choices=("restart", "loop", "save"), help="run one of the measurements")
-    a = ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="seconds: a tiny GPT, 4 loop iterations, 1 round, a 1 MB state for the save measurement")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.iters, a.rounds = 4, 1
+        SIZES.update(model=TINY, save_tensors=4, save_numel=65_536)
     os.makedirs(a.out, exist_ok=True)
     try:
         result = {name: fn() if a.only in (None, name) else {} for name, fn in (

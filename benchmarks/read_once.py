@@ -8,6 +8,7 @@ restore (median), and the bytes and requests read from storage summed over the r
 unique bytes. Stream reads drop their pages behind them, so every restore reads the disk.
 
     python benchmarks/read_once.py [--params 16e6] [--worlds 1 2 4] [--repeats 3] [--dir /tmp/read_once]
+    python benchmarks/read_once.py --quick --dir DIR   # seconds: 64k parameters, 2 ranks, 1 repeat
 """
 from __future__ import annotations
 
@@ -97,13 +98,16 @@ def _world(world: int, args) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=16e6)
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None)
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="seconds: 64k parameters, a world of 2, 1 repeat")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.params, args.worlds, args.repeats = 65536, [2], 1
     args.params = int(args.params)
     own = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="read_once_")

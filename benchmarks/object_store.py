@@ -6,6 +6,7 @@ multi-storage-client, sync and async (object_store_peers.py); and each one's loo
 checkpoint every iteration over the same loop without.
 
     python benchmarks/object_store.py [--size-mib 256] [--tensors 8] [--threads 8] [--reps 3] [--iters 4] [--step-s 1]
+    python benchmarks/object_store.py --quick   # seconds: 16 MiB in 4 tensors, 2 threads, 1 rep, 2 steps of 0.05 s
 """
 import argparse
 import os
@@ -112,7 +113,7 @@ def loop(ckpt, iters, step_s, key):
     return time.perf_counter() - t0
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--tensors", type=int, default=8)
@@ -121,7 +122,11 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="best of")
     ap.add_argument("--iters", type=int, default=4, help="iterations of the loop ratio")
     ap.add_argument("--step-s", type=float, default=1.0, help="one training step of the loop ratio")
-    a = ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="seconds: 16 MiB in 4 tensors, 2 threads, a 64 MiB budget, 1 rep, 2 steps of 0.05 s")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.size_mib, a.tensors, a.threads, a.budget_mib, a.reps, a.iters, a.step_s = 16, 4, 2, 64, 1, 2, 0.05
     require("boto3", "s3fs", "s3torchconnector", "multistorageclient", "megatron.core")
     size = a.size_mib << 20
     g = torch.Generator().manual_seed(0)

@@ -3,6 +3,7 @@ with each candidate client, against one local SeaweedFS (tests/s3_store.py). Wha
 restore times are held to, and how the backend's client was chosen (benchmarks/README.md, "Object stores").
 
     python benchmarks/object_store_raw.py [--size-mib 256] [--part-mib 16] [--concurrency 8] [--reps 2]
+    python benchmarks/object_store_raw.py --quick   # seconds: 16 MiB in parts of 8 MiB, 2 in flight, 1 rep
 """
 import argparse
 import os
@@ -135,14 +136,17 @@ CLIENTS = {"boto3": boto3_raw, "s3transfer": s3transfer, "obstore": obstore_clie
            "s3torchconnector": s3torchconnector, "msc": msc}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--part-mib", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2, help="best of")
     ap.add_argument("--clients", default=",".join(CLIENTS))
-    a = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="seconds: 16 MiB in parts of 8 MiB, 2 in flight, 1 rep")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.size_mib, a.part_mib, a.concurrency, a.reps = 16, 8, 2, 1
     size, part = a.size_mib << 20, a.part_mib << 20
     data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
     out = bytearray(size)

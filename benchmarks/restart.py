@@ -13,6 +13,7 @@ every S alone:
 The target (issue 42): death to first iteration <= 1.5 x (cold start + the memory-tier load).
 
     python benchmarks/restart.py [--rounds 2] [--kill-after 17] [--out /tmp/restart_bench]
+    python benchmarks/restart.py --quick --out DIR   # a tiny GPT, 1 round, the kill after iteration 3
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--max-position-embeddings", "128", "--vocab-size", "8192", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
          "--log-interval", "1"]
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
+        "--log-interval", "1"]
 RE_ITER = re.compile(r"\[rank 1\] .*iteration\s+(\d+)/")
 RE_LOADED = re.compile(r"successfully loaded checkpoint from (.*?) \(datastates\) at iteration (\d+) in ([\d.]+) ms")
 
@@ -56,10 +61,10 @@ def _workers(agent: int) -> dict[int, int]:
     return out
 
 
-def run(flags: list[str], kill_after: int | None, workdir: str) -> dict:
+def run(flags: list[str], kill_after: int | None, workdir: str, model: list[str] = MODEL) -> dict:
     """One torchrun job; with `kill_after`, local rank 1 is SIGKILLed once iteration `kill_after` is logged."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", "1", os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *flags]
+           "--max-restarts", "1", os.path.join(ROOT, "pretrain_gpt.py"), *model, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT,
                DATASTATES_JOB_ID=f"bench-restart-{os.getpid()}")
     t0 = time.perf_counter()
@@ -92,13 +97,18 @@ def run(flags: list[str], kill_after: int | None, workdir: str) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--rounds", type=int, default=2)
     a.add_argument("--kill-after", type=int, default=17)
     a.add_argument("--storage-every", type=int, default=10)
     a.add_argument("--out", default=None, help="work directory (default: a fresh temporary one)")
-    args = a.parse_args()
+    a.add_argument("--quick", action="store_true",
+                   help="a tiny GPT, 1 round, the kill after iteration 3, storage every 2 iterations")
+    args = a.parse_args(argv)
+    model = MODEL
+    if args.quick:
+        args.rounds, args.kill_after, args.storage_every, model = 1, 3, 2, TINY
     out = args.out or tempfile.mkdtemp(prefix="restart_bench_")
     os.makedirs(out, exist_ok=True)
     iters = str(args.kill_after + 6)
@@ -107,13 +117,13 @@ def main() -> None:
     rows = {name: [] for name in systems}
     cold = []
     for r in range(args.rounds):
-        cold.append(run(["--train-iters", iters], None, out)["cold_start_s"])
+        cold.append(run(["--train-iters", iters], None, out, model)["cold_start_s"])
         for name, extra in systems.items():
             ck = os.path.join(out, "ck")
             shutil.rmtree(ck, ignore_errors=True)
             flags = ["--train-iters", iters, "--save", ck, "--load", ck, "--save-interval", str(args.storage_every),
                      "--async-ckpt", "--non-persistent-local-ckpt-dir", os.path.join(out, "mem"), *extra]
-            rows[name].append(run(flags, args.kill_after, out))
+            rows[name].append(run(flags, args.kill_after, out, model))
             print(f"round {r} {name}: {rows[name][-1]}", flush=True)
     cold_s = statistics.median(cold)
     print(f"\ncold start (launch to first iteration), median of {len(cold)}: {cold_s:.2f} s")

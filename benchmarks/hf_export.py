@@ -98,7 +98,7 @@ def offline(save: str, work: str, shard: int) -> tuple[float, float]:
     return wall, call
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller model, fewer iterations, one round")
     ap.add_argument("--ranks", type=int, default=1)
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/hf_export_bench")
     ap.add_argument("--shard-mb", type=float, default=4.0,
                     help="safetensors files of at most this size (spread over the ranks), in both exports [4]")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     model, iters, interval = (QUICK, 8, 2) if a.quick else (FULL, 12, 2)
     rounds = a.rounds or (1 if a.quick else 2)

@@ -253,12 +253,12 @@ def render(out, results_dir=None, results_md=None, command=None):
     return rs, rat
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--results-dir", default=None, help="where PNGs go (default <out>/figures)")
     ap.add_argument("--results-md", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     render(a.out, a.results_dir, a.results_md)
 
 

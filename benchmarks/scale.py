@@ -15,6 +15,7 @@ rank does once its data is durable. For each W this reports:
     index_bytes      size of metadata.json
 
     python benchmarks/scale.py [--worlds 16 64 256 1024 4096] [--torch-dist-worlds 4 8 16] [--out ...]
+    python benchmarks/scale.py --quick --out DIR   # a world of 16, torch_dist at 2 ranks
 
 Beside it, megatron-core's torch_dist (`dist_checkpointing.save/load`) runs where this machine can hold a real
 process per rank (`--torch-dist-worlds`): every rank saves its row of the same tensor, then loads it back; for
@@ -335,7 +336,10 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="a simulated world of 16, torch_dist at 2 ranks")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.worlds, a.torch_dist_worlds = [16], [2]
     if a.observer is not None:
         observer(a.observer, a.world, a.port, a.root, a.iters)
         return

@@ -6,7 +6,8 @@ paths of the checkpoint tree that touch file-system metadata (open, stat, mkdir,
 fsync, ftruncate, fallocate; not the reads and writes of data), per checkpoint, and the JSON files each rank
 opens to resume.
 
-    python benchmarks/trainer_syscalls.py [--iters 6]
+    python benchmarks/trainer_syscalls.py [--iters 6] [--out DIR]
+    python benchmarks/trainer_syscalls.py --quick --out DIR   # 2 checkpoints, then the resume
 
 Targets: at most 20 file-metadata syscalls per checkpoint per rank; at most 2 JSON files opened per rank at
 resume.
@@ -61,10 +62,14 @@ def count(trace: str, tree: str) -> tuple[int, int, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--out", default=None, help="work directory, kept (default: a temporary one, removed)")
+    ap.add_argument("--quick", action="store_true", help="2 checkpoints, then the resume")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.iters = 2
     if not shutil.which("strace"):
         raise SystemExit("strace is needed (apt-get install strace)")
-    work = tempfile.mkdtemp(prefix="ds-syscalls-")
+    work = a.out or tempfile.mkdtemp(prefix="ds-syscalls-")
     ckpt = os.path.join(work, "ckpt")
     flags = TINY + ["--train-iters", str(2 * a.iters), "--save", ckpt, "--load", ckpt, "--save-interval", "1",
                     "--async-ckpt", "--ckpt-keep-last", "2"]
@@ -76,7 +81,8 @@ def main(argv=None) -> None:
         print(f"rank {rank}: {steady:5.1f} file-metadata syscalls per checkpoint ({saved / a.iters:.1f} with the "
               f"run's start-up and shutdown spread over its {a.iters} checkpoints); resume: {resumed} calls (its "
               f"one save included), {jsons} JSON file(s) opened")
-    shutil.rmtree(work, ignore_errors=True)
+    if a.out is None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

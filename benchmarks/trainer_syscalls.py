@@ -70,6 +70,7 @@ def main(argv=None) -> None:
     if not shutil.which("strace"):
         raise SystemExit("strace is needed (apt-get install strace)")
     work = a.out or tempfile.mkdtemp(prefix="ds-syscalls-")
+    os.makedirs(work, exist_ok=True)
     ckpt = os.path.join(work, "ckpt")
     flags = TINY + ["--train-iters", str(2 * a.iters), "--save", ckpt, "--load", ckpt, "--save-interval", "1",
                     "--async-ckpt", "--ckpt-keep-last", "2"]

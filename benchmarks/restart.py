@@ -13,7 +13,7 @@ every S alone:
 The target (issue 42): death to first iteration <= 1.5 x (cold start + the memory-tier load).
 
     python benchmarks/restart.py [--rounds 2] [--kill-after 17] [--out /tmp/restart_bench]
-    python benchmarks/restart.py --quick --out DIR   # a tiny GPT, 1 round, the kill after iteration 3
+    python benchmarks/restart.py --quick --out DIR   # a tiny GPT, 1 round, the kill after iteration 5
 """
 from __future__ import annotations
 
@@ -104,11 +104,11 @@ def main(argv=None) -> None:
     a.add_argument("--storage-every", type=int, default=10)
     a.add_argument("--out", default=None, help="work directory (default: a fresh temporary one)")
     a.add_argument("--quick", action="store_true",
-                   help="a tiny GPT, 1 round, the kill after iteration 3, storage every 2 iterations")
+                   help="a tiny GPT, 1 round, the kill after iteration 5, storage every 3 iterations")
     args = a.parse_args(argv)
     model = MODEL
     if args.quick:
-        args.rounds, args.kill_after, args.storage_every, model = 1, 3, 2, TINY
+        args.rounds, args.kill_after, args.storage_every, model = 1, 5, 3, TINY
     out = args.out or tempfile.mkdtemp(prefix="restart_bench_")
     os.makedirs(out, exist_ok=True)
     iters = str(args.kill_after + 6)

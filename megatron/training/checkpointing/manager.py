@@ -23,9 +23,7 @@ import time
 import torch
 
 from datastates import CheckpointError
-from datastates import layout, tracker
-from datastates.pipeline import SaveHandle, SaveStats
-from datastates.memory_tier import LocalTier, check_fits, job_id, node_of
+from datastates import LocalTier, SaveHandle, SaveStats, check_fits, iteration_of, job_id, node_of, read_latest
 from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
@@ -109,7 +107,7 @@ class CheckpointManager:
     def save(self, iteration: int, consumed: int) -> None:
         """Checkpoint `iteration` to --save; in LAZY_ASYNC mode this returns before anything is copied."""
         if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
-            self._published_before_run = tracker.read_latest(self.args.save)
+            self._published_before_run = read_latest(self.args.save)
         t0 = time.perf_counter()
         state = self._state(iteration, consumed, wrap_common=self.checkpoint_format.wraps_common)
         self.agree_on_failures(iteration)
@@ -200,7 +198,7 @@ class CheckpointManager:
                 self._finished(level, handle)
 
     def _finished(self, level: str, handle: SaveHandle) -> None:
-        iteration = layout.iteration_of(handle.path)
+        iteration = iteration_of(handle.path)
         if self._newest.get(level) is handle:
             del self._newest[level]
         outside = self._outside_engine_s.pop(handle, 0.0)
@@ -215,7 +213,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait until every pending save is durable and published; log them and a cross-rank summary."""
         newest = self._newest.get(STORAGE)
-        last = layout.iteration_of(newest.path) if newest is not None else -1
+        last = iteration_of(newest.path) if newest is not None else -1
         for handle in list(self._newest.values()):
             handle.join()
         self.maybe_finalize()

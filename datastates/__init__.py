@@ -8,6 +8,7 @@ tests/test_import_contract.py holds the trainer, the tools and the benchmarks to
 from . import _native  # noqa: F401  (the native writer is required, never optional)
 from .audit import RANK_FILE_RE, Audit, NotACheckpointError, audit_checkpoint, box_str
 from .codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
+from .coordination import default_store
 from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
@@ -35,6 +36,9 @@ __all__ = [
     "built_on_copy",
     # what CheckpointEngine(compress=) takes, and the codec `auto` picks (the trainer's --ckpt-compress and its help)
     "CODEC_SETTINGS", "AUTO_CODEC",
+    # a client of the default process group's store: the ranks' own agreement beside the engine's (the trainer's
+    # Hugging Face publisher)
+    "default_store",
     # a load's reads passed between ranks (--ckpt-fully-parallel-load: load_sharded's exchange), and what a load read
     "Exchange", "LoadStats",
     # reading and checking one checkpoint

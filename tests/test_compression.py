@@ -117,6 +117,23 @@ def test_a_compressed_checkpoint_verifies_loads_and_loads_into_another_layout(co
         assert torch.equal(rows, whole[2:4])
 
 
+def test_inspect_names_the_codec_and_the_raw_size_of_a_compressed_checkpoint(compressed, capsys):
+    """inspect_checkpoint's line per rank: the data file's stored bytes, then the raw ones and the codec."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from inspect_checkpoint import main as inspect
+    assert inspect([compressed, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["checkpoint"]
+    for r in report["ranks"]:
+        items = audit_checkpoint(compressed).ranks[r["rank"]]["items"]
+        assert r["codecs"] == ["bytegroup-zstd"]
+        assert r["raw_bytes"] == sum(i.nbytes for i in items if i.write) > r["data_bytes"]
+        assert r["data_bytes"] == os.path.getsize(os.path.join(compressed, f"rank_{r['rank']:05d}.data"))
+    assert inspect([compressed]) == 0
+    text = capsys.readouterr().out
+    assert text.count("raw, bytegroup-zstd: ") == 3  # the checkpoint's line and each rank's
+    assert inspect([os.path.join(FIXTURE, "iter_0000003")]) == 0 and " raw, " not in capsys.readouterr().out
+
+
 def _damaged(src, tmp_path, edit):
     """A copy of checkpoint `src` whose rank-0 index entry for item 'local/big' is changed by `edit(item, data)`
     (data: rank 0's data file, a bytearray), re-signed as a hostile tool would."""

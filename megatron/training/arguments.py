@@ -259,6 +259,21 @@ def _add_checkpoint_args(p):
     g.add_argument("--ckpt-on-failure", choices=["stop", "warn"], default="stop",
                    help="a failed save stops training (default) or is logged as a warning while training goes on; "
                         "either way the last published checkpoint stays intact")
+    g.add_argument("--save-hf", type=str, default=None, metavar="DIR",
+                   help="also publish checkpoints as transformers models under DIR (iter_XXXXXXX/, and `latest` "
+                        "naming the newest complete one), exported from each published checkpoint behind "
+                        "training (docs/huggingface.md)")
+    g.add_argument("--save-hf-interval", type=int, default=None, metavar="N",
+                   help="--save-hf: export every N iterations, a multiple of --save-interval [--save-interval]; the "
+                        "last checkpoint of the run is always exported")
+    g.add_argument("--save-hf-tokenizer", type=str, default=None, metavar="DIR",
+                   help="--save-hf: copy this transformers tokenizer's files into each model [the run's "
+                        "--tokenizer-model with HuggingFaceTokenizer]")
+    g.add_argument("--save-hf-keep-last", type=int, default=None, metavar="K",
+                   help="--save-hf: keep the newest K models [all]")
+    g.add_argument("--save-hf-max-shard-size", type=int, default=2 << 30, metavar="BYTES",
+                   help="--save-hf: safetensors files of at most BYTES, as the conversion tool's --max-shard-size; "
+                        "each rank writes every world-size-th file [2 GiB]")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")

@@ -83,7 +83,21 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         validate_virtual_pipeline(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    _validate_save_hf(args)
     return args
+
+
+def _validate_save_hf(args) -> None:
+    """--save-hf's refusals (the offline export's, of the model's flags) at start-up, before any work."""
+    if getattr(args, "save_hf", None) is None:
+        for flag in ("save_hf_interval", "save_hf_keep_last", "save_hf_tokenizer"):
+            if getattr(args, flag, None) is not None:
+                raise ArgumentError(f"--{flag.replace('_', '-')} given without --save-hf")
+        return
+    from .checkpointing.hf_publish import check_save_hf
+    why = check_save_hf(args)
+    if why:
+        raise ArgumentError(why)
 
 
 

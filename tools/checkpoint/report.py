@@ -17,6 +17,7 @@ def iteration_report(found: Audit) -> dict:
     report = {"path": found.path, "published": index is not None,
               "iteration": index.iteration if index is not None else iteration_of(found.path),
               "world_size": found.world_size, "bytes": sum((r["data_bytes"] for r in found.ranks.values()), 0),
+              "raw_bytes": sum((_raw_bytes(r["items"]) for r in found.ranks.values()), 0),
               "created_unix": index.created_unix if index is not None else None,
               "ranks": [_rank_report(r, info) for r, info in sorted(found.ranks.items())],
               "tensors": {name: {"dtype": t["dtype"], "global_shape": list(t["global_shape"]),
@@ -32,9 +33,15 @@ def iteration_report(found: Audit) -> dict:
     return report
 
 
+def _raw_bytes(items) -> int:
+    """The written items' bytes before compression (a data file also holds alignment padding)."""
+    return sum(i.nbytes for i in items if i.write)
+
+
 def _rank_report(r: int, info: dict) -> dict:
     items = info["items"]
     return {"rank": r, "data_file": info["data_path"], "data_bytes": info["data_bytes"],
+            "raw_bytes": _raw_bytes(items), "codecs": sorted({i.codec for i in items if i.write and i.codec}),
             "file_bytes": info["data_size"], "direct_io": info["manifest"].direct_io, "items": len(items),
             "tensors_written": sum(1 for i in items if i.kind == "tensor" and i.write),
             "objects_written": sum(1 for i in items if i.kind == "object" and i.write),

@@ -43,11 +43,12 @@ def print_iteration(rep: dict, out=None) -> None:
     state = "published" if rep["published"] else "NOT PUBLISHED"
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rep["created_unix"])) if rep["created_unix"] else "-"
     w(f"checkpoint {rep['path']}\n  iteration {rep['iteration']}, {state}, world size {rep['world_size']}, "
-      f"{human(rep['bytes'])} of data, created {created}\n")
+      f"{human(rep['bytes'])} of data{_compressed(rep['bytes'], rep['raw_bytes'], rep['ranks'])}, created "
+      f"{created}\n")
     w("ranks:\n")
     for r in rep["ranks"]:
         w(f"  rank {r['rank']}: {os.path.basename(r['data_file'])} {human(r['data_bytes'])}"
-          f"{' (O_DIRECT)' if r['direct_io'] else ''}; {r['tensors_written']} tensors and {r['objects_written']} "
+          f"{_compressed(r['data_bytes'], r['raw_bytes'], [r])}{' (O_DIRECT)' if r['direct_io'] else ''}; {r['tensors_written']} tensors and {r['objects_written']} "
           f"objects written, {r['replicas_not_written']} replicas held but written by another rank\n")
     _print_optimizer(rep.get("optimizer"), w)
     _print_experts(rep.get("experts"), w)
@@ -57,6 +58,12 @@ def print_iteration(rep: dict, out=None) -> None:
         v = rep["verify"]
         w(f"verify: read {human(v['bytes_read'])} in {v['chunks']} checksummed chunks in {v['seconds']:.2f} s "
           f"({v['bytes_read'] / max(v['seconds'], 1e-9) / 1e9:.2f} GB/s)\n")
+
+
+def _compressed(stored: int, raw: int, ranks: list[dict]) -> str:
+    """The raw size and codec of compressed data files (`--ckpt-compress`); nothing for raw ones."""
+    codecs = sorted({c for r in ranks for c in r["codecs"]})
+    return f" ({human(raw)} raw, {', '.join(codecs)}: {raw / max(stored, 1):.2f}x)" if codecs else ""
 
 
 def _kinds(by_kind: dict) -> str:

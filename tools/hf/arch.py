@@ -14,9 +14,9 @@ from .geometry import Geometry
 from .mapping import Rule
 
 
-def geometry_from_args(args, shapes: dict[str, tuple], where: str, drop_mtp: bool = False) -> Geometry:
-    """The architecture of a checkpoint from its saved flags, checked against its tensors' shapes (`drop_mtp`:
-    leave out the multi-token prediction layers of the run)."""
+def architecture_of(args, where: str, drop_mtp: bool = False):
+    """The registered architecture that computes exactly what a run with these flags computes, from the flags
+    alone (the trainer's --save-hf asks this at start-up, before any work); HFError naming what differs."""
     if args is None:
         raise HFError(f"{where} has no saved `args` (a model-only checkpoint?): its architecture cannot be read "
                       f"from it; convert a checkpoint written by pretrain_gpt.py or by --from hf")
@@ -30,9 +30,15 @@ def geometry_from_args(args, shapes: dict[str, tuple], where: str, drop_mtp: boo
     found = {arch: arch.differences(args) for arch in REGISTERED.values() if arch.kind == kind}
     for arch, diffs in found.items():
         if not diffs:
-            return arch.geometry(args, shapes, where)
+            return arch
     raise HFError(f"{where}: no transformers architecture computes this model exactly.\n" + "\n".join(
         f"  {arch.label} ({arch.hf_class}) differs: {'; '.join(diffs)}" for arch, diffs in found.items()))
+
+
+def geometry_from_args(args, shapes: dict[str, tuple], where: str, drop_mtp: bool = False) -> Geometry:
+    """The architecture of a checkpoint from its saved flags, checked against its tensors' shapes (`drop_mtp`:
+    leave out the multi-token prediction layers of the run)."""
+    return architecture_of(args, where, drop_mtp).geometry(args, shapes, where)
 
 
 def geometry_from_config(config: dict, where: str) -> Geometry:

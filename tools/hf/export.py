@@ -8,9 +8,11 @@ The directory is written under a temporary name and renamed when complete; a fai
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +20,7 @@ from . import HFError, saved_flag
 from .arch import geometry_from_args, hf_config, rules_for
 from .mapping import Rule, unit_indices
 from .source import open_source
-from .writer import OutputDirectory, Planned, ShardedWriter, plan_shards
+from .writer import OutputDirectory, Planned, ShardedWriter, copy_in, plan_shards, write_index, write_json
 
 STAGING_BYTES = 32 << 20
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -52,8 +54,9 @@ def _exported(names: set[str], drop_mtp: bool) -> set[str]:
     if not drop_mtp:
         return names
     dropped = {n for n in names if n.startswith(MTP)}
-    log.info("--drop-mtp: leaving out the %d tensors of the multi-token prediction layers (under %r); the main "
-             "model's logits do not depend on them", len(dropped), MTP)
+    if dropped:
+        log.info("--drop-mtp: leaving out the %d tensors of the multi-token prediction layers (under %r); the main "
+                 "model's logits do not depend on them", len(dropped), MTP)
     return names - dropped
 
 
@@ -94,18 +97,36 @@ def _run_tokenizer(args) -> str | None:
     return directory
 
 
-def _copy_tokenizer(out: OutputDirectory, directory: str) -> None:
-    found = _tokenizer_files(directory)
+def _copy_tokenizer(directory: str, tokenizer: str) -> None:
+    found = _tokenizer_files(tokenizer)
     if not found:
-        raise HFError(f"--tokenizer {directory!r} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}")
+        raise HFError(f"--tokenizer {tokenizer!r} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}")
     for path in found:
-        out.copy_in(path)
+        copy_in(directory, path)
 
 
-def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None, drop_mtp: bool = False) -> str:
-    """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format);
-    `drop_mtp` leaves the run's multi-token prediction layers out."""
+@dataclass
+class ExportPlan:
+    """Everything an export writes, known before any tensor is read: the checkpoint's architecture, the mapping,
+    every output tensor's name, shape and dtype, and the tokenizer to copy. Holds the open source (`close`)."""
+    source: object
+    geo: object
+    rules: list
+    planned: list
+    dtype: torch.dtype
+    tokenizer: str | None
+
+    def shards(self, max_shard_bytes: int) -> list[list[Planned]]:
+        return plan_shards(self.planned, max_shard_bytes)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def plan_export(kind: str, path: str, *, tokenizer: str | None = None, init_distributed=None,
+                drop_mtp: bool = False) -> ExportPlan:
+    """Open the checkpoint at `path` (`kind`: its format) and plan its export; refusals (HFError) come here, before
+    anything is written."""
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise HFError(f"--tokenizer {tokenizer!r} is not a directory")
     source = open_source(kind, path, STAGING_BYTES, init_distributed)
@@ -120,30 +141,64 @@ def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
         padding = tensors["embedding.word_embeddings.weight"][0][0] - geo.vocab
         if padding:
             log.info("dropping the %d rows Megatron padded the vocabulary with (--vocab-size %d)", padding, geo.vocab)
-        with OutputDirectory(output) as out:
-            out.write_json("config.json", hf_config(geo, str(dtype).replace("torch.", "")))
-            if tokenizer is not None:
-                _copy_tokenizer(out, tokenizer)
-            _write_tensors(source, rules, geo, planned, out.path, max_shard_bytes)
-    finally:
+        return ExportPlan(source, geo, rules, planned, dtype, tokenizer)
+    except BaseException:
         source.close()
-    log.info("exported %s (%s, %s) to %s", source.path, kind, geo.arch, output)
+        raise
+
+
+def write_metadata(plan: ExportPlan, directory: str, shards: list[list[Planned]] | None = None) -> None:
+    """config.json, the tokenizer's files and (given the `shards`) the index, into `directory`."""
+    write_json(directory, "config.json", hf_config(plan.geo, str(plan.dtype).replace("torch.", "")))
+    if plan.tokenizer is not None:
+        _copy_tokenizer(directory, plan.tokenizer)
+    if shards is not None:
+        write_index(directory, shards)
+
+
+def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, init_distributed=None, drop_mtp: bool = False,
+           progress: bool = True) -> str:
+    """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format);
+    `drop_mtp` leaves the run's multi-token prediction layers out; `progress`: a progress bar on a terminal."""
+    plan = plan_export(kind, path, tokenizer=tokenizer, init_distributed=init_distributed, drop_mtp=drop_mtp)
+    try:
+        with OutputDirectory(output) as out:
+            write_metadata(plan, out.path)
+            write_tensors(plan, out.path, plan.shards(max_shard_bytes), progress=progress)
+    finally:
+        plan.close()
+    log.info("exported %s (%s, %s) to %s", plan.source.path, kind, plan.geo.arch, output)
     return os.path.normpath(output)
 
 
-def _write_tensors(source, rules, geo, planned, directory: str, max_shard_bytes: int) -> None:
+def _progress_bar(total: int, shown: bool):
+    if not shown:
+        return contextlib.nullcontext(None)
     from tqdm import tqdm
-    shards = plan_shards(planned, max_shard_bytes)
-    with tqdm(total=sum(p.nbytes for p in planned), unit="B", unit_scale=True, desc="export",
-              disable=None) as bar:
-        writer = ShardedWriter(directory, shards, bar)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=None)
+
+
+def write_tensors(plan: ExportPlan, directory: str, shards: list[list[Planned]], mine: set[int] | None = None,
+                  progress: bool = False) -> None:
+    """The safetensors files of `shards` (only those numbered in `mine`, and then no index: each process of the
+    trainer's export writes its share); a megatron-core unit is read only when one of its tensors is to be written."""
+    wanted = None if mine is None else {e.name for k in mine for e in shards[k]}
+    total = sum(e.nbytes for k, shard in enumerate(shards) for e in shard if mine is None or k in mine)
+    source, geo = plan.source, plan.geo
+    with _progress_bar(total, progress) as bar:
+        writer = ShardedWriter(directory, shards, bar, mine)
         try:
-            for rule, index in _units(rules, geo):
+            for rule, index in _units(plan.rules, geo):
+                names = rule.names(index)
+                if wanted is not None and not wanted.intersection(names):
+                    continue
                 t = source.read(rule.megatron, rule.at + index)
                 if rule.vocab:
                     t = t[:geo.vocab]
-                for name, piece in zip(rule.names(index), rule.split(t)):
-                    writer.write(name, piece)
+                for name, piece in zip(names, rule.split(t)):
+                    if wanted is None or name in wanted:
+                        writer.write(name, piece)
                 del t
         except BaseException:
             writer.abort()

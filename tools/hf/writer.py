@@ -65,16 +65,32 @@ def _header(entries: list[Planned]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-class ShardedWriter:
-    """Takes the planned tensors in plan order; writes `model-0000k-of-0000n.safetensors` and the index."""
+def shard_files(shards: list[list[Planned]]) -> list[str]:
+    n = len(shards)
+    return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
-    def __init__(self, directory: str, shards: list[list[Planned]], progress=None):
+
+def write_index(directory: str, shards: list[list[Planned]]) -> None:
+    """model.safetensors.index.json: which file holds each tensor, and the total size."""
+    files = shard_files(shards)
+    weight_map = {e.name: files[k] for k, shard in enumerate(shards) for e in shard}
+    total = sum(e.nbytes for shard in shards for e in shard)
+    doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write_file(os.path.join(directory, INDEX), json.dumps(doc, indent=2).encode(), True)
+
+
+class ShardedWriter:
+    """Takes the planned tensors in plan order; writes `model-0000k-of-0000n.safetensors` and the index.
+
+    `mine`: only these shards (by index), and no index: several processes each write their share of one model's
+    files (the trainer's --save-hf), and one writes the index once all are done."""
+
+    def __init__(self, directory: str, shards: list[list[Planned]], progress=None, mine: set[int] | None = None):
         if sys.byteorder != "little":
             raise HFError("safetensors stores little-endian bytes; this host is big-endian")
-        self.directory, self.shards, self.progress = directory, shards, progress
-        n = len(shards)
-        self.files = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-        self._queue = [(k, e) for k, shard in enumerate(shards) for e in shard]
+        self.directory, self.shards, self.progress, self.mine = directory, shards, progress, mine
+        self.files = shard_files(shards)
+        self._queue = [(k, e) for k, shard in enumerate(shards) for e in shard if mine is None or k in mine]
         self._next = 0
         self._file = None
         self._shard = -1
@@ -111,15 +127,25 @@ class ShardedWriter:
         self._close_file()
         if self._next != len(self._queue):
             raise HFError(f"internal: {len(self._queue) - self._next} planned tensors were never written")
-        weight_map = {e.name: self.files[k] for k, e in self._queue}
-        total = sum(e.nbytes for _, e in self._queue)
-        doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_file(os.path.join(self.directory, INDEX), json.dumps(doc, indent=2).encode(), True)
+        if self.mine is None:
+            write_index(self.directory, self.shards)
 
     def abort(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def write_json(directory: str, name: str, doc: dict) -> None:
+    write_file(os.path.join(directory, name), (json.dumps(doc, indent=2) + "\n").encode(), True)
+
+
+def copy_in(directory: str, source: str) -> None:
+    """A copy of the file `source` in `directory`, fsynced."""
+    target = os.path.join(directory, os.path.basename(source))
+    shutil.copyfile(source, target)
+    with open(target, "rb") as f:
+        os.fsync(f.fileno())
 
 
 class OutputDirectory:
@@ -136,13 +162,10 @@ class OutputDirectory:
         return self
 
     def write_json(self, name: str, doc: dict) -> None:
-        write_file(os.path.join(self.path, name), (json.dumps(doc, indent=2) + "\n").encode(), True)
+        write_json(self.path, name, doc)
 
     def copy_in(self, source: str) -> None:
-        target = os.path.join(self.path, os.path.basename(source))
-        shutil.copyfile(source, target)
-        with open(target, "rb") as f:
-            os.fsync(f.fileno())
+        copy_in(self.path, source)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:

@@ -23,11 +23,13 @@ import time
 import torch
 
 from datastates import CheckpointError
-from datastates import LocalTier, SaveHandle, SaveStats, check_fits, iteration_of, job_id, node_of, read_latest
+from datastates import (LocalTier, SaveHandle, SaveStats, check_fits, checkpoint_dir, default_store, iteration_of,
+                        job_id, node_of, read_latest)
 from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
 from .formats import Written, format_class
+from .hf_publish import Exported, HFPublisher
 from .state import build_state, current_layout
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ class CheckpointManager:
         self._outside_engine_s: dict[SaveHandle, float] = {}  # each save's stall outside the engine
         self._published_before_run: int | None = None  # the tracker's iteration at this run's first save
         self._memory_iteration: int | None = None  # the iteration of the newest memory save
+        # --save-hf: the ranks export published checkpoints as transformers models, behind training
+        self.hf: HFPublisher | None = self._hf_publisher() if getattr(args, "save_hf", None) else None
+        self._save_called: dict[int, float] = {}
 
     def _memory_tier(self) -> LocalTier:
         """The node-local memory tier (`datastates.memory_tier`), after checking that it fits in memory."""
@@ -109,6 +114,10 @@ class CheckpointManager:
         if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
             self._published_before_run = read_latest(self.args.save)
         t0 = time.perf_counter()
+        if self.hf is not None:  # for the export's time from the save call to its model published
+            self._save_called[iteration] = t0
+            if len(self._save_called) > 64:  # saves never exported (between --save-hf-interval's) are dropped
+                del self._save_called[min(self._save_called)]
         state = self._state(iteration, consumed, wrap_common=self.checkpoint_format.wraps_common)
         self.agree_on_failures(iteration)
         memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
@@ -196,6 +205,9 @@ class CheckpointManager:
         for level, engine in self._engines():
             for handle in engine.maybe_finalize():
                 self._finished(level, handle)
+        if self.hf is not None:
+            for exported in self.hf.finished():
+                self._exported(exported)
 
     def _finished(self, level: str, handle: SaveHandle) -> None:
         iteration = iteration_of(handle.path)
@@ -205,6 +217,8 @@ class CheckpointManager:
         if handle.error is None:
             stall = outside + handle.stats.blocking_s
             self._record(iteration, handle.stats, stall, level)
+            if level == STORAGE and self.hf is not None and self.hf.due(iteration):
+                self.hf.submit(iteration, handle.path)
         elif level == MEMORY:
             log.warning("rank %d: memory checkpoint of iteration %d failed: %s", self.rank, iteration, handle.error)
         else:
@@ -217,10 +231,44 @@ class CheckpointManager:
         for handle in list(self._newest.values()):
             handle.join()
         self.maybe_finalize()
+        self._last_export()
         self.agree_on_failures(last)
         if self.tier is not None:
             self.tier.drain()
         self._log_summary()
+
+    # ----- --save-hf -----
+
+    def _hf_publisher(self) -> HFPublisher:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return HFPublisher(self.args, self.rank, world, default_store() if world > 1 else None)
+
+    def _last_export(self) -> None:
+        """The run's last published checkpoint is exported whatever --save-hf-interval says; every export waited
+        for (at the end of training, where the checkpoints are waited for too)."""
+        if self.hf is None:
+            return
+        published = [r["iteration"] for r in self.records if r["tier"] == STORAGE]
+        if published and self.hf.submitted != published[-1]:
+            self.hf.submit(published[-1], checkpoint_dir(self.args.save, published[-1]))
+        for exported in self.hf.drain():
+            self._exported(exported)
+
+    def _exported(self, exported: Exported) -> None:
+        called = self._save_called.pop(exported.iteration, None)
+        if exported.error is None:
+            durable = [r["durable_ms"] for r in self.records if r["iteration"] == exported.iteration and
+                       r["tier"] == STORAGE]
+            log.info("published the Hugging Face model of iteration %d: %s | export ms: %.2f | ms from the save "
+                     "call: %s | checkpoint's time to durable ms: %s", exported.iteration, exported.path,
+                     exported.seconds * 1e3, f"{(exported.at - called) * 1e3:.2f}" if called is not None else "?",
+                     f"{durable[-1]:.2f}" if durable else "?")
+        elif self.args.ckpt_on_failure == "stop":
+            self.failures.append((exported.iteration, exported.error))
+        else:
+            log.warning("rank %d: the Hugging Face export of iteration %d failed, training goes on "
+                        "(--ckpt-on-failure warn); the newest Hugging Face model is still %s: %s", self.rank,
+                        exported.iteration, exported.newest, exported.error)
 
     # ----- failures -----
 
@@ -294,6 +342,8 @@ class CheckpointManager:
             log.error("rank %d: a checkpoint still in flight at exit failed: %s", self.rank, e)
         if self.tier is not None:
             self.tier.close()
+        if self.hf is not None:
+            self.hf.close()
 
     def remove_memory_tier(self) -> None:
         """After close() on every rank (the caller's barrier): the finished job's memory tier goes."""

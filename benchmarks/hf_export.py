@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""--save-hf's cost, with the real trainer: the same run with and without a Hugging Face export at every checkpoint.
+
+    python benchmarks/hf_export.py [--quick] [--ranks N] [--out DIR]
+
+Reports (docs/huggingface.md, "Published while training"; issue 44's targets):
+- loop ratio: the median `elapsed time per iteration` (iterations 2..N) with the export over without it;
+- end-to-end ratio: first iteration's start to "> training done" (every checkpoint and export finished);
+- publish latency: from the save call to the model published, against the checkpoint's own time to durable
+  (the trainer's `published the Hugging Face model` line);
+- the export's own time in the trainer, and the offline converter on the same checkpoint: `convert_checkpoint.py
+  --to hf` as a process (wall) and its export call in this process;
+- peak host memory of the run's process tree (PSS, psutil) with and without, against the staging budget.
+Runs alternate (without, with, with, without, ...); medians over --rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RE_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
+RE_HF = re.compile(r"published the Hugging Face model of iteration\s+(\d+): \S+ \| export ms: ([\d.]+) \| ms from "
+                   r"the save call: ([\d.]+) \| checkpoint's time to durable ms: ([\d.]+)")
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--mock-data", "--lr", "1e-4", "--lr-decay-style", "constant",
+         "--log-interval", "1", "--seed", "1234"]
+FULL = ["--num-layers", "6", "--hidden-size", "512", "--ffn-hidden-size", "1408", "--num-attention-heads", "8",
+        "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "8192"]
+QUICK = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "704", "--num-attention-heads", "8",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "4096"]
+BUDGET_GB = 0.25
+
+
+def _command(ranks: int, flags: list[str]) -> tuple[list[str], dict]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    script = os.path.join(ROOT, "pretrain_gpt.py")
+    if ranks == 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29547", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        return [sys.executable, script, *flags], env
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), script,
+            *flags], env
+
+
+def one_run(ranks: int, flags: list[str], work: str, hf: bool, shard: int) -> dict:
+    """One training run; its iteration times, end-to-end time, export lines and peak memory."""
+    from common import MemorySampler
+    save, out = os.path.join(work, "ckpt"), os.path.join(work, "hf")
+    shutil.rmtree(save, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    flags = flags + ["--save", save]
+    if hf:
+        flags += ["--save-hf", out, "--save-hf-max-shard-size", str(shard)]
+    cmd, env = _command(ranks, flags)
+    memory = MemorySampler().start()  # this process's tree: the run's processes above this one's baseline
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    iters, exports, tail, first, done = {}, [], [], None, None
+    for line in proc.stdout:
+        now = time.perf_counter()
+        tail = (tail + [line])[-20:]
+        if m := RE_ITER.search(line):
+            iters[int(m[1])] = float(m[2])
+            if first is None:
+                first = now - float(m[2]) / 1e3
+        elif m := RE_HF.search(line):
+            exports.append({"iteration": int(m[1]), "export_ms": float(m[2]), "from_save_ms": float(m[3]),
+                            "durable_ms": float(m[4])})
+        elif "> training done" in line:
+            done = now
+    peak = memory.stop()
+    if proc.wait() != 0 or done is None:
+        raise SystemExit(f"the run failed ({'with' if hf else 'without'} --save-hf):\n" + "".join(tail))
+    return {"iters": iters, "total_s": done - first, "exports": exports, "peak_bytes": peak, "save": save}
+
+
+def offline(save: str, work: str, shard: int) -> tuple[float, float]:
+    """(the converter process's wall seconds, its export call's seconds in this process) on `save`'s latest."""
+    out = os.path.join(work, "offline")
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", "datastates",
+                    "--to", "hf", "--input", save, "--output", out, "--max-shard-size", str(shard)], check=True, cwd=ROOT, capture_output=True)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(out)
+    from tools.hf.export import export
+    t0 = time.perf_counter()
+    export("datastates", save, out, progress=False, max_shard_bytes=shard)
+    call = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return wall, call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller model, fewer iterations, one round")
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--out", default="/tmp/hf_export_bench")
+    ap.add_argument("--shard-mb", type=float, default=4.0,
+                    help="safetensors files of at most this size (spread over the ranks), in both exports [4]")
+    a = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    model, iters, interval = (QUICK, 8, 2) if a.quick else (FULL, 12, 2)
+    rounds = a.rounds or (1 if a.quick else 2)
+    shard = int(a.shard_mb * 2**20)
+    batch = str(2 * a.ranks)
+    flags = model + LLAMA + ["--micro-batch-size", "2", "--global-batch-size", batch, "--train-iters", str(iters),
+                             "--save-interval", str(interval), "--async-ckpt", "--ckpt-host-buffer-gb",
+                             str(BUDGET_GB)]
+    os.makedirs(a.out, exist_ok=True)
+    runs = {False: [], True: []}
+    for r in range(rounds):
+        for hf in ((False, True) if r % 2 == 0 else (True, False)):
+            runs[hf].append(one_run(a.ranks, flags, a.out, hf, shard))
+            print(f"round {r + 1}: {'with' if hf else 'without'} --save-hf: {runs[hf][-1]['total_s']:.2f} s",
+                  flush=True)
+    wall, call = offline(runs[True][-1]["save"], a.out, shard)
+
+    def loop(rs):
+        return statistics.median(ms for x in rs for i, ms in x["iters"].items() if i > 1)
+    exports = [e for x in runs[True] for e in x["exports"]]
+    print(f"\n{'quick: ' if a.quick else ''}{a.ranks} rank(s), {iters} iterations, a checkpoint (and an export) every "
+          f"{interval}, staging budget {BUDGET_GB} GiB, safetensors files of {a.shard_mb:g} MiB, rounds {rounds}")
+    print(f"loop: median iteration {loop(runs[True]):.1f} ms with, {loop(runs[False]):.1f} ms without: ratio "
+          f"{loop(runs[True]) / loop(runs[False]):.3f}")
+    tw, to = (statistics.median(x["total_s"] for x in runs[k]) for k in (True, False))
+    print(f"end to end (all checkpoints and exports done): {tw:.2f} s with, {to:.2f} s without: ratio {tw / to:.3f}")
+    print(f"exports: {len(exports)}; median export {statistics.median(e['export_ms'] for e in exports):.0f} ms; "
+          f"median from the save call to published {statistics.median(e['from_save_ms'] for e in exports):.0f} ms "
+          f"vs the checkpoint's time to durable {statistics.median(e['durable_ms'] for e in exports):.0f} ms: ratio "
+          f"{statistics.median(e['from_save_ms'] / e['durable_ms'] for e in exports):.2f}")
+    print(f"offline converter on the last checkpoint: {wall:.2f} s as a process, {call:.2f} s its export call "
+          f"(the trainer's export: {statistics.median(e['export_ms'] for e in exports) / 1e3:.2f} s)")
+    pw, po = (max(x["peak_bytes"] for x in runs[k]) for k in (True, False))
+    print(f"peak host memory (PSS of the process tree): {pw / 2**20:.0f} MiB with, {po / 2**20:.0f} MiB without: "
+          f"+{(pw - po) / 2**20:.0f} MiB (staging budget {BUDGET_GB * 1024:.0f} MiB per rank)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""--save-hf: transformers models published while training (megatron/training/checkpointing/hf_publish.py).
+
+A TP2 x PP2 run publishes a model at every checkpoint: each is byte for byte what `convert_checkpoint.py --to hf`
+writes from the checkpoint of the same iteration, transformers loads the newest and computes megatron-core's
+logits, `latest` names the newest, --save-hf-keep-last retires the oldest. A job SIGKILLed in the middle of an
+export leaves `latest` naming the previous complete model, and the next start removes the leftovers. What the
+offline tool refuses is refused at start-up.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_helpers import ROOT, TINY, torchrun, torchrun_command
+
+pytest.importorskip("transformers")
+
+from hf_helpers import TRAIN, assert_computes_as_megatron_core, convert, hf_model, reference  # noqa: E402
+from test_hf import tiny_tokenizer  # noqa: E402
+from trainer_kills import kill_tree  # noqa: E402
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--ffn-hidden-size", "96", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--group-query-attention", "--num-query-groups", "2"]
+
+
+SHARD = "100000"  # bytes: several safetensors files, written by different ranks
+
+
+def files_of(directory: str) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def assert_same_bytes(a: str, b: str) -> None:
+    fa, fb = files_of(a), files_of(b)
+    assert sorted(fa) == sorted(fb), (sorted(fa), sorted(fb))
+    assert sum(n.endswith(".safetensors") for n in fa) >= 2
+    for name in fa:
+        assert fa[name] == fb[name], f"{name} differs between {a} and {b}"
+
+
+def test_models_published_during_training_are_the_offline_tool_s(tmp_path):
+    save, hf, tok = str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(tmp_path / "tok")
+    tiny_tokenizer(tok)
+    train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
+    _, log = torchrun(4, MODEL + train + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                          "--save", save, "--save-interval", "2", "--async-ckpt", "--save-hf", hf,
+                                          "--save-hf-tokenizer", tok, "--save-hf-keep-last", "2",
+                                          "--save-hf-max-shard-size", SHARD])
+    assert "published the Hugging Face model of iteration 6" in log, log[-3000:]
+    # keep-last 2: iteration 2's model retired, 4 and 6 complete, latest names 6, nothing else left
+    assert sorted(os.listdir(hf)) == ["iter_0000004", "iter_0000006", "latest"], os.listdir(hf)
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000006\n"
+    for it in (4, 6):
+        offline = str(tmp_path / f"offline_{it}")
+        convert("--from", "datastates", "--to", "hf", "--input", os.path.join(save, f"iter_{it:07d}"),
+                "--output", offline, "--tokenizer", tok, "--max-shard-size", SHARD)
+        assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
+    ref = reference(save, str(tmp_path / "reference.pt"), MODEL + TRAIN)  # the newest checkpoint: 6
+    assert_computes_as_megatron_core(hf_model(os.path.join(hf, "iter_0000006")), ref)
+
+
+def refusal(tmp_path, *flags: str) -> str:
+    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.validation import validate_args
+    sys.path.insert(0, ROOT)
+    argv = TINY + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2", *flags]
+    with pytest.raises(ArgumentError) as e:
+        validate_args(parse_args(argv=argv), 1, cuda=False)
+    return str(e.value)
+
+
+def test_what_the_export_refuses_is_refused_at_start_up(tmp_path):
+    hf = str(tmp_path / "hf")
+    # the default GPT with RoPE: no transformers class computes it (the offline tool's own message)
+    message = refusal(tmp_path, "--save-hf", hf, "--position-embedding-type", "rope")
+    assert "no transformers architecture computes this model exactly" in message and "GPT-2" in message, message
+    assert "--save-hf-interval 3 is not a multiple of --save-interval 2" in refusal(
+        tmp_path, "--save-hf", hf, "--save-hf-interval", "3")
+    assert "is not a directory holding any of the tokenizer files" in refusal(
+        tmp_path, "--save-hf", hf, "--save-hf-tokenizer", str(tmp_path))
+    assert "only a file system path" in refusal(tmp_path, "--save-hf", "s3://bucket/hf")
+    assert "--save-hf-keep-last given without --save-hf" in refusal(tmp_path, "--save-hf-keep-last", "1")
+    assert not os.path.exists(hf)
+
+
+LARGER = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "32",
+          "--vocab-size", "8000", "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-3",
+          "--mock-data", "--seed", "1234", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+          "--swiglu", "--ffn-hidden-size", "512", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
+def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path):
+    """SIGKILL the whole job as soon as a second export is under way: `latest` still names the first complete
+    model, and the next start (a resume with --save-hf) removes the half-written one before any export."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    flags = LARGER + ["--train-iters", "40", "--save", save, "--save-interval", "1", "--async-ckpt",
+                      "--save-hf", hf, "--save-hf-keep-last", "1", "--no-save-optim",
+                      "--save-hf-max-shard-size", "4000000"]
+    cmd, env = torchrun_command(1, flags)
+    job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    partial, deadline = None, time.monotonic() + 180
+    try:
+        while partial is None and job.poll() is None and time.monotonic() < deadline:
+            names = os.listdir(hf) if os.path.isdir(hf) else []
+            if "latest" in names:
+                partial = next((n for n in names if n.endswith(".partial")), None)
+            time.sleep(0.002)
+    finally:
+        kill_tree(job.pid)  # torchrun's workers run in sessions of their own: the whole tree, frozen, then killed
+        job.wait()
+    assert partial is not None, "no export was seen under way"
+    newest = open(os.path.join(hf, "latest")).read().strip()
+    assert newest != partial.split(".")[0] and os.path.isfile(
+        os.path.join(hf, newest, "model.safetensors.index.json"))
+    assert os.path.isdir(os.path.join(hf, partial))  # what the kill left
+    flags[flags.index("--train-iters") + 1] = "1"  # restart: nothing left to train; only the start-up clean-up
+    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])
+    assert f"removed the leftovers of an unfinished export: {os.path.join(hf, partial)}" in out, out[-3000:]
+    assert not [n for n in os.listdir(hf) if ".partial" in n or ".deleting" in n]
+
+
+def test_an_ep2_mixtral_in_bf16_saved_synchronously(tmp_path):
+    """Experts spread over 2 ranks (EP2, distributed optimizer), bf16 weights, a synchronous save: the model
+    published at the end of the run is the tool's bytes, a bf16 MixtralForCausalLM."""
+    from test_hf_moe import MIXTRAL
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    torchrun(2, MIXTRAL + TRAIN + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
+                                   "--save", save, "--save-interval", "2", "--save-hf", hf,
+                                   "--save-hf-max-shard-size", SHARD])
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n"
+    offline = str(tmp_path / "offline")
+    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
+    assert_same_bytes(os.path.join(hf, "iter_0000002"), offline)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(hf, "iter_0000002"))
+    assert type(model).__name__ == "MixtralForCausalLM" and model.dtype == torch.bfloat16
+
+
+def test_a_failed_export_warns_and_training_goes_on(tmp_path):
+    """--ckpt-on-failure warn: iteration 4's model cannot be published (a file already holds its name), so its
+    export fails; training goes on, the warning names the model that stays newest, iteration 6's is published, and
+    nothing of the failed export is left."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    os.makedirs(hf)
+    open(os.path.join(hf, "iter_0000004"), "w").close()
+    _, log = torchrun(1, TINY + ["--train-iters", "6", "--global-batch-size", "2", "--save", save,
+                                 "--save-interval", "2", "--async-ckpt", "--ckpt-on-failure", "warn", "--save-hf", hf,
+                                 "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                                 "--disable-bias-linear"])
+    assert ("the Hugging Face export of iteration 4 failed, training goes on (--ckpt-on-failure warn); the newest "
+            f"Hugging Face model is still {os.path.join(hf, 'iter_0000002')}") in log, log[-3000:]
+    assert "training done at iteration 6" in log
+    assert sorted(os.listdir(hf)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000006\n"
+    assert os.path.isfile(os.path.join(hf, "iter_0000004"))  # the file is as it was; no .partial left

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datastates import CheckpointEngine, PosixOptions, read_json, layout, tracker  # noqa: E402
+from datastates import (METADATA, TRACKER, CheckpointEngine, PosixOptions, checkpoint_dir,  # noqa: E402
+                        published_iterations, read_json, read_latest)
 
 RSS_SLACK = 96 << 20  # interpreter, threads, pickles, page-table noise
 
@@ -56,7 +57,7 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
     stop = threading.Event()
 
     def poll():
-        tracker = os.path.join(root, layout.TRACKER)
+        tracker = os.path.join(root, TRACKER)
         last_rss = 0.0
         while not stop.is_set():
             try:
@@ -84,7 +85,7 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
                 t0 = time.perf_counter()
                 eng.wait_for_snapshot()  # the fence before the "optimizer step"
                 _mutate(state, it)
-                eng.save(state, layout.checkpoint_dir(root, it))
+                eng.save(state, checkpoint_dir(root, it))
                 blocking.append(time.perf_counter() - t0)
                 for h in eng.maybe_finalize() or []:
                     if getattr(h, "error", None) is not None:
@@ -108,7 +109,7 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
     if errors:
         raise errors[0]
     if not res["deadlock"]:
-        trackers_final = tracker.read_latest(root)
+        trackers_final = read_latest(root)
         if not trackers or trackers[-1] != trackers_final:
             trackers.append(trackers_final)
     res.update(
@@ -121,10 +122,10 @@ def run(root: str, state_mb: float = 512, budget_mb: float = 64, iters: int = 20
         blocking_mean_s=sum(blocking) / max(1, len(blocking)), blocking_max_s=max(blocking, default=0.0),
         tracker_values=trackers,
         tracker_monotonic=all(a < b for a, b in zip(trackers, trackers[1:])),
-        latest=tracker.read_latest(root),
+        latest=read_latest(root),
     )
-    published = tracker.published_iterations(root)
-    created = [read_json(os.path.join(layout.checkpoint_dir(root, i), layout.METADATA), "metadata")["created_unix"]
+    published = published_iterations(root)
+    created = [read_json(os.path.join(checkpoint_dir(root, i), METADATA), "metadata")["created_unix"]
                for i in published]
     res["published"] = published
     res["publish_order_ok"] = all(a < b for a, b in zip(created, created[1:])) and res["tracker_monotonic"]

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datastates import CheckpointEngine, CheckpointReader, layout, storage_for
-from datastates.codecs import CODECS, group_bytes, ungroup_bytes
+from datastates import CheckpointEngine, CheckpointReader, checkpoint_dir, data_file, join_path, storage_for
+from datastates.codecs import CODECS, group_bytes, ungroup_bytes  # the internal measured: the codecs themselves
 
 GB = 1e9
 
@@ -138,7 +138,7 @@ def loop_ratio(eng: CheckpointEngine, root: str, state: dict, first: int, iters:
     for i in range(iters):
         eng.wait_for_snapshot()
         time.sleep(step_s)
-        eng.save(state, layout.checkpoint_dir(root, first + i))
+        eng.save(state, checkpoint_dir(root, first + i))
     eng.wait()
     return (time.perf_counter() - t0) / (iters * step_s)
 
@@ -168,11 +168,11 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, 
                     storage = storage_for(root)
                     with CheckpointEngine(host_buffer_bytes=budget, storage=storage, compress=compress,
                                           keep_last=2) as eng:
-                        ckpt = layout.checkpoint_dir(root, 1 + rep)
+                        ckpt = checkpoint_dir(root, 1 + rep)
                         t0 = time.perf_counter()
                         eng.save(state, ckpt).wait()
                         durable = time.perf_counter() - t0
-                        stored = storage.size(layout.join(ckpt, layout.data_file(0)))
+                        stored = storage.size(join_path(ckpt, data_file(0)))
                         if where == "file system":
                             evict_tree(ckpt)
                         t0 = time.perf_counter()

@@ -144,8 +144,8 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
     against mapped (copied straight into the reused pages of SharedMemoryStorage). CPU seconds of the process
     per save, snapshot and durable times."""
     import torch
-    from datastates import CheckpointEngine, PosixOptions, layout
-    from datastates.storage import SharedMemoryStorage
+    from datastates import CheckpointEngine, PosixOptions, checkpoint_dir
+    from datastates.storage import SharedMemoryStorage  # the internal measured: the memory tier's backend
     state = {f"t{i}": torch.randn(SIZES["save_numel"], generator=torch.Generator().manual_seed(i))
              for i in range(SIZES["save_tensors"])}
     res: dict[str, list] = {"staged": [], "mapped": []}
@@ -157,8 +157,8 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
                                    else PosixOptions(fsync=False, direct_io="off"))
             for it in range(1, 11):
                 cpu0 = time.process_time()
-                stats = eng.save(state, layout.checkpoint_dir(root, it)).wait()
-                retired = layout.checkpoint_dir(root, it - 2)  # keep_last=2: this save retires that one
+                stats = eng.save(state, checkpoint_dir(root, it)).wait()
+                retired = checkpoint_dir(root, it - 2)  # keep_last=2: this save retires that one
                 while it > 2 and os.path.exists(retired):  # its deletion belongs to this save's cost
                     time.sleep(0.001)
                 if it > 3:

@@ -24,8 +24,7 @@ from object_store_peers import PEERS, init_single_rank  # noqa: E402
 from object_store_raw import boto3_raw  # noqa: E402
 from s3_store import S3Store  # noqa: E402
 
-from datastates import CheckpointEngine, layout  # noqa: E402
-from datastates.storage import storage_for  # noqa: E402
+from datastates import CheckpointEngine, checkpoint_dir, storage_for  # noqa: E402
 
 
 class Raw:
@@ -66,7 +65,7 @@ class Engine:
                                                         read_threads=threads))
 
     def save(self, key):
-        handle = self.eng.save(self.state, layout.checkpoint_dir(f"s3://{self.bucket}/{key}", 1))
+        handle = self.eng.save(self.state, checkpoint_dir(f"s3://{self.bucket}/{key}", 1))
         if self.lazy:
             self.eng.wait_for_snapshot()
         else:

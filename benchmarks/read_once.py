@@ -41,8 +41,8 @@ def _state(rank: int, world: int, params: int, fill: bool) -> dict:
 
 
 def _rank(rank: int, world: int, port: int, args, out) -> None:
-    from datastates import CheckpointEngine, format as fmt
-    from datastates.exchange import Exchange
+    from datastates import CheckpointEngine, Exchange
+    from datastates import format as fmt  # an internal: the skeleton item's id, left out of the unique bytes
     from datastates.megatron import ReplicaOwnership, load_sharded, make_registry, save_sharded
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", rank=rank, world_size=world, store=store)

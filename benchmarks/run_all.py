@@ -145,7 +145,7 @@ def main():
     except Exception:
         mcore = "?"
     try:
-        from datastates.storage import DEFAULT_READ_THREADS as read_threads
+        from datastates import DEFAULT_READ_THREADS as read_threads
     except ImportError:  # the engine may not exist yet in a fresh tree
         read_threads = "?"
     meta = {

@@ -58,7 +58,7 @@ WORLD = [0]  # the simulated world size, for the provider below
 
 def _registry():
     """A rank's row ("row", rank, tensor) is a global item, as a megatron ShardedTensor would be."""
-    from datastates.providers import ProviderRegistry, StateProvider, default_registry
+    from datastates import ProviderRegistry, StateProvider, default_registry
 
     class RowProvider(StateProvider):
         def accepts(self, value):
@@ -88,7 +88,7 @@ def _mark(label: str) -> None:
 def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
     """A real engine as rank 0 or 1: save `iters` checkpoints, then (rank 1) load its row back."""
     import torch
-    from datastates import CheckpointEngine, PosixOptions, layout
+    from datastates import CheckpointEngine, PosixOptions, checkpoint_dir
     WORLD[0] = world
     store = _store(port)
     out = {}
@@ -98,7 +98,7 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
         for it in range(1, iters + 1):
             store.wait([f"go/{it}"])
             _mark(f"save{it}-begin")
-            eng.save({"w": ("row", rank, _row(rank))}, layout.checkpoint_dir(root, it))
+            eng.save({"w": ("row", rank, _row(rank))}, checkpoint_dir(root, it))
             stats = eng.wait()[0]
             _mark(f"save{it}-end")
         out.update(publish_s=stats.publish_s, durable_s=stats.durable_s)
@@ -115,7 +115,9 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
 
 def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, queue) -> None:
     """Lightweight ranks: the real file layout and the real Coordinator, without an engine's threads."""
-    from datastates import _native, layout, write_file, format as fmt
+    from datastates import checkpoint_dir, data_file, manifest_file, partial_dir, write_file
+    # the internals measured: a rank's report as the engine makes it (crc32c, records, signed manifest, Coordinator)
+    from datastates import _native, format as fmt
     from datastates.coordination import Coordinator
     from datastates.schema import Item, Kind, Manifest, Scope
     store = _store(port)
@@ -123,18 +125,18 @@ def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, 
     times = []
     for it in range(1, iters + 1):
         store.wait([f"go/{it}"])
-        partial = layout.partial_dir(layout.checkpoint_dir(root, it))
+        partial = partial_dir(checkpoint_dir(root, it))
         for r in ranks:
             t0 = time.perf_counter()
             os.makedirs(partial, exist_ok=True)
             data = _row(r).numpy().tobytes()
-            with open(os.path.join(partial, layout.data_file(r)), "wb") as f:
+            with open(os.path.join(partial, data_file(r)), "wb") as f:
                 f.write(data)
                 os.fsync(f.fileno())
             item = Item(f"w@{r}", Kind.TENSOR, Scope.GLOBAL, "w", "float32", (1, ROW), (world, ROW), (r, 0),
                         offset=0, nbytes=len(data), chunk_bytes=len(data), crcs=[_native.crc32c(data)])
             manifest = fmt.signed_manifest(Manifest.written(r, world, len(data), False, [item]))
-            write_file(os.path.join(partial, layout.manifest_file(r)), fmt.encode_json(manifest), fsync=True)
+            write_file(os.path.join(partial, manifest_file(r)), fmt.encode_json(manifest), fsync=True)
             coords[r].report(it, manifest, None)
             times.append(time.perf_counter() - t0)
         for r in ranks:

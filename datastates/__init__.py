@@ -3,39 +3,61 @@
 The public API is what `__all__` names, plus three public modules: `datastates.megatron` (the adapter to
 megatron-core's sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core)
 and `datastates.logs`. Every other module is the engine's own and may change (docs/architecture.md, "Public API";
-tests/test_import_contract.py holds the tools to it).
+tests/test_import_contract.py holds the trainer, the tools and the benchmarks to it).
 """
 from . import _native  # noqa: F401  (the native writer is required, never optional)
 from .audit import RANK_FILE_RE, Audit, NotACheckpointError, audit_checkpoint, box_str
+from .codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
+from .coordination import default_store
 from .engine import CheckpointEngine
+from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
-from .layout import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, iteration_of, manifest_file,
+from .layout import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, data_file, iteration_of, manifest_file,
                      partial_dir)
+from .memory_tier import LocalTier, check_fits, job_id, node_of
 from .problems import Problem, Problems
-from .providers import ProviderRegistry, StateProvider, register_provider
+from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
+from .reads import LoadStats
 from .restore import CheckpointReader
+from .save_root import holds_legacy
 from .schema import Box, dtype_from_name
 from .copies import built_on_copy
-from .layout import normalize as normalize_path, scheme as url_scheme
-from .storage import PosixOptions, Storage, read_index, read_json, storage_for
+from .layout import join as join_path, normalize as normalize_path, scheme as url_scheme
+from .storage import DEFAULT_READ_THREADS, PosixOptions, Storage, read_index, read_json, storage_for
 from .storage.posix import fsync_dir, write_file
-from .tracker import Latest, find_latest, is_published, write_latest
+from .tracker import Latest, clean_leftovers, find_latest, is_published, published_iterations, read_latest, write_latest
 
 __all__ = [
     # saving and loading
     "CheckpointEngine", "PosixOptions", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider",
     "register_provider",
+    "default_registry",  # the built-in providers, which one engine's own registry extends (ProviderRegistry(...))
     "built_on_copy",
+    # what CheckpointEngine(compress=) takes, and the codec `auto` picks (the trainer's --ckpt-compress and its help)
+    "CODEC_SETTINGS", "AUTO_CODEC",
+    # a client of the default process group's store: the ranks' own agreement beside the engine's (the trainer's
+    # Hugging Face publisher)
+    "default_store",
+    # a load's reads passed between ranks (--ckpt-fully-parallel-load: load_sharded's exchange), and what a load read
+    "Exchange", "LoadStats",
     # reading and checking one checkpoint
     "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",
     # errors
     "CheckpointError", "CheckpointCorruptError", "CheckpointTimeoutError", "NotACheckpointError",
     # a save root's layout: iteration directories, the tracker, a checkpoint's files
     "checkpoint_dir", "iteration_of", "partial_dir", "is_published", "find_latest", "Latest", "write_latest",
-    "TRACKER", "PARTIAL", "DELETING", "METADATA", "manifest_file", "RANK_FILE_RE", "read_index",
+    "TRACKER", "PARTIAL", "DELETING", "METADATA", "manifest_file", "data_file", "RANK_FILE_RE", "read_index",
+    # the tracker read as an iteration, the published iterations, and a run's clean-up before its first save
+    "read_latest", "published_iterations", "clean_leftovers",
+    # Megatron's legacy torch format detected as the tracker detects it (the trainer's torch format)
+    "holds_legacy",
     # small files written durably (the tools' other formats), JSON read with a clear error
     "write_file", "fsync_dir", "read_json",
     # where checkpoints live: the backend a path or URL names (s3://, msc://, a file system), paths and URLs alike
-    "storage_for", "Storage", "url_scheme", "normalize_path",
+    "storage_for", "Storage", "url_scheme", "normalize_path", "join_path",
+    # a storage's reads in flight when not told (the trainer's --ckpt-read-threads default)
+    "DEFAULT_READ_THREADS",
+    # the node-local memory tier (--non-persistent-*): the tier, the check that it fits, whose it is, a rank's node
+    "LocalTier", "check_fits", "job_id", "node_of",
 ]

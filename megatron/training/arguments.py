@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from datastates.codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
+from datastates import AUTO_CODEC, CODEC_SETTINGS
 
 from .latent_attention import add_mla_args
 from .moe import add_moe_args

@@ -31,9 +31,9 @@ def saved_args(load_dir: str) -> tuple[argparse.Namespace, str]:
     """(the args saved in the newest checkpoint under `load_dir`, its directory)."""
     from contextlib import closing
 
-    from datastates import tracker
+    from datastates import find_latest
     from .checkpointing.formats import detect
-    latest = tracker.find_latest(load_dir)
+    latest = find_latest(load_dir)
     if latest.path is None:
         raise ArgumentError(f"--use-checkpoint-args: {latest.why_none()}")
     with closing(detect(latest.path).alone()) as ckpt_format:

@@ -13,7 +13,7 @@ import time
 
 import torch.distributed as dist
 
-from datastates.errors import CheckpointTimeoutError
+from datastates import CheckpointTimeoutError
 
 # A rank that lost a peer waits this long before it fails: the peer that died first has exited by then and
 # torchrun, which polls its workers every --monitor-interval (0.1 s), stops this rank and reports the peer's

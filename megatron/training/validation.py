@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from datastates.layout import scheme
+from datastates import TRACKER, CheckpointError, find_latest, join_path, normalize_path, storage_for, url_scheme
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla
@@ -24,11 +24,10 @@ def _require(args, *names):
 
 def _loadable(path: str) -> tuple[bool, str]:
     """Whether --load points at something this trainer can load, and why not."""
-    if scheme(path) is None and not os.path.isdir(path):
+    if url_scheme(path) is None and not os.path.isdir(path):
         return False, f"--load {path!r} does not exist or is not a directory"
-    from datastates import CheckpointError, tracker  # the one reader of the tracker; only when --load is given
     try:
-        latest = tracker.find_latest(path)
+        latest = find_latest(path)
     except CheckpointError as e:  # an unreadable tracker
         return False, f"--load {path!r}: {e}"
     return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
@@ -38,11 +37,9 @@ def _validate_object_stores(args) -> None:
     """s3:// and msc:// on --save and --load (each on any storage: a run loads from one and saves to another): the
     datastates format, or torch_dist on msc:// where megatron-core writes through multi-storage-client, and a
     store that answers (credentials, bucket, endpoint) before any work."""
-    urls = [(flag, path) for flag, path in (("--save", args.save), ("--load", args.load)) if path and scheme(path)]
+    urls = [(flag, path) for flag, path in (("--save", args.save), ("--load", args.load)) if path and url_scheme(path)]
     if not urls:
         return
-    from datastates import CheckpointError
-    from datastates.storage import storage_for
     for flag, path in urls:
         if args.ckpt_format == "torch":
             raise ArgumentError(f"{flag} {path!r}: --ckpt-format torch writes local files (torch.save); object "
@@ -226,11 +223,9 @@ def _validate_checkpointing(args, world_size: int) -> None:
 def _validate_load(args) -> None:
     """--load points at something loadable, or is the fresh "resume if possible" --load equal to --save."""
     if args.load is not None:
-        from datastates import layout
-        from datastates.storage import storage_for
         ok, why = _loadable(args.load)
-        fresh = (layout.normalize(args.load) == layout.normalize(args.save or ".")
-                 and not storage_for(args.load).exists(layout.join(args.load, layout.TRACKER)))
+        fresh = (normalize_path(args.load) == normalize_path(args.save or ".")
+                 and not storage_for(args.load).exists(join_path(args.load, TRACKER)))
         if not ok and (args.exit_on_missing_checkpoint or not fresh):
             # Megatron starts from scratch when --load equals --save and nothing was saved there yet (the usual
             # "resume if possible" launch); anything else that points at nothing loadable is an error.

@@ -24,11 +24,8 @@ import torch
 from megatron.core import parallel_state as ps
 
 from datastates import CheckpointEngine, CheckpointError
-from datastates import layout, save_root, tracker
-from datastates.exchange import Exchange
-from datastates.pipeline import SaveHandle
-from datastates.reads import LoadStats
-from datastates.storage import DEFAULT_READ_THREADS, storage_for
+from datastates import (DEFAULT_READ_THREADS, METADATA, Exchange, LoadStats, SaveHandle, checkpoint_dir,
+                        clean_leftovers, data_file, holds_legacy, join_path, storage_for, url_scheme, write_latest)
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
 from ..virtual_pipeline import chunk_keys
@@ -78,10 +75,10 @@ class CheckpointFormat:
         """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
         the background, else `Written` once it is durable and published. `from_save`: the memory tier's save
         of the same state, to write from (given only to a format that `writes_from_pages`)."""
-        nbytes = self.write(state, layout.checkpoint_dir(self.args.save, iteration))
+        nbytes = self.write(state, checkpoint_dir(self.args.save, iteration))
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
-            tracker.write_latest(self.args.save, iteration, fsync=self.args.ckpt_fsync)
+            write_latest(self.args.save, iteration, fsync=self.args.ckpt_fsync)
         return Written(nbytes)
 
     def write(self, state: dict, ckpt_dir: str) -> int:
@@ -146,11 +143,11 @@ class DatastatesFormat(CheckpointFormat):
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:  # told apart without reading the index (the engine reads it once, later)
         storage = storage_for(ckpt_dir)
-        return storage.exists(layout.join(ckpt_dir, layout.METADATA)) and \
-            storage.exists(layout.join(ckpt_dir, layout.data_file(0)))
+        return storage.exists(join_path(ckpt_dir, METADATA)) and \
+            storage.exists(join_path(ckpt_dir, data_file(0)))
 
     def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None) -> SaveHandle:
-        return save_sharded(self.engine, state, layout.checkpoint_dir(self.args.save, iteration),
+        return save_sharded(self.engine, state, checkpoint_dir(self.args.save, iteration),
                             ownership=self.ownership, from_save=from_save)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
@@ -167,7 +164,7 @@ class DatastatesFormat(CheckpointFormat):
             return None
         on = self.args.ckpt_fully_parallel_load
         if on is None:
-            on = layout.scheme(ckpt_dir) is not None
+            on = url_scheme(ckpt_dir) is not None
         return Exchange(self.ownership.group, self.args.ckpt_publish_timeout_s) if on else None
 
     def saved_common(self, ckpt_dir: str) -> dict:
@@ -226,7 +223,7 @@ def _through_msc(path: str):
     turns it on whenever multi-storage-client is installed, 0.19 leaves it off until upstream's --enable-msc
     turns it on. Scoped to msc:// paths, it leaves local torch_dist saves and loads as each release does them.
     (--disable-msc refuses msc:// paths before any work: validation.)"""
-    if layout.scheme(path) != "msc":
+    if url_scheme(path) != "msc":
         yield
         return
     why = mcore_msc_missing()
@@ -253,8 +250,7 @@ class TorchDistFormat(CheckpointFormat):
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:
         try:
-            return "sharded_backend" in json.loads(storage_for(ckpt_dir).read_bytes(layout.join(ckpt_dir,
-                                                                                              layout.METADATA)))
+            return "sharded_backend" in json.loads(storage_for(ckpt_dir).read_bytes(join_path(ckpt_dir, METADATA)))
         except (OSError, ValueError):
             return False
 
@@ -265,7 +261,7 @@ class TorchDistFormat(CheckpointFormat):
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
         nbytes = state_nbytes(state)
-        if torch.distributed.get_rank() == 0 and layout.scheme(ckpt_dir) is None:  # an object store has no dirs
+        if torch.distributed.get_rank() == 0 and url_scheme(ckpt_dir) is None:  # an object store has no dirs
             os.makedirs(ckpt_dir, exist_ok=True)
         torch.distributed.barrier()
         if self._save_strategy is None:
@@ -306,7 +302,7 @@ class TorchFormat(CheckpointFormat):
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:
-        return save_root.holds_legacy(storage_for(ckpt_dir), ckpt_dir)
+        return holds_legacy(storage_for(ckpt_dir), ckpt_dir)
 
     def write(self, state: dict, ckpt_dir: str) -> int:
         nbytes = state_nbytes(state)
@@ -379,7 +375,7 @@ def _legacy_file(ckpt_dir: str) -> str:
 def storage_of(path: str) -> tuple[str, str] | None:
     """Which storage `path` is on: None for the file system, else its scheme and, for msc://, the profile (which
     has its own endpoint); every s3:// bucket is reached through one client."""
-    scheme = layout.scheme(path)
+    scheme = url_scheme(path)
     return (scheme, path.split("://", 1)[1].split("/")[0] if scheme == "msc" else "") if scheme else None
 
 
@@ -400,7 +396,7 @@ def _clean_leftovers(save_dir: str) -> None:
     """Remove what saves killed before publication left behind; one rank, while no one saves."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
-        for path in tracker.clean_leftovers(save_dir):
+        for path in clean_leftovers(save_dir):
             log.info("removed the leftovers of an unfinished checkpoint: %s", path)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

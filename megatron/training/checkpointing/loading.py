@@ -7,9 +7,7 @@ import logging
 import os
 import time
 
-from datastates import CheckpointError, read_index
-from datastates import tracker
-from datastates.memory_tier import LocalTier
+from datastates import CheckpointError, LocalTier, find_latest, read_index
 
 from ..optimizer_state import chain_length, load_optimizer_state
 from ..virtual_pipeline import chunks_sharded_state_dict, load_chunks
@@ -32,7 +30,7 @@ class CheckpointLoader:
         args = self.args
         if args.load is None:
             return 0, 0
-        latest = tracker.find_latest(args.load)
+        latest = find_latest(args.load)
         in_storage = latest.iteration if isinstance(latest.iteration, int) else None
         if self.tier is not None:
             local = self.tier.choose(in_storage)

@@ -23,10 +23,8 @@ import time
 import torch
 
 from datastates import CheckpointError
-from datastates import layout, tracker
-from datastates.coordination import default_store
-from datastates.pipeline import SaveHandle, SaveStats
-from datastates.memory_tier import LocalTier, check_fits, job_id, node_of
+from datastates import (LocalTier, SaveHandle, SaveStats, check_fits, checkpoint_dir, default_store, iteration_of,
+                        job_id, node_of, read_latest)
 from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
@@ -114,7 +112,7 @@ class CheckpointManager:
     def save(self, iteration: int, consumed: int) -> None:
         """Checkpoint `iteration` to --save; in LAZY_ASYNC mode this returns before anything is copied."""
         if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
-            self._published_before_run = tracker.read_latest(self.args.save)
+            self._published_before_run = read_latest(self.args.save)
         t0 = time.perf_counter()
         if self.hf is not None:  # for the export's time from the save call to its model published
             self._save_called[iteration] = t0
@@ -212,7 +210,7 @@ class CheckpointManager:
                 self._exported(exported)
 
     def _finished(self, level: str, handle: SaveHandle) -> None:
-        iteration = layout.iteration_of(handle.path)
+        iteration = iteration_of(handle.path)
         if self._newest.get(level) is handle:
             del self._newest[level]
         outside = self._outside_engine_s.pop(handle, 0.0)
@@ -229,7 +227,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait until every pending save is durable and published; log them and a cross-rank summary."""
         newest = self._newest.get(STORAGE)
-        last = layout.iteration_of(newest.path) if newest is not None else -1
+        last = iteration_of(newest.path) if newest is not None else -1
         for handle in list(self._newest.values()):
             handle.join()
         self.maybe_finalize()
@@ -252,7 +250,7 @@ class CheckpointManager:
             return
         published = [r["iteration"] for r in self.records if r["tier"] == STORAGE]
         if published and self.hf.submitted != published[-1]:
-            self.hf.submit(published[-1], layout.checkpoint_dir(self.args.save, published[-1]))
+            self.hf.submit(published[-1], checkpoint_dir(self.args.save, published[-1]))
         for exported in self.hf.drain():
             self._exported(exported)
 

@@ -7,6 +7,10 @@ by name (read_once.py, worker.py), reads its argv itself (gpu_figures.py), or se
 SeaweedFS it starts in its own environment (compression.py --engine, object_store*.py). A script is skipped
 only where it needs an optional package this venv lacks, named in the skip (matplotlib draws the figures of
 run_all.py, report.py and scale.py; object_store.py's peers need s3fs and s3torchconnector).
+
+The scripts that start the trainer or a campaign of several systems (run_all, read_once and the compression
+measurements on its checkpoint, memory_tier, restart, trainer_syscalls, hf_export) start it several times
+each, about 5 minutes in all on a 2-core machine: beyond CI's budget, they run with DS_TEST_ALL_BENCHMARKS=1.
 """
 import importlib.util
 import json
@@ -20,6 +24,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 NUM = r"(\d+\.\d+)"
+# the scripts that start the trainer or a whole campaign: minutes, so behind a flag
+slow = pytest.mark.skipif(os.environ.get("DS_TEST_ALL_BENCHMARKS") != "1",
+                          reason="starts the trainer or a campaign several times (minutes): DS_TEST_ALL_BENCHMARKS=1")
 
 
 def script(name):
@@ -99,6 +106,7 @@ def test_report(worker_out, tmp_path):
     assert os.listdir(worker_out / "figures")
 
 
+@slow
 def test_run_all(tmp_path):
     pytest.importorskip("matplotlib", reason="run_all.py requires matplotlib (the bench extra) for its figures")
     run("run_all", "--quick", "--systems", "engine_sync,engine_lazy,torch_save", "--out", tmp_path)
@@ -125,6 +133,7 @@ def read_once_out(tmp_path_factory):
     return d, run("read_once", "--quick", "--dir", d)
 
 
+@slow
 def test_read_once(read_once_out):
     _, out = read_once_out
     rows = {r[1]: r for r in table_rows(out, "2")}
@@ -134,6 +143,7 @@ def test_read_once(read_once_out):
     assert float(rows["off"][5]) > 1.05, rows
 
 
+@slow
 def test_compression(read_once_out, tmp_path, capsys):
     ckpt = read_once_out[0] / "w2" / "iter_0000001"
     script("compression").main([str(ckpt), "--quick", "--json", str(tmp_path / "c.json")])
@@ -145,6 +155,7 @@ def test_compression(read_once_out, tmp_path, capsys):
     assert engine["bf16 weights"]["ratio"] > 1.1 and engine["all"]["compress_gbps"] > 0, engine
 
 
+@slow
 def test_compression_engine(read_once_out):
     out = run("compression", read_once_out[0] / "w2" / "iter_0000001", "--quick", "--engine")
     rows = {(r[0], r[1]): r for r in table_rows(out, "file system") + table_rows(out, "SeaweedFS")}
@@ -178,6 +189,7 @@ def test_scale(tmp_path):
     assert (tmp_path / "scale.png").exists()
 
 
+@slow
 def test_memory_tier(tmp_path):
     script("memory_tier").main(["--quick", "--out", str(tmp_path / "out"), "--memory-dir", str(tmp_path / "mem")])
     with open(tmp_path / "out" / "memory_tier.json") as f:
@@ -190,6 +202,7 @@ def test_memory_tier(tmp_path):
     assert set(res["save"]) == {"staged", "mapped"} and all(v["durable_s"] > 0 for v in res["save"].values())
 
 
+@slow
 def test_restart(tmp_path):
     script("restart").main(["--quick", "--out", str(tmp_path)])
     with open(tmp_path / "restart.json") as f:
@@ -201,6 +214,7 @@ def test_restart(tmp_path):
     assert res["target_s"] > 0 and res["cold_start_s"][0] > 0
 
 
+@slow
 def test_trainer_syscalls(tmp_path, capsys):
     script("trainer_syscalls").main(["--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -210,6 +224,7 @@ def test_trainer_syscalls(tmp_path, capsys):
     assert all(float(steady) > 0 for _, steady, _ in lines), out
 
 
+@slow
 def test_hf_export(tmp_path, capsys):
     script("hf_export").main(["--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out

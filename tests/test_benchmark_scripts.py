@@ -9,8 +9,9 @@ only where it needs an optional package this venv lacks, named in the skip (matp
 run_all.py, report.py and scale.py; object_store.py's peers need s3fs and s3torchconnector).
 
 The scripts that start the trainer or a campaign of several systems (run_all, read_once and the compression
-measurements on its checkpoint, memory_tier, restart, trainer_syscalls, hf_export) start it several times
-each, about 5 minutes in all on a 2-core machine: beyond CI's budget, they run with DS_TEST_ALL_BENCHMARKS=1.
+measurements on its checkpoint, memory_tier, restart, trainer_syscalls, hf_export, and scale's simulated world
+of 16 with its torch_dist peer) take about 6 minutes in all on a 2-core machine, beyond CI's budget: they run
+with DS_TEST_ALL_BENCHMARKS=1.
 """
 import importlib.util
 import json
@@ -179,6 +180,7 @@ def test_object_store():
         assert re.search(rf"^{re.escape(name)}\s+{NUM}", out, re.M), out
 
 
+@slow
 def test_scale(tmp_path):
     pytest.importorskip("matplotlib", reason="scale.py requires matplotlib (the bench extra) for scale.png")
     run("scale", "--quick", "--out", tmp_path)

@@ -30,15 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
-from datastates import CheckpointError, checkpoint_dir, fsync_dir, iteration_of, url_scheme, write_file
+from datastates import (DELETING, PARTIAL, CheckpointError, checkpoint_dir, fsync_dir, iteration_of, partial_dir,
+                        url_scheme, write_file)
 
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
 NICE = 10  # the export thread's niceness: it yields the cores to training, the snapshot and the checkpoint's writes
-PARTIAL = ".partial"  # a model being written, by every rank, under this suffix
 INDEX = "model.safetensors.index.json"
-LEFTOVER_RE = re.compile(r"^iter_\d{7,}(\.partial(\.\d+)?|\.deleting)$")
+# a model being written (by every rank, under the checkpoints' own PARTIAL suffix) or retired (DELETING)
+LEFTOVER_RE = re.compile(rf"^iter_\d{{7,}}({re.escape(PARTIAL)}(\.\d+)?|{re.escape(DELETING)})$")
 
 
 @dataclass(frozen=True)
@@ -186,13 +187,13 @@ class HFPublisher:
         error = None
         if not published:
             try:
-                self._write_share(ckpt_dir, final + PARTIAL, publish=self.rank == 0)
+                self._write_share(ckpt_dir, partial_dir(final), publish=self.rank == 0)
             except Exception as e:  # noqa: BLE001 (reported to rank 0, which fails the export with it)
                 error = e
         try:
             self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
         except BaseException:
-            shutil.rmtree(final + PARTIAL, ignore_errors=True)
+            shutil.rmtree(partial_dir(final), ignore_errors=True)
             raise
         if self.rank != 0:
             return
@@ -200,10 +201,10 @@ class HFPublisher:
             log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
         else:
             try:
-                fsync_dir(final + PARTIAL)
-                os.rename(final + PARTIAL, final)
+                fsync_dir(partial_dir(final))
+                os.rename(partial_dir(final), final)
             except OSError:
-                shutil.rmtree(final + PARTIAL, ignore_errors=True)  # a failed export leaves nothing
+                shutil.rmtree(partial_dir(final), ignore_errors=True)  # a failed export leaves nothing
                 raise
             fsync_dir(self.root)
         write_pointer(self.root, os.path.basename(final))
@@ -260,8 +261,8 @@ class HFPublisher:
             path = checkpoint_dir(self.root, it)
             if os.path.basename(path) == keep:
                 continue
-            os.rename(path, path + ".deleting")
-            shutil.rmtree(path + ".deleting")
+            os.rename(path, path + DELETING)
+            shutil.rmtree(path + DELETING)
             log.info("--save-hf-keep-last %d: removed %s", self.keep_last, path)
 
 

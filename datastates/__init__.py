@@ -18,8 +18,8 @@ from .layout import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, data_
 from .memory_tier import LocalTier, check_fits, job_id, node_of
 from .problems import Problem, Problems
 from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
-from .reads import LoadStats
-from .restore import CheckpointReader
+from .load_reads import LoadStats
+from .reader import CheckpointReader
 from .save_root import holds_legacy
 from .schema import Box, dtype_from_name
 from .copies import built_on_copy

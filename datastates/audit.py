@@ -4,9 +4,9 @@
 does) and checks that the index lists every rank, each manifest is intact and is the one the index published,
 each data file has its recorded size, every item lies inside its file, and every global tensor is covered by
 written shards that agree on dtype and global shape and do not overlap. With `verify=True` it also reads every
-data byte through the engine's reader (`CheckpointReader.verify_all`: the load's own read pipeline) and checks
+data byte through the engine's verifier (`CheckpointVerifier.verify_all`: the load's own read pipeline) and checks
 every chunk's crc32c. Nothing stops at the first problem: each is recorded in `Audit.problems` with its file and,
-where known, its rank, item and file offset. A load, by contrast, stops at the first (`CheckpointReader`).
+where known, its rank, item and file offset. A load, by contrast, stops at the first (`loader`).
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from typing import Callable
 from . import format as fmt
 from . import layout
 from .errors import CheckpointError
+from .open_checkpoint import OpenCheckpoint
 from .problems import Problems
-from .restore import CheckpointReader
 from .schema import Box, Index, Kind, Manifest, Scope, volume
 from .storage import Storage, storage_for
+from .verifier import CheckpointVerifier
 
 RANK_FILE_RE = layout.RANK_FILE_RE
 
@@ -262,8 +263,8 @@ class Audit:
         t0 = time.perf_counter()
         ranks = [r for r in range(self.world_size) if self.storage.exists(layout.join(self.path, layout.data_file(r)))]
         try:
-            with CheckpointReader.open(self.path, threads=threads) as reader:
-                self.stats = reader.verify_all(self.problems, ranks, progress)
+            with OpenCheckpoint.standalone(self.path, threads=threads) as checkpoint:
+                self.stats = CheckpointVerifier(checkpoint).verify_all(self.problems, ranks, progress)
         except CheckpointError as e:
             self.problems.add(self.path, str(e))
             return

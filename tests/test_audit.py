@@ -13,9 +13,11 @@ import shutil
 import pytest
 import torch
 
-from datastates import CheckpointEngine, PosixOptions, CheckpointReader, Problems, audit_checkpoint, layout
+from datastates import CheckpointEngine, PosixOptions, Problems, audit_checkpoint, layout
+from datastates.loader import CheckpointLoader
+from datastates.open_checkpoint import OpenCheckpoint
 from datastates.errors import CheckpointCorruptError, CheckpointError
-from test_restore import Box, _registry
+from test_load_reads import Box, _registry
 
 WORLD, ROWS, COLS = 3, 12, 1000  # each rank's block: 4 rows of 4000 bytes, chunks of at most a slot (8 KiB)
 
@@ -122,8 +124,8 @@ def test_a_collecting_load_reports_every_damaged_chunk_and_reads_the_rest(damage
     path, whole, flipped, truncated_at = damaged
     rows = ROWS // WORLD
     problems = Problems()
-    with CheckpointReader.open(path, threads=2, staging_bytes=48 << 10, registry=_registry()) as reader:
-        out = reader.load(0, {"w0": Box("w", torch.zeros(rows, COLS), whole.shape, (0, 0)),
+    with OpenCheckpoint.standalone(path, threads=2, staging_bytes=48 << 10) as checkpoint:
+        out = CheckpointLoader(checkpoint, _registry()).load(0, {"w0": Box("w", torch.zeros(rows, COLS), whole.shape, (0, 0)),
                               "w1": Box("w", torch.zeros(rows, COLS), whole.shape, (rows, 0))}, problems)
     assert {(p.rank, p.offset) for p in problems.found} == {f for f in flipped if f[0] == 0} | {truncated_at}
     assert torch.equal(out["w1"], whole[rows:2 * rows])  # within rank 1's short file, after the damaged chunks

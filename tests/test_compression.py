@@ -17,7 +17,7 @@ from datastates import format as fmt
 from datastates.codecs import CODECS
 from s3_store import s3_server  # noqa: F401  (the session fixture)
 from test_compatibility import FIXTURE, GLOBAL, _same, state as fixture_state
-from test_restore import Box, _registry
+from test_load_reads import Box, _registry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int16,

@@ -16,7 +16,7 @@ import torch
 from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker, format as fmt
 from datastates.storage.posix import retire
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, TensorProvider
-from test_restore import Box, BoxProvider
+from test_load_reads import Box, BoxProvider
 
 
 def _registry():
@@ -69,7 +69,7 @@ def _schema_1_checkpoint(engine, root, step):
 
 def test_schema_1_checkpoint_loads_and_reshards(tmp_path, engine):
     ckpt, whole, state = _schema_1_checkpoint(engine, tmp_path, 3)
-    assert engine.reader(str(tmp_path)).index.schema_version == 1
+    assert engine.checkpoint(str(tmp_path)).index.schema_version == 1
     plain = engine.load(str(tmp_path))
     assert torch.equal(plain["w0"], whole[:25]) and torch.equal(plain["local"], state["local"])
     assert plain["step"] == 3

@@ -10,6 +10,7 @@ from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, C
 from datastates.copies import HostCopyBackend
 from datastates.memory_tier.replication import receive
 from datastates.storage import SPARES, SharedMemoryStorage
+from datastates.verifier import CheckpointVerifier
 from late_copies import LateCopyBackend
 from test_engine import assert_same, every_kind_of_state
 
@@ -44,13 +45,13 @@ def test_memory_save_lands_in_mapped_pages_and_loads_back(tmp_path):
         path = layout.checkpoint_dir(str(tmp_path), 1)
         eng.save(state, path).wait()
         data = eng.storage.data_of(path)
-        part = eng.reader(path).part(0)
+        part = eng.checkpoint(path).part(0)
         item = next(it for it in part.items.values() if it.kind == "tensor" and it.nbytes > 4096)
         on_disk = open(os.path.join(path, layout.data_file(0)), "rb").read()
         assert len(on_disk) == part.data_bytes
         assert on_disk[item.offset:item.offset + item.nbytes] == \
             data.pages[item.offset:item.offset + item.nbytes].numpy().tobytes()  # the file is the pages
-        eng.reader(path).verify(0)  # every checksum computed over the pages
+        CheckpointVerifier(eng.checkpoint(path)).verify(0)  # every checksum computed over the pages
         assert_same(eng.load(path), state)
 
 

@@ -254,10 +254,10 @@ class Audit:
 
     def verify(self, threads: int = 4, progress: Callable[[int], None] | None = None) -> None:
         """Read every written byte of every rank whose data file exists (its manifest need not), through the
-        engine's reader, and record each bad chunk (a published checkpoint only: an unpublished one is already a
+        engine's verifier, and record each bad chunk (a published checkpoint only: an unpublished one is already a
         problem)."""
         if self.index is None:
-            self.problems.warn(self.path, "data not verified: the engine's reader reads published checkpoints "
+            self.problems.warn(self.path, "data not verified: the engine's verifier reads published checkpoints "
                                           "(this one has no valid metadata.json)")
             return
         t0 = time.perf_counter()

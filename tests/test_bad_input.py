@@ -177,7 +177,7 @@ def _named(doc, edits) -> list[str]:
 
 
 DELETE = object()
-# One re-signed edit per structural check of the index (datastates/schema.py; restore.py for the saved structure's
+# One re-signed edit per structural check of the index (datastates/schema.py; open_checkpoint.py for the saved structure's
 # leaves), and the refusal it must produce:
 # (what is edited: "top", "rank" (rank 0's entry) or an item id; the changes: a value, DELETE, or a function of the
 # old value; the message). Random edits reach most checks only by chance; this reaches each one.

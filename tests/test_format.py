@@ -99,7 +99,7 @@ def test_schema_1_manifest_not_the_published_one_is_refused(tmp_path, engine):
 
 def _every_caller(root: str):
     """The checkpoint each caller resolves `root` to."""
-    from megatron.training.validation import _loadable
+    from megatron.training.argument_checks import _loadable
     from tools.convert_checkpoint import resolve_input
     from tools.inspect_checkpoint import Problems, scan_root
     loadable, why = _loadable(root)

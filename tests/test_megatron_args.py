@@ -5,7 +5,7 @@ import os
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data"]

@@ -37,7 +37,7 @@ def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkey
     latest = tracker.find_latest(root)  # the tracker, read through the profile
     assert (latest.tracker, latest.iteration) == ("4", 4)
     from megatron.core.msc_utils import MultiStorageClientFeature
-    from megatron.training.checkpoint_args import saved_args
+    from megatron.training.args_from_checkpoint import saved_args
     from megatron.training.checkpointing.formats import TorchDistFormat, detect
     assert detect(latest.path) is TorchDistFormat
     before = MultiStorageClientFeature.is_enabled()  # 0.16: on with MSC installed; 0.19: off
@@ -58,7 +58,7 @@ def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkey
 def test_what_torch_dist_and_torch_refuse_on_object_stores(s3_server, tmp_path, monkeypatch,
                                                            fmt, path, match):
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     bucket = _store(s3_server, tmp_path, monkeypatch, "tdist")
     args = parse_args(argv=BASE[:-2] + ["--ckpt-format", fmt, "--save", path.format(bucket=bucket)])
     with pytest.raises(ArgumentError, match=match):

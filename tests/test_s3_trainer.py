@@ -149,7 +149,7 @@ def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, m
 ])
 def test_what_an_object_store_refuses_before_any_work(s3_server, monkeypatch, flags, match):
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     save = "msc://nowhere/run" if "--disable-msc" in flags else f"s3://{s3_server.create_bucket()}/run"

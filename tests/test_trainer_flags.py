@@ -19,7 +19,7 @@ import torch
 
 from datastates import layout, tracker
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 from megatron_helpers import ROOT, TINY, iter_dir, losses, torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))

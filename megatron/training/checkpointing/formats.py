@@ -222,7 +222,7 @@ def _through_msc(path: str):
     The switch is one global of megatron-core, and it sends every path through MSC, local ones too; 0.16
     turns it on whenever multi-storage-client is installed, 0.19 leaves it off until upstream's --enable-msc
     turns it on. Scoped to msc:// paths, it leaves local torch_dist saves and loads as each release does them.
-    (--disable-msc refuses msc:// paths before any work: validation.)"""
+    (--disable-msc refuses msc:// paths before any work: argument_checks.)"""
     if url_scheme(path) != "msc":
         yield
         return

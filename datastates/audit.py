@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from . import format as fmt
-from . import layout
+from . import paths
 from .errors import CheckpointError
 from .open_checkpoint import OpenCheckpoint
 from .problems import Problems
@@ -22,7 +22,7 @@ from .schema import Box, Index, Kind, Manifest, Scope, volume
 from .storage import Storage, storage_for
 from .verifier import CheckpointVerifier
 
-RANK_FILE_RE = layout.RANK_FILE_RE
+RANK_FILE_RE = paths.RANK_FILE_RE
 
 
 class NotACheckpointError(CheckpointError):
@@ -43,7 +43,7 @@ class Audit:
 
     def __init__(self, path: str, problems: Problems | None = None, storage: Storage | None = None):
         self.storage = storage or storage_for(path)
-        self.path = layout.normalize(path)
+        self.path = paths.normalize(path)
         self.problems = problems if problems is not None else Problems()
         self.index: Index | None = None
         self.world_size = 0
@@ -73,7 +73,7 @@ class Audit:
             self._scan_rank(r)
         for r in sorted(rank_files):
             if r >= self.world_size > 0:
-                self.problems.warn(layout.join(self.path, f"rank_{r:05d}.*"),
+                self.problems.warn(paths.join(self.path, f"rank_{r:05d}.*"),
                                    f"files of rank {r}, beyond world size {self.world_size}: not part of this "
                                    f"checkpoint")
         if self.index is not None and len(self.ranks) == self.world_size:
@@ -87,14 +87,14 @@ class Audit:
 
     @property
     def _meta(self) -> str:
-        return layout.join(self.path, layout.METADATA)
+        return paths.join(self.path, paths.METADATA)
 
     def _read_index(self, names: set) -> None:
-        partial = self.path.endswith(layout.PARTIAL)
+        partial = self.path.endswith(paths.PARTIAL)
         if partial:
             self.problems.add(self.path, "checkpoint is not published: a '.partial' directory is a save in "
                                          "progress or one that was killed or failed before every rank finished")
-        if layout.METADATA in names:
+        if paths.METADATA in names:
             try:
                 self.index = fmt.read_index(self.storage, self.path)
             except CheckpointError as e:
@@ -115,7 +115,7 @@ class Audit:
 
     def _scan_rank(self, r: int) -> None:
         p = self.problems
-        mpath, dpath = self._mpath(r), layout.join(self.path, layout.data_file(r))
+        mpath, dpath = self._mpath(r), paths.join(self.path, paths.data_file(r))
         published = self.index.manifest_crcs.get(r) if self.index is not None else None
         if self.index is not None and published is None:
             p.add(self._meta, f"metadata does not list rank {r}'s manifest", rank=r)
@@ -248,7 +248,7 @@ class Audit:
                 if it.kind == Kind.TENSOR and it.scope == Scope.LOCAL]
 
     def _mpath(self, r: int) -> str:
-        return layout.join(self.path, layout.manifest_file(r))
+        return paths.join(self.path, paths.manifest_file(r))
 
     # ----- every byte -----
 
@@ -261,7 +261,7 @@ class Audit:
                                           "(this one has no valid metadata.json)")
             return
         t0 = time.perf_counter()
-        ranks = [r for r in range(self.world_size) if self.storage.exists(layout.join(self.path, layout.data_file(r)))]
+        ranks = [r for r in range(self.world_size) if self.storage.exists(paths.join(self.path, paths.data_file(r)))]
         try:
             with OpenCheckpoint.standalone(self.path, threads=threads) as checkpoint:
                 self.stats = CheckpointVerifier(checkpoint).verify_all(self.problems, ranks, progress)

@@ -18,7 +18,7 @@ import torch
 
 from . import codecs
 from . import format as fmt
-from . import layout
+from . import paths
 from .coordination import default_store
 from .errors import CheckpointError
 from .plan import Entry, Plan
@@ -91,7 +91,7 @@ class CheckpointEngine:
                 self.backend.check(e.source, f"saving {path!r}: item {e.item.id!r}")
         entries.append(Entry(Item(id=fmt.SKELETON_ID, kind=Kind.OBJECT), skeleton))
         plan = self._plan_for([e.item for e in entries])
-        handle = SaveHandle(layout.normalize(path))
+        handle = SaveHandle(paths.normalize(path))
         self.pipeline.submit(handle, entries, plan, t0, HeldSnapshot.of(from_save))
         self._pending.append(handle)
         handle.stats.blocking_s += time.perf_counter() - t0
@@ -157,7 +157,7 @@ class CheckpointEngine:
         if self._load_backend is None:
             self._load_backend = make_backend(self._copy_threads)
         resolved = resolve_checkpoint(path, self.storage)
-        version = self.storage.stat(layout.join(resolved, layout.METADATA))
+        version = self.storage.stat(paths.join(resolved, paths.METADATA))
         key = None if version is None else (resolved, version)  # None: gone meanwhile, opening it reports it
         if key is None or self._open is None or self._open[0] != key:
             if self._open is not None:

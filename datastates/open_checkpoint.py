@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from . import format as fmt
-from . import layout, save_root, tracker
+from . import paths, save_root, tracker
 from .errors import CheckpointCorruptError, CheckpointError
 from .load_plan import BoxRead, plan_global, plan_whole
 from .load_reads import LoadStats, Reads
@@ -35,15 +35,15 @@ from .storage import DataSource, Storage, storage_for
 
 def resolve_checkpoint(path: str, storage: Storage) -> str:
     """An iteration directory, or a save root whose latest published iteration is meant."""
-    path = layout.normalize(path)
+    path = paths.normalize(path)
     if save_root.is_published(storage, path):
         return path
-    if layout.iteration_of(path) is None and storage.list(path):
+    if paths.iteration_of(path) is None and storage.list(path):
         latest = tracker.find_latest(path, storage)
         if latest.path is not None:
             return latest.path
         raise CheckpointError(f"no published checkpoint under {path!r}")
-    if storage.exists(layout.partial_dir(path)) or storage.list(path):
+    if storage.exists(paths.partial_dir(path)) or storage.list(path):
         raise CheckpointError(f"checkpoint {path!r} is not published (an unfinished or failed save): "
                               f"it cannot be loaded")
     raise CheckpointError(f"no checkpoint at {path!r}")
@@ -112,7 +112,7 @@ class OpenCheckpoint:
         return self.part(rank).items
 
     def data_path(self, rank: int) -> str:
-        return layout.join(self.path, layout.data_file(rank))
+        return paths.join(self.path, paths.data_file(rank))
 
     def data_source(self, rank: int, problems: Problems | None = None) -> DataSource:
         """The rank's data file, open (its items validated first); a short one stops the read unless `problems`

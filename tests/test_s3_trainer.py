@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from datastates import layout, tracker
+from datastates import paths, tracker
 from hf_helpers import assert_round_trip, tiny_llama
 from megatron_helpers import ROOT, TINY, losses, torchrun
 
@@ -109,17 +109,17 @@ def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, mo
     assert tracker.published_iterations(root) == [1, 2, 5, 6]
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from inspect_checkpoint import main as inspect
-    assert inspect([layout.checkpoint_dir(root, 2), "--verify"]) == 0
+    assert inspect([paths.checkpoint_dir(root, 2), "--verify"]) == 0
 
     rc, log = torchrun(2, flags + ["--load", root], faults=True, check=False,
                        env={"FAULT_KILL_JOB_IN_UPLOAD": "8"})
     assert rc != 0 and "FAULT-KILL-JOB" in log, log[-4000:]
     removed = [line for line in log.splitlines() if "removed the leftovers of an unfinished checkpoint" in line]
     assert removed and all("iter_0000003" in line for line in removed), log[-4000:]  # the store was down
-    assert stored(s3_server, layout.checkpoint_dir(root, 3)) == ([], [])  # when the failed save of 3 ended
+    assert stored(s3_server, paths.checkpoint_dir(root, 3)) == ([], [])  # when the failed save of 3 ended
     killed = losses(log)
     assert sorted(killed) == [7, 8] and tracker.published_iterations(root)[-1] == 7, log[-4000:]
-    assert stored(s3_server, layout.checkpoint_dir(root, 8))[1]  # the job died in the middle of its uploads
+    assert stored(s3_server, paths.checkpoint_dir(root, 8))[1]  # the job died in the middle of its uploads
 
     _, log = torchrun(2, flags + ["--load", root])
     assert "at iteration 7" in log and losses(log) == {8: killed[8]}, log[-4000:]

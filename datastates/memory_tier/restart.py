@@ -20,7 +20,7 @@ from ..storage import SharedMemoryStorage
 from ..verifier import CheckpointVerifier
 from .identity import read_owner
 from .notices import notice
-from .paths import NodePaths, rank_of
+from .node_paths import NodePaths, rank_of
 from .replication import receive
 
 log = logging.getLogger(__name__)

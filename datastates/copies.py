@@ -27,7 +27,7 @@ import torch
 
 from . import _native
 from .errors import CheckpointError
-from .plan import align_up
+from .save_plan import align_up
 from .schema import Item
 from .slots import Slot, StagingPool
 

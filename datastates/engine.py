@@ -21,7 +21,7 @@ from . import format as fmt
 from . import paths
 from .coordination import default_store
 from .errors import CheckpointError
-from .plan import Entry, Plan
+from .save_plan import Entry, Plan
 from .schema import Item, Kind
 from .providers import ProviderRegistry, default_registry
 from .exchange import Exchange

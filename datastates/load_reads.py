@@ -19,7 +19,7 @@ import torch
 
 from . import codecs
 from .errors import CheckpointCorruptError, CheckpointError
-from .plan import ALIGN
+from .save_plan import ALIGN
 from .problems import Problems
 from .schema import Item
 from .copies import CopyBackend

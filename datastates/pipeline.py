@@ -33,7 +33,7 @@ from .codecs import Codec
 from . import paths
 from .coordination import Coordinator
 from .errors import CheckpointError, CheckpointTimeoutError
-from .plan import Entry, Plan, align_up
+from .save_plan import Entry, Plan, align_up
 from .schema import Kind, Manifest
 from .copies import CopyBackend, SlotFiller, copy_tensor_bytes
 from .slots import StagingPool

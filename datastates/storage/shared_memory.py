@@ -11,7 +11,7 @@ import torch
 from .. import _native
 from .. import format as fmt
 from .. import paths
-from ..plan import ALIGN, align_up
+from ..save_plan import ALIGN, align_up
 from ..slots import cuda_host_register
 from .base import DataSink
 from .posix import DEFAULT_READ_THREADS, PosixOptions, PosixStorage, retire, write_file

@@ -1,4 +1,4 @@
-"""Write plans: where each item of one rank goes in its data file.
+"""Save plans: where each item of one rank goes in its data file (the load side's is `load_plan`).
 
 A provider walk turns a nested state into a skeleton plus a list of `Item`s (`schema`). `Plan` assigns each
 tensor item an aligned offset in the rank's data file and splits items larger than a staging slot into chunks,

@@ -55,17 +55,16 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     rows = []
     for _ in range(args.repeats):
         for ex in (None, exchange) if world > 1 else (None,):
-            reader = engine.reader(path)
-            before = (reader.stats.bytes_read, reader.stats.requests)
+            stats = engine.checkpoint(path).stats
+            before = (stats.bytes_read, stats.requests)
             template = _state(rank, world, args.params, False)
             dist.barrier()
             t0 = time.perf_counter()
             load_sharded(engine, template, path, ex)
             seconds = time.perf_counter() - t0
-            rows.append((ex is not None, seconds, reader.stats.bytes_read - before[0],
-                         reader.stats.requests - before[1]))
-    reader = engine.reader(path)
-    unique = sum(it.nbytes for r in range(reader.world_size) for it in reader.items(r).values()
+            rows.append((ex is not None, seconds, stats.bytes_read - before[0], stats.requests - before[1]))
+    checkpoint = engine.checkpoint(path)
+    unique = sum(it.nbytes for r in range(checkpoint.world_size) for it in checkpoint.items(r).values()
                  if it.write and it.id != fmt.SKELETON_ID)
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)

@@ -13,17 +13,17 @@ from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
-from .layout import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, data_file, iteration_of, manifest_file,
+from .paths import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, data_file, iteration_of, manifest_file,
                      partial_dir)
 from .memory_tier import LocalTier, check_fits, job_id, node_of
 from .problems import Problem, Problems
 from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
-from .reads import LoadStats
-from .restore import CheckpointReader
+from .load_reads import LoadStats
+from .reader import CheckpointReader
 from .save_root import holds_legacy
 from .schema import Box, dtype_from_name
 from .copies import built_on_copy
-from .layout import join as join_path, normalize as normalize_path, scheme as url_scheme
+from .paths import join as join_path, normalize as normalize_path, scheme as url_scheme
 from .storage import DEFAULT_READ_THREADS, PosixOptions, Storage, read_index, read_json, storage_for
 from .storage.posix import fsync_dir, write_file
 from .tracker import Latest, clean_leftovers, find_latest, is_published, published_iterations, read_latest, write_latest
@@ -45,7 +45,7 @@ __all__ = [
     "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",
     # errors
     "CheckpointError", "CheckpointCorruptError", "CheckpointTimeoutError", "NotACheckpointError",
-    # a save root's layout: iteration directories, the tracker, a checkpoint's files
+    # a save root's paths: iteration directories, the tracker, a checkpoint's files
     "checkpoint_dir", "iteration_of", "partial_dir", "is_published", "find_latest", "Latest", "write_latest",
     "TRACKER", "PARTIAL", "DELETING", "METADATA", "manifest_file", "data_file", "RANK_FILE_RE", "read_index",
     # the tracker read as an iteration, the published iterations, and a run's clean-up before its first save

@@ -4,9 +4,9 @@
 does) and checks that the index lists every rank, each manifest is intact and is the one the index published,
 each data file has its recorded size, every item lies inside its file, and every global tensor is covered by
 written shards that agree on dtype and global shape and do not overlap. With `verify=True` it also reads every
-data byte through the engine's reader (`CheckpointReader.verify_all`: the load's own read pipeline) and checks
+data byte through the engine's verifier (`CheckpointVerifier.verify_all`: the load's own read pipeline) and checks
 every chunk's crc32c. Nothing stops at the first problem: each is recorded in `Audit.problems` with its file and,
-where known, its rank, item and file offset. A load, by contrast, stops at the first (`CheckpointReader`).
+where known, its rank, item and file offset. A load, by contrast, stops at the first (`loader`).
 """
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ import time
 from typing import Callable
 
 from . import format as fmt
-from . import layout
+from . import paths
 from .errors import CheckpointError
+from .open_checkpoint import OpenCheckpoint
 from .problems import Problems
-from .restore import CheckpointReader
 from .schema import Box, Index, Kind, Manifest, Scope, volume
 from .storage import Storage, storage_for
+from .verifier import CheckpointVerifier
 
-RANK_FILE_RE = layout.RANK_FILE_RE
+RANK_FILE_RE = paths.RANK_FILE_RE
 
 
 class NotACheckpointError(CheckpointError):
@@ -42,7 +43,7 @@ class Audit:
 
     def __init__(self, path: str, problems: Problems | None = None, storage: Storage | None = None):
         self.storage = storage or storage_for(path)
-        self.path = layout.normalize(path)
+        self.path = paths.normalize(path)
         self.problems = problems if problems is not None else Problems()
         self.index: Index | None = None
         self.world_size = 0
@@ -72,7 +73,7 @@ class Audit:
             self._scan_rank(r)
         for r in sorted(rank_files):
             if r >= self.world_size > 0:
-                self.problems.warn(layout.join(self.path, f"rank_{r:05d}.*"),
+                self.problems.warn(paths.join(self.path, f"rank_{r:05d}.*"),
                                    f"files of rank {r}, beyond world size {self.world_size}: not part of this "
                                    f"checkpoint")
         if self.index is not None and len(self.ranks) == self.world_size:
@@ -86,14 +87,14 @@ class Audit:
 
     @property
     def _meta(self) -> str:
-        return layout.join(self.path, layout.METADATA)
+        return paths.join(self.path, paths.METADATA)
 
     def _read_index(self, names: set) -> None:
-        partial = self.path.endswith(layout.PARTIAL)
+        partial = self.path.endswith(paths.PARTIAL)
         if partial:
             self.problems.add(self.path, "checkpoint is not published: a '.partial' directory is a save in "
                                          "progress or one that was killed or failed before every rank finished")
-        if layout.METADATA in names:
+        if paths.METADATA in names:
             try:
                 self.index = fmt.read_index(self.storage, self.path)
             except CheckpointError as e:
@@ -114,7 +115,7 @@ class Audit:
 
     def _scan_rank(self, r: int) -> None:
         p = self.problems
-        mpath, dpath = self._mpath(r), layout.join(self.path, layout.data_file(r))
+        mpath, dpath = self._mpath(r), paths.join(self.path, paths.data_file(r))
         published = self.index.manifest_crcs.get(r) if self.index is not None else None
         if self.index is not None and published is None:
             p.add(self._meta, f"metadata does not list rank {r}'s manifest", rank=r)
@@ -247,23 +248,23 @@ class Audit:
                 if it.kind == Kind.TENSOR and it.scope == Scope.LOCAL]
 
     def _mpath(self, r: int) -> str:
-        return layout.join(self.path, layout.manifest_file(r))
+        return paths.join(self.path, paths.manifest_file(r))
 
     # ----- every byte -----
 
     def verify(self, threads: int = 4, progress: Callable[[int], None] | None = None) -> None:
         """Read every written byte of every rank whose data file exists (its manifest need not), through the
-        engine's reader, and record each bad chunk (a published checkpoint only: an unpublished one is already a
+        engine's verifier, and record each bad chunk (a published checkpoint only: an unpublished one is already a
         problem)."""
         if self.index is None:
-            self.problems.warn(self.path, "data not verified: the engine's reader reads published checkpoints "
+            self.problems.warn(self.path, "data not verified: the engine's verifier reads published checkpoints "
                                           "(this one has no valid metadata.json)")
             return
         t0 = time.perf_counter()
-        ranks = [r for r in range(self.world_size) if self.storage.exists(layout.join(self.path, layout.data_file(r)))]
+        ranks = [r for r in range(self.world_size) if self.storage.exists(paths.join(self.path, paths.data_file(r)))]
         try:
-            with CheckpointReader.open(self.path, threads=threads) as reader:
-                self.stats = reader.verify_all(self.problems, ranks, progress)
+            with OpenCheckpoint.standalone(self.path, threads=threads) as checkpoint:
+                self.stats = CheckpointVerifier(checkpoint).verify_all(self.problems, ranks, progress)
         except CheckpointError as e:
             self.problems.add(self.path, str(e))
             return

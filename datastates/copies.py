@@ -8,7 +8,7 @@ Every backend follows one protocol, the CUDA one:
     ready(slot)    the writer waits on that completion before it reads the slot
     finish()       wait for every copy issued so far: the snapshot is done, the fence may open
 
-A load runs the same protocol the other way (restore.py): copies out of a slot into the target tensors, mark,
+A load runs the same protocol the other way (open_checkpoint.py): copies out of a slot into the target tensors, mark,
 ready before the slot takes the next read, finish before the loaded state is handed back.
 
 `HostCopyBackend` (CPU) copies host tensors on native threads without the GIL; `CudaCopyBackend` adds device
@@ -27,7 +27,7 @@ import torch
 
 from . import _native
 from .errors import CheckpointError
-from .plan import align_up
+from .save_plan import align_up
 from .schema import Item
 from .slots import Slot, StagingPool
 

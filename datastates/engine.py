@@ -18,13 +18,15 @@ import torch
 
 from . import codecs
 from . import format as fmt
-from . import layout
+from . import paths
 from .coordination import default_store
 from .errors import CheckpointError
-from .plan import Entry, Plan
+from .save_plan import Entry, Plan
 from .schema import Item, Kind
 from .providers import ProviderRegistry, default_registry
-from .restore import CheckpointReader, resolve_checkpoint
+from .exchange import Exchange
+from .loader import CheckpointLoader
+from .open_checkpoint import OpenCheckpoint, resolve_checkpoint
 from .copies import CopyBackend, make_backend
 from .pipeline import HeldSnapshot, SaveHandle, SavePipeline, SaveStats
 from .slots import StagingPool
@@ -66,7 +68,7 @@ class CheckpointEngine:
                                      keep_last, publish_timeout_s, self.codec, encode_threads)
         self._copy_threads = copy_threads
         self._load_backend: CopyBackend | None = None  # a load's copies out of the slots, apart from the saves'
-        self._reader: tuple[tuple | None, CheckpointReader] | None = None
+        self._open: tuple[tuple | None, OpenCheckpoint] | None = None  # the last checkpoint read, and its key
         self._plans: dict[tuple, Plan] = {}
         self._pending: list[SaveHandle] = []
         self._closed = False
@@ -89,7 +91,7 @@ class CheckpointEngine:
                 self.backend.check(e.source, f"saving {path!r}: item {e.item.id!r}")
         entries.append(Entry(Item(id=fmt.SKELETON_ID, kind=Kind.OBJECT), skeleton))
         plan = self._plan_for([e.item for e in entries])
-        handle = SaveHandle(layout.normalize(path))
+        handle = SaveHandle(paths.normalize(path))
         self.pipeline.submit(handle, entries, plan, t0, HeldSnapshot.of(from_save))
         self._pending.append(handle)
         handle.stats.blocking_s += time.perf_counter() - t0
@@ -134,31 +136,34 @@ class CheckpointEngine:
         self._pending = pending
         return finished
 
-    def load(self, path: str, template: Any = None, rank: int | None = None) -> Any:
+    def load(self, path: str, template: Any = None, rank: int | None = None, exchange: Exchange | None = None) -> Any:
         """Load the checkpoint at `path` (an iteration directory or a save root, whose latest is used).
 
         Without a template the state saved by `rank` is rebuilt. With one, its tensors are filled in place
         (resharded from whatever layout was saved) and the rebuilt template is returned. A save still copying
-        the live state is let finish first: a load into the same tensors would change what it saves."""
+        the live state is let finish first: a load into the same tensors would change what it saves. With
+        `exchange` (every rank of its group loading at once), each saved byte several of them want is read by
+        one and passed to the others."""
         self.wait_for_snapshot()
-        return self.reader(path).load(self.rank if rank is None else rank, template)
+        loader = CheckpointLoader(self.checkpoint(path), self.registry)
+        return loader.load(self.rank if rank is None else rank, template, exchange=exchange)
 
-    def reader(self, path: str) -> CheckpointReader:
-        """A reader of the published checkpoint at `path` (its index, verified reads), on the engine's read pool.
+    def checkpoint(self, path: str) -> OpenCheckpoint:
+        """The published checkpoint at `path`, open for reading (its index, verified reads) on the engine's
+        staging pool.
 
         The last one is kept while its metadata.json is the same: a resume that loads in several steps reads the
         index once."""
         if self._load_backend is None:
             self._load_backend = make_backend(self._copy_threads)
         resolved = resolve_checkpoint(path, self.storage)
-        version = self.storage.stat(layout.join(resolved, layout.METADATA))
-        key = None if version is None else (resolved, version)  # None: gone meanwhile, the reader reports it
-        if key is None or self._reader is None or self._reader[0] != key:
-            if self._reader is not None:
-                self._reader[1].close()
-            self._reader = (key, CheckpointReader(resolved, self.storage, self.pool, self._load_backend,
-                                                  self.registry))
-        return self._reader[1]
+        version = self.storage.stat(paths.join(resolved, paths.METADATA))
+        key = None if version is None else (resolved, version)  # None: gone meanwhile, opening it reports it
+        if key is None or self._open is None or self._open[0] != key:
+            if self._open is not None:
+                self._open[1].close()
+            self._open = (key, OpenCheckpoint(resolved, self.storage, self.pool, self._load_backend))
+        return self._open[1]
 
     def close(self) -> None:
         if self._closed:
@@ -168,8 +173,8 @@ class CheckpointEngine:
         finally:
             self._closed = True
             self.pipeline.close()
-            if self._reader is not None:
-                self._reader[1].close()
+            if self._open is not None:
+                self._open[1].close()
             self.storage.close()
             self.backend.close()
             if self._load_backend is not None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, CheckpointTimeoutError
 from .load_plan import BoxRead
-from .reads import Reads, aligned_empty
+from .load_reads import Reads, aligned_empty
 from .schema import Item
 
 TensorRead = tuple[BoxRead, torch.Tensor]  # a read of the load plan and the target it fills
@@ -142,12 +142,12 @@ class Exchange:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         self.me = dist.get_rank(group)
 
-    def agree(self, reader, tensors: list[TensorRead], objects: list[ObjectRead],
+    def agree(self, checkpoint, tensors: list[TensorRead], objects: list[ObjectRead],
               error: BaseException | None = None) -> Plan:
         """Every rank's wants gathered, the pieces assigned (the same plan on every rank) and this rank's share.
         A rank that could not plan its load (`error`) fails the load on every rank here."""
         wants = () if error is not None else tuple(_wants(tensors, objects))
-        members = self._gather(Member(dist.get_rank(), reader.pool.slot_bytes, reader.pool.max_slots, wants,
+        members = self._gather(Member(dist.get_rank(), checkpoint.pool.slot_bytes, checkpoint.pool.max_slots, wants,
                                       None if error is None else str(error)))
         causes = [f"rank {m.rank}: {m.error}" for m in members if m.error]
         if causes:
@@ -172,38 +172,38 @@ class Exchange:
                 local_objects.append((rank, item, take))
         return Plan(members, self.me, rounds(transfers, members), local_tensors, local_objects, dict(places))
 
-    def move(self, reader, plan: Plan, error: BaseException | None = None) -> None:
+    def move(self, checkpoint, plan: Plan, error: BaseException | None = None) -> None:
         """Read, agree on, pass and place every round of `plan`; `error`: this rank's own reads failed, which
         fails the load on every rank at the first agreement (as a failure to place does at the next one)."""
         for transfers in plan.rounds:
-            error = self._round(reader, plan, transfers, error)
+            error = self._round(checkpoint, plan, transfers, error)
         self._agree(error)
 
-    def _round(self, reader, plan: Plan, transfers: list[Transfer], error):
+    def _round(self, checkpoint, plan: Plan, transfers: list[Transfer], error):
         me = plan.me
         mine = [t for t in transfers if me in t.members]
         slots: list = []
         try:
-            staged = {t: _staged(reader.pool, t.nbytes, slots) for t in mine
+            staged = {t: _staged(checkpoint.pool, t.nbytes, slots) for t in mine
                       if t.reader == me or self.device is None}
             if error is None:
                 try:
-                    with Reads(reader) as reads:
+                    with Reads(checkpoint) as reads:
                         for t in mine:
                             if t.reader == me:
-                                reads.read_chunks(t.rank, reader.items(t.rank)[t.id], t.first, t.last, staged[t])
+                                reads.read_chunks(t.rank, checkpoint.items(t.rank)[t.id], t.first, t.last, staged[t])
                 except CheckpointError as e:
                     error = e
             self._agree(error)
             wire = {t: self._wire(t, staged.get(t)) for t in mine}
-            self._pass(plan, mine, wire, reader.stats)
+            self._pass(plan, mine, wire, checkpoint.stats)
             try:
-                self._place(reader.backend, plan, mine, wire)
+                self._place(checkpoint.backend, plan, mine, wire)
             except Exception as e:  # noqa: BLE001 - e.g. an object that does not unpickle: the next agreement
                 error = e           # fails every rank at once, where raising here would leave them waiting
         finally:
             for slot in slots:
-                reader.pool.release(slot)
+                checkpoint.pool.release(slot)
         return error
 
     def _wire(self, t: Transfer, staged: torch.Tensor | None) -> torch.Tensor:

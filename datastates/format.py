@@ -1,6 +1,6 @@
 """The encodings of a checkpoint's files: its manifests and index (JSON with checksums of their own), and the
 safe encoding of Python objects. Bytes in, bytes out: the storage reads and writes them (`storage`), and the
-names they go by are `layout`'s.
+names they go by come from `paths`.
 
 Schema versions: 1 (metadata.json lists each rank's manifest checksum; loading reads every manifest) and 2
 (metadata.json also holds every rank's items: a load reads this one file, never W manifests). Version 2 is
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import _native
-from . import layout
+from . import paths
 from .errors import CheckpointCorruptError, CheckpointError
 from .schema import FORMAT_NAME, SCHEMA_VERSION, Index, Manifest, RankPart, check_schema
 
@@ -73,7 +73,7 @@ def _checked(doc: dict, path: str, what: str, crc_field: str) -> dict:
 
 def parse_index(data: bytes, directory: str) -> Index:
     """The metadata.json of the checkpoint `directory`, checked (schema, checksum) and parsed (`schema.Index`)."""
-    path = layout.join(directory, layout.METADATA)
+    path = paths.join(directory, paths.METADATA)
     return Index.parse(_checked(parse_json(data, path, "checkpoint metadata"), path, "checkpoint metadata",
                                 "metadata_crc32c"), path)
 
@@ -86,7 +86,7 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
 
 def read_index(storage, directory: str) -> Index:
     """The index of the checkpoint `directory`, read through `storage`."""
-    return parse_index(read_small(storage, layout.join(directory, layout.METADATA), "checkpoint metadata"),
+    return parse_index(read_small(storage, paths.join(directory, paths.METADATA), "checkpoint metadata"),
                        directory)
 
 
@@ -100,7 +100,7 @@ def rank_part(storage, index: Index, rank: int) -> RankPart:
     if index.schema_version >= 2:
         return index.part(rank)
     index.check_rank(rank)
-    path = layout.join(index.directory, layout.manifest_file(rank))
+    path = paths.join(index.directory, paths.manifest_file(rank))
     manifest = read_manifest(storage, path)
     expected = index.manifest_crcs.get(rank)
     if expected is not None and expected != manifest.crc32c:

@@ -1,7 +1,8 @@
 """The load plan: which saved bytes fill a target tensor, and where each of them goes.
 
 Computed from the target's box and the checkpoint's index alone, without I/O, so that a reshard (TP split or
-merge, a DP reshard of flat ranges, chunked items) can be checked without reading a file; `restore` executes it.
+merge, a DP reshard of flat ranges, chunked items) can be checked without reading a file; `open_checkpoint`
+executes it.
 A target is filled by `BoxRead`s, one per saved item it overlaps. A box read is done either in one read straight
 into the target (a whole saved item, when the target's memory allows it) or in `Piece`s: whole checksum chunks,
 each at most a staging slot, whose elements `Copy` out into the target.

@@ -338,7 +338,7 @@ def _fit_saved_shapes(sharded_state_dict: dict, saved_shapes) -> dict:
 
 
 def _saved_global_shapes(engine, path: str):
-    index = engine.reader(path).global_index()
+    index = engine.checkpoint(path).global_index()
 
     def shape_of(key):
         shards = index.get(key)
@@ -358,9 +358,5 @@ def load_sharded(engine, sharded_state_dict: dict, path: str, exchange: Optional
     if _any_shape_mismatch_allowed(sharded_state_dict):
         sharded_state_dict = _fit_saved_shapes(sharded_state_dict, _saved_global_shapes(engine, path))
     template, nonpersistent, factories = prepare_for_load(sharded_state_dict)
-    if exchange is None:
-        loaded = engine.load(path, template=template)
-    else:
-        engine.wait_for_snapshot()  # as engine.load: a save still copying the live state finishes first
-        loaded = engine.reader(path).load(engine.rank, template, exchange=exchange)
+    loaded = engine.load(path, template=template, exchange=exchange)
     return finalize_load(template, loaded, nonpersistent, factories)

@@ -30,10 +30,10 @@ import torch
 
 from . import format as fmt
 from .codecs import Codec
-from . import layout
+from . import paths
 from .coordination import Coordinator
 from .errors import CheckpointError, CheckpointTimeoutError
-from .plan import Entry, Plan, align_up
+from .save_plan import Entry, Plan, align_up
 from .schema import Kind, Manifest
 from .copies import CopyBackend, SlotFiller, copy_tensor_bytes
 from .slots import StagingPool
@@ -498,7 +498,7 @@ class SavePipeline:
                     reports = self.coordinator.manifests(job.seq)
                     index = fmt.index_metadata({r: Manifest.parse(doc, f"rank {r}'s report of {what}")
                                                 for r, doc in reports.items()},
-                                               layout.iteration_of(job.final), self.world_size)
+                                               paths.iteration_of(job.final), self.world_size)
                     retired = self.publisher.publish(job.partial, job.final, fmt.encode_json(index), self.keep_last)
                     self.coordinator.announce(job.seq, None, retired)
                     job.handle.stats.wait_ranks_s, job.handle.stats.publish_s = t1 - t0, time.perf_counter() - t1

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .plan import Entry
+from .save_plan import Entry
 from .schema import Item, Kind, Scope, dtype_name
 
 

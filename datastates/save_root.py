@@ -14,7 +14,7 @@ names a retired one); no rank removes a retired checkpoint's bytes before its re
 """
 from __future__ import annotations
 
-from . import layout
+from . import paths
 from .storage.base import DataSink, Storage
 
 LOOKS = 3  # rank 0 removes a retired directory the ranks are emptying after this many publications, whatever is left
@@ -36,10 +36,10 @@ class Publisher:
         return self.storage.stage(final)
 
     def open_data(self, partial: str, rank: int, nbytes: int) -> DataSink:
-        return self.storage.open_data(layout.join(partial, layout.data_file(rank)), nbytes)
+        return self.storage.open_data(paths.join(partial, paths.data_file(rank)), nbytes)
 
     def write_manifest(self, partial: str, rank: int, doc: bytes) -> None:
-        self.storage.write_bytes(layout.join(partial, layout.manifest_file(rank)), doc)
+        self.storage.write_bytes(paths.join(partial, paths.manifest_file(rank)), doc)
 
     def publish(self, partial: str, final: str, index: bytes | None, keep_last: int | None) -> list[str]:
         """Rank 0: make `partial` visible as `final` (`index`: its index, or None when it is in place already),
@@ -47,16 +47,16 @@ class Publisher:
         docstring for the order). Returns what was retired, for `delete`."""
         storage = self.storage
         if index is not None:
-            storage.write_bytes(layout.join(partial, layout.METADATA), index)
+            storage.write_bytes(paths.join(partial, paths.METADATA), index)
         retired = storage.commit(partial, final)
-        root, iteration = layout.parent(final), layout.iteration_of(final)
+        root, iteration = paths.parent(final), paths.iteration_of(final)
         if iteration is None:
             return retired
         if keep_last is not None:
             if root not in self._published:
                 self._published[root] = published(storage, root)
             doomed = retention(self._published[root], keep_last, iteration)
-            retired += [storage.retire(layout.checkpoint_dir(root, i)) for i in doomed]
+            retired += [storage.retire(paths.checkpoint_dir(root, i)) for i in doomed]
         if self.tracker:
             write_tracker(storage, root, iteration)
         return retired
@@ -78,7 +78,7 @@ class Publisher:
             return
         for path in retired:
             for name in deletes(rank, world_size):
-                storage.remove(layout.join(path, name))
+                storage.remove(paths.join(path, name))
         if rank != 0:
             return
         still = []
@@ -102,9 +102,9 @@ def deletes(rank: int, world_size: int) -> list[str]:
     which publishes, only retires the checkpoint and removes it once it is empty, so no rank's share of a deletion
     grows with the world size. Alone, rank 0 deletes everything."""
     if world_size == 1:
-        return [layout.METADATA, layout.data_file(0), layout.manifest_file(0)]
-    mine = [layout.data_file(rank), layout.manifest_file(rank)] if rank else []
-    return mine + ([layout.METADATA, layout.data_file(0), layout.manifest_file(0)] if rank == 1 else [])
+        return [paths.METADATA, paths.data_file(0), paths.manifest_file(0)]
+    mine = [paths.data_file(rank), paths.manifest_file(rank)] if rank else []
+    return mine + ([paths.METADATA, paths.data_file(0), paths.manifest_file(0)] if rank == 1 else [])
 
 
 def retention(published: list[int], keep_last: int, protect: int) -> list[int]:
@@ -121,18 +121,18 @@ def retention(published: list[int], keep_last: int, protect: int) -> list[int]:
 
 def write_tracker(storage: Storage, root: str, iteration: int) -> None:
     """Point the tracker of `root` at `iteration`, replaced in one step (a reader never sees it empty)."""
-    storage.write_bytes(layout.join(root, layout.TRACKER), str(iteration).encode(), replace=True)
+    storage.write_bytes(paths.join(root, paths.TRACKER), str(iteration).encode(), replace=True)
 
 
 def is_published(storage: Storage, path: str) -> bool:
     """Whether `path` is a checkpoint: its index is there (written last, so a reader never sees half of one)."""
-    return storage.stat(layout.join(path, layout.METADATA)) is not None
+    return storage.stat(paths.join(path, paths.METADATA)) is not None
 
 
 def published(storage: Storage, root: str) -> list[int]:
     """The iterations of `root` with a published checkpoint, oldest first."""
-    its = (layout.iteration_of(name) for name in storage.list(root))
-    return sorted(i for i in its if i is not None and is_published(storage, layout.checkpoint_dir(root, i)))
+    its = (paths.iteration_of(name) for name in storage.list(root))
+    return sorted(i for i in its if i is not None and is_published(storage, paths.checkpoint_dir(root, i)))
 
 
 def holds_legacy(storage: Storage, path: str) -> bool:
@@ -149,7 +149,7 @@ def holds_checkpoint(storage: Storage, path: str) -> bool:
 
 def _tracked(storage: Storage, root: str) -> str:
     try:
-        return storage.read_bytes(layout.join(root, layout.TRACKER)).decode().strip()
+        return storage.read_bytes(paths.join(root, paths.TRACKER)).decode().strip()
     except (OSError, UnicodeDecodeError):
         return ""
 
@@ -163,20 +163,20 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
     its name again."""
     tracked = _tracked(storage, root)
     names = storage.list(root)
-    final = layout.checkpoint_dir(root, int(tracked)) if tracked.isdigit() else None
+    final = paths.checkpoint_dir(root, int(tracked)) if tracked.isdigit() else None
     if final is not None and not storage.in_place and storage.stat(final) is None:
-        prefix = layout.name(final) + layout.DELETING + "."
+        prefix = paths.name(final) + paths.DELETING + "."
         for name in sorted(n for n in names if n.startswith(prefix)):
-            if is_published(storage, layout.join(root, name)):
-                storage.commit(layout.join(root, name), final)
+            if is_published(storage, paths.join(root, name)):
+                storage.commit(paths.join(root, name), final)
                 names.remove(name)
                 break
     removed = []
     for name in names:
-        path = layout.join(root, name)
-        iteration = layout.iteration_of(name)
-        unfinished = name.endswith(layout.PARTIAL) or layout.DELETING in name
-        temporary = name.startswith(layout.TRACKER) and ".tmp." in name
+        path = paths.join(root, name)
+        iteration = paths.iteration_of(name)
+        unfinished = name.endswith(paths.PARTIAL) or paths.DELETING in name
+        temporary = name.startswith(paths.TRACKER) and ".tmp." in name
         unindexed = (storage.in_place and iteration is not None and str(iteration) != tracked
                      and not is_published(storage, path))
         if (unfinished or temporary or unindexed) and storage.exists(path):  # an emptied prefix may be listed

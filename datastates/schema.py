@@ -15,7 +15,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from . import layout
+from . import paths
 from .codecs import CODECS
 from .errors import CheckpointCorruptError, CheckpointError
 
@@ -320,7 +320,7 @@ class Manifest(RankPart):
     @classmethod
     def written(cls, rank: int, world_size: int, data_bytes: int, direct_io: bool, items: list[Item]) -> "Manifest":
         """The manifest of what `rank` just wrote (its checksum is `format.signed_manifest`'s)."""
-        return cls(f"manifest of rank {rank}", layout.data_file(rank), data_bytes, [it.to_json() for it in items],
+        return cls(f"manifest of rank {rank}", paths.data_file(rank), data_bytes, [it.to_json() for it in items],
                    rank=rank, world_size=world_size, direct_io=direct_io)
 
     def to_json(self) -> dict:
@@ -375,7 +375,7 @@ class Index:
 
     @property
     def directory(self) -> str:
-        return layout.parent(self.path)
+        return paths.parent(self.path)
 
     def part(self, rank: int) -> RankPart:
         """A rank's part as the index holds it (schema 2; a schema-1 index holds only its manifest's crc32c)."""

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .plan import ALIGN
+from .save_plan import ALIGN
 
 MAX_SLOT_BYTES = 64 << 20
 MIN_BUDGET = 4 * ALIGN

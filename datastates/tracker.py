@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import layout
+from . import paths
 from . import save_root
 from .errors import CheckpointError
 from .storage import Storage, storage_for
@@ -17,7 +17,7 @@ from .storage import Storage, storage_for
 
 def _tracker_text(root: str, storage: Storage) -> str | None:
     """The tracker's text, stripped; None when there is no tracker."""
-    path = layout.join(root, layout.TRACKER)
+    path = paths.join(root, paths.TRACKER)
     try:
         return storage.read_bytes(path).decode().strip()
     except (FileNotFoundError, NotADirectoryError):
@@ -42,14 +42,14 @@ class Latest:
     def why_none(self) -> str:
         """Why nothing is loadable here, naming the tracker and what it names."""
         if self.tracker is None:
-            return (f"{self.root!r} holds no checkpoint: neither {layout.TRACKER} nor a published iter_XXXXXXX "
+            return (f"{self.root!r} holds no checkpoint: neither {paths.TRACKER} nor a published iter_XXXXXXX "
                     f"directory")
-        if self.tracker != layout.RELEASE and _tracked(self.tracker) is None:
-            return (f"{layout.TRACKER} in {self.root!r} holds {self.tracker!r}, not an iteration, and no "
+        if self.tracker != paths.RELEASE and _tracked(self.tracker) is None:
+            return (f"{paths.TRACKER} in {self.root!r} holds {self.tracker!r}, not an iteration, and no "
                     f"published iter_XXXXXXX directory is there")
-        named = layout.join(self.root, layout.RELEASE) if self.tracker == layout.RELEASE else \
-            layout.checkpoint_dir(self.root, int(self.tracker))
-        return (f"{layout.TRACKER} in {self.root!r} names {self.tracker} but {named} is missing or not a "
+        named = paths.join(self.root, paths.RELEASE) if self.tracker == paths.RELEASE else \
+            paths.checkpoint_dir(self.root, int(self.tracker))
+        return (f"{paths.TRACKER} in {self.root!r} names {self.tracker} but {named} is missing or not a "
                 f"complete checkpoint, and no other published checkpoint is there")
 
 
@@ -59,21 +59,21 @@ def find_latest(path: str, storage: Storage | None = None) -> Latest:
     iteration that does: after a crash between publication and the tracker update, or when the tracker names a
     retired checkpoint. An iteration directory is itself."""
     storage = storage or storage_for(path)
-    path = layout.normalize(path)
-    iteration = layout.iteration_of(path)
+    path = paths.normalize(path)
+    iteration = paths.iteration_of(path)
     if iteration is not None:
         found = save_root.holds_checkpoint(storage, path)
-        return Latest(layout.parent(path), None, iteration if found else None, path if found else None)
+        return Latest(paths.parent(path), None, iteration if found else None, path if found else None)
     text = _tracker_text(path, storage)
-    tracked = layout.RELEASE if text == layout.RELEASE else _tracked(text)
+    tracked = paths.RELEASE if text == paths.RELEASE else _tracked(text)
     if tracked is not None:
-        named = layout.join(path, layout.RELEASE) if tracked == layout.RELEASE else \
-            layout.checkpoint_dir(path, tracked)
+        named = paths.join(path, paths.RELEASE) if tracked == paths.RELEASE else \
+            paths.checkpoint_dir(path, tracked)
         if save_root.holds_checkpoint(storage, named):
             return Latest(path, text, tracked, named)
-    its = sorted((i for i in map(layout.iteration_of, storage.list(path)) if i is not None), reverse=True)
-    newest = next((i for i in its if save_root.holds_checkpoint(storage, layout.checkpoint_dir(path, i))), None)
-    return Latest(path, text, newest, None if newest is None else layout.checkpoint_dir(path, newest))
+    its = sorted((i for i in map(paths.iteration_of, storage.list(path)) if i is not None), reverse=True)
+    newest = next((i for i in its if save_root.holds_checkpoint(storage, paths.checkpoint_dir(path, i))), None)
+    return Latest(path, text, newest, None if newest is None else paths.checkpoint_dir(path, newest))
 
 
 def read_latest(root: str, storage: Storage | None = None) -> int | None:
@@ -92,7 +92,7 @@ def is_published(path: str, storage: Storage | None = None) -> bool:
 
 def write_latest(root: str, iteration: int, fsync: bool = True) -> None:
     """Point the tracker of `root` at `iteration` (for checkpoints written outside the engine: the other formats)."""
-    storage = storage_for(root, fsync=fsync) if layout.scheme(root) is None else storage_for(root)
+    storage = storage_for(root, fsync=fsync) if paths.scheme(root) is None else storage_for(root)
     try:
         save_root.write_tracker(storage, root, iteration)
     finally:

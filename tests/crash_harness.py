@@ -105,7 +105,7 @@ def driver(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
+    from datastates import CheckpointEngine, PosixOptions, CheckpointError, paths, tracker
 
     def log(*words):
         print(*words, flush=True)
@@ -122,7 +122,7 @@ def driver(a: argparse.Namespace) -> int:
     latest = tracker.read_latest(a.root)
     state = expected_state(a.rank, 0, a.mb)
     if latest is not None:
-        state = eng.load(layout.checkpoint_dir(a.root, latest), template=state)
+        state = eng.load(paths.checkpoint_dir(a.root, latest), template=state)
         if not same(state, expected_state(a.rank, latest, a.mb)):
             log("MISMATCH", latest)
             return 5
@@ -131,7 +131,7 @@ def driver(a: argparse.Namespace) -> int:
     for it in range((latest or 0) + 1, a.iters + 1):
         eng.wait_for_snapshot()  # the fence, right before the step mutates saved state
         mutate(state, a.rank, it, a.mb)
-        eng.save(state, layout.checkpoint_dir(a.root, it))
+        eng.save(state, paths.checkpoint_dir(a.root, it))
         try:  # the "stop" policy: a failed save ends the job (maybe_finalize raises or returns it, by version)
             failed = [h.error for h in eng.maybe_finalize() or [] if getattr(h, "error", None) is not None]
         except CheckpointError as e:
@@ -173,7 +173,7 @@ def zygote_main() -> None:
     import torch.distributed  # noqa: F401
 
     import datastates  # noqa: F401
-    from datastates import layout, tracker  # noqa: F401
+    from datastates import paths, tracker  # noqa: F401
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -258,16 +258,16 @@ def _field(lines: list[str], word: str):
 
 def inspect_disk(root: str, world: int, keep_last: int) -> tuple[set, list[str]]:
     """(phases the disk shows a save was killed in, leftover paths a next start must remove)."""
-    from datastates import layout, tracker
+    from datastates import paths, tracker
     phases, leftovers = set(), []
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     for n in names:
         path = os.path.join(root, n)
-        if n.endswith(layout.PARTIAL):
+        if n.endswith(paths.PARTIAL):
             leftovers.append(path)
             inside = set(os.listdir(path))
-            done = sum(layout.manifest_file(r) in inside for r in range(world))
-            if layout.METADATA in inside:
+            done = sum(paths.manifest_file(r) in inside for r in range(world))
+            if paths.METADATA in inside:
                 phases.add("metadata written, not renamed")
             elif done == 0:
                 phases.add("snapshot/flush (.partial, no manifest)")
@@ -275,10 +275,10 @@ def inspect_disk(root: str, world: int, keep_last: int) -> tuple[set, list[str]]
                 phases.add("manifest (some ranks done)")
             else:
                 phases.add("all manifests, unpublished")
-        elif layout.DELETING in n:
+        elif paths.DELETING in n:
             leftovers.append(path)
             phases.add("retention (.deleting leftover)")
-        elif n.startswith(layout.TRACKER) and ".tmp." in n:
+        elif n.startswith(paths.TRACKER) and ".tmp." in n:
             leftovers.append(path)
             phases.add("tracker temp file")
     published = tracker.published_iterations(root)
@@ -293,9 +293,9 @@ def inspect_disk(root: str, world: int, keep_last: int) -> tuple[set, list[str]]
 
 
 def _tracker(root: str):
-    from datastates import layout
+    from datastates import paths
     try:
-        with open(os.path.join(root, layout.TRACKER)) as f:
+        with open(os.path.join(root, paths.TRACKER)) as f:
             text = f.read().strip()
     except FileNotFoundError:
         return None
@@ -315,19 +315,19 @@ class Verifier:
 
     def check(self, root: str, previous_latest) -> tuple[int | None, list[str]]:
         """Check the invariants on `root`; returns (latest, violations)."""
-        from datastates import layout, tracker
+        from datastates import paths, tracker
         bad = []
         named = _tracker(root)
         if named is not None and (not isinstance(named, int)
-                                    or not tracker.is_published(layout.checkpoint_dir(root, named))):
+                                    or not tracker.is_published(paths.checkpoint_dir(root, named))):
             bad.append(f"tracker names {named!r}, which is not a published checkpoint")
         latest = tracker.read_latest(root)
         if previous_latest is not None and (latest is None or latest < previous_latest):
             bad.append(f"latest went back from {previous_latest} to {latest}: a published checkpoint was lost")
         for it in tracker.published_iterations(root):
-            path = layout.checkpoint_dir(root, it)
+            path = paths.checkpoint_dir(root, it)
             try:  # a checkpoint directory is identified by its metadata (re-saves replace the directory)
-                stamp = (it, os.stat(os.path.join(path, layout.METADATA)).st_ino)
+                stamp = (it, os.stat(os.path.join(path, paths.METADATA)).st_ino)
             except FileNotFoundError:
                 bad.append(f"{path} vanished while checking")
                 continue

@@ -48,7 +48,7 @@ sys.path[:0] = [HERE, ROOT]  # the datastates next to these tests, also in a cop
 import crash_fs  # noqa: E402
 import crash_harness  # noqa: E402
 import fs_trace  # noqa: E402
-from datastates import CheckpointEngine, PosixOptions, layout, tracker  # noqa: E402
+from datastates import CheckpointEngine, PosixOptions, paths, tracker  # noqa: E402
 
 WORLD = 2
 MB = 0.0625  # state per rank: 4 tensors of 16 KiB, plus an index and objects
@@ -89,7 +89,7 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
     start = int(resume) if start is None else start
     state = crash_harness.expected_state(rank, 0, MB)
     if start:
-        state = eng.load(layout.checkpoint_dir(root, start), template=state)
+        state = eng.load(paths.checkpoint_dir(root, start), template=state)
         assert crash_harness.same(state, crash_harness.expected_state(rank, start, MB)), "resume not bit-exact"
 
     def durable(it):
@@ -101,7 +101,7 @@ def rank_main(root: str, marks: str, rank: int, port_pipe: tuple[int, int], resu
     for it in range(start + 1, last + 1):
         eng.wait_for_snapshot()
         crash_harness.mutate(state, rank, it, MB)
-        eng.save(state, layout.checkpoint_dir(root, it))
+        eng.save(state, paths.checkpoint_dir(root, it))
         if it in wait_at:
             durable(it)
     durable(last)
@@ -167,7 +167,7 @@ class Checker:
 
     def _verify(self, root: str, it: int) -> list[str]:
         """Problems of checkpoint `it` under `root`: every rank must load bit-exact with what `it` saved."""
-        path = layout.checkpoint_dir(root, it)
+        path = paths.checkpoint_dir(root, it)
         h = hashlib.sha256()
         for name in sorted(os.listdir(path)):  # a checkpoint directory is flat
             with open(os.path.join(path, name), "rb") as f:
@@ -209,8 +209,8 @@ class Checker:
         try:  # the next start: clean_stale on one rank, then read_latest
             tracker.clean_leftovers(root)
             latest = tracker.read_latest(root)
-            left = sorted(n for n in os.listdir(root) if n != layout.TRACKER and not (
-                layout.iteration_of(n) is not None and tracker.is_published(os.path.join(root, n))))
+            left = sorted(n for n in os.listdir(root) if n != paths.TRACKER and not (
+                paths.iteration_of(n) is not None and tracker.is_published(os.path.join(root, n))))
         except Exception as e:  # noqa: BLE001
             return bad + [f"the next start's clean-up raised {type(e).__name__}: {e}"]
         if left:

@@ -39,7 +39,7 @@ from concurrent.futures import wait
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from datastates import CheckpointEngine, layout  # noqa: E402
+from datastates import CheckpointEngine, paths  # noqa: E402
 from datastates.memory_tier import LocalTier  # noqa: E402
 from datastates.storage.s3 import MultipartSink  # noqa: E402
 from megatron.training.checkpointing import CheckpointManager  # noqa: E402
@@ -77,7 +77,7 @@ def _until_saves_end(engine) -> None:
 
 
 def save(self, state, path, from_save=None):
-    it = layout.iteration_of(path)
+    it = paths.iteration_of(path)
     slow, kill, fail = _spec("FAULT_SLOW_SAVE"), _spec("FAULT_KILL_AFTER_SAVE"), _spec("FAULT_FAIL_SAVE")
     down, kill_up = _spec("FAULT_STORE_DOWN"), _spec("FAULT_KILL_JOB_IN_UPLOAD")
     if (down and down[0] == it) or (kill_up and kill_up[0] == it):
@@ -123,7 +123,7 @@ def replicate(self, iteration, handle):
 
 def _faulted_upload(sink) -> str | None:
     """Which fault, if any, names the iteration of this data object."""
-    it = layout.iteration_of(layout.parent(sink.path))
+    it = paths.iteration_of(paths.parent(sink.path))
     kill, down = _spec("FAULT_KILL_JOB_IN_UPLOAD"), _spec("FAULT_STORE_DOWN")
     if kill and kill[0] == it:
         return "kill"

@@ -85,7 +85,7 @@ def first_global_batch(flags: list[str], micro_batches: int, vocab: int) -> tupl
     """(tokens, labels) of a run's first global batch of `micro_batches` micro-batches, from the trainer's own
     data set built on one rank (`flags` without a parallel layout)."""
     from megatron.training.arguments import parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     from megatron.training.data import MicroBatches, build_train_valid_test_datasets
     from megatron.training.initialize import setup_data_and_schedule
     args = validate_args(parse_args(argv=flags), 1)

@@ -5,7 +5,7 @@ makes it a full disk: a write past it fails with ENOSPC."""
 import errno
 import threading
 
-from datastates import _native, layout
+from datastates import _native, paths
 from datastates.storage import DataSink, DataSource, Options, Stat, Storage
 
 
@@ -24,18 +24,18 @@ class MemoryStorage(Storage):
             if self.capacity is not None and used + len(data) > self.capacity:
                 raise OSError(errno.ENOSPC, "no space left", path)
             self.versions += 1
-            self.objects[layout.normalize(path)] = data
+            self.objects[paths.normalize(path)] = data
 
     def open_data(self, path, nbytes):
         self._put(path, bytearray())
-        return MemorySink(self, layout.normalize(path))
+        return MemorySink(self, paths.normalize(path))
 
     def open_source(self, path):
         return MemorySource(self.read_bytes(path), path)
 
     def read_bytes(self, path):
         with self.lock:
-            data = self.objects.get(layout.normalize(path))
+            data = self.objects.get(paths.normalize(path))
         if data is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return bytes(data)
@@ -44,23 +44,23 @@ class MemoryStorage(Storage):
         self._put(path, bytes(data))
 
     def list(self, path):
-        prefix = layout.normalize(path) + "/"
+        prefix = paths.normalize(path) + "/"
         with self.lock:
             return sorted({k[len(prefix):].split("/")[0] for k in self.objects if k.startswith(prefix)})
 
     def stat(self, path):
         with self.lock:
-            data = self.objects.get(layout.normalize(path))
+            data = self.objects.get(paths.normalize(path))
             return None if data is None else Stat(len(data), (id(data), len(data)))
 
     def remove(self, path):
-        path = layout.normalize(path)
+        path = paths.normalize(path)
         with self.lock:
             for k in [k for k in self.objects if k == path or k.startswith(path + "/")]:
                 del self.objects[k]
 
     def stage(self, final):
-        return layout.partial_dir(final)
+        return paths.partial_dir(final)
 
     def _move(self, src: str, dst: str) -> None:
         with self.lock:
@@ -69,13 +69,13 @@ class MemoryStorage(Storage):
 
     def commit(self, partial, final):
         retired = [self.retire(final)] if self.list(final) else []
-        self._move(layout.normalize(partial), layout.normalize(final))
+        self._move(paths.normalize(partial), paths.normalize(final))
         return retired
 
     def retire(self, path):
         self.versions += 1
-        doomed = f"{layout.normalize(path)}{layout.DELETING}.{self.versions}"
-        self._move(layout.normalize(path), doomed)
+        doomed = f"{paths.normalize(path)}{paths.DELETING}.{self.versions}"
+        self._move(paths.normalize(path), doomed)
         return doomed
 
     def abort_uploads(self, root):

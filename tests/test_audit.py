@@ -13,9 +13,11 @@ import shutil
 import pytest
 import torch
 
-from datastates import CheckpointEngine, PosixOptions, CheckpointReader, Problems, audit_checkpoint, layout
+from datastates import CheckpointEngine, PosixOptions, Problems, audit_checkpoint, paths
+from datastates.loader import CheckpointLoader
+from datastates.open_checkpoint import OpenCheckpoint
 from datastates.errors import CheckpointCorruptError, CheckpointError
-from test_restore import Box, _registry
+from test_load_reads import Box, _registry
 
 WORLD, ROWS, COLS = 3, 12, 1000  # each rank's block: 4 rows of 4000 bytes, chunks of at most a slot (8 KiB)
 
@@ -30,7 +32,7 @@ def _state(rank: int, whole: torch.Tensor) -> dict:
 def saved(tmp_path_factory):
     """(checkpoint directory, the logical tensor)."""
     whole = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3))
-    path = layout.checkpoint_dir(str(tmp_path_factory.mktemp("audit")), 5)
+    path = paths.checkpoint_dir(str(tmp_path_factory.mktemp("audit")), 5)
     store = torch.distributed.HashStore()
     engines = [CheckpointEngine(host_buffer_bytes=48 << 10, storage=PosixOptions(writer_threads=2), rank=r,
                                 world_size=WORLD, store=store,
@@ -47,7 +49,7 @@ def saved(tmp_path_factory):
 
 
 def _item(path: str, rank: int, name: str) -> dict:
-    with open(os.path.join(path, layout.METADATA)) as f:
+    with open(os.path.join(path, paths.METADATA)) as f:
         items = json.load(f)["ranks"][str(rank)]["items"]
     return next(i for i in items if i.get("name") == name or i["id"] == name)
 
@@ -55,7 +57,7 @@ def _item(path: str, rank: int, name: str) -> dict:
 def _flip(path: str, rank: int, item: dict, chunk: int) -> int:
     """Flip a byte inside chunk `chunk` of `item`; its file offset (the chunk's start)."""
     offset = item["offset"] + chunk * item["chunk_bytes"]
-    with open(os.path.join(path, layout.data_file(rank)), "r+b") as f:
+    with open(os.path.join(path, paths.data_file(rank)), "r+b") as f:
         f.seek(offset + 3)
         b = f.read(1)
         f.seek(offset + 3)
@@ -73,10 +75,10 @@ def damaged(saved, tmp_path):
     w0, w2 = _item(path, 0, "w"), _item(path, 2, "w")
     assert len(w0["crcs"]) >= 2, w0  # the block spans several checksummed chunks
     flipped = {(0, _flip(path, 0, w0, 0)), (0, _flip(path, 0, w0, 1)), (2, _flip(path, 2, w2, 0))}
-    data1 = os.path.join(path, layout.data_file(1))
+    data1 = os.path.join(path, paths.data_file(1))
     size = os.path.getsize(data1) - 100
     os.truncate(data1, size)
-    os.unlink(os.path.join(path, layout.manifest_file(2)))
+    os.unlink(os.path.join(path, paths.manifest_file(2)))
     return path, whole, flipped, (1, size)
 
 
@@ -87,10 +89,10 @@ def test_one_audit_reports_every_problem_of_every_rank(damaged):
     mismatches = [p for p in problems if "checksum mismatch" in p.message]
     assert {(p.rank, p.offset) for p in mismatches} == flipped  # rank 2's bytes are checked without its manifest
     for p in mismatches:
-        assert p.file == os.path.join(path, layout.data_file(p.rank)) and p.item == _item(path, p.rank, "w")["id"]
+        assert p.file == os.path.join(path, paths.data_file(p.rank)) and p.item == _item(path, p.rank, "w")["id"]
     truncated = [p for p in problems if "truncated" in p.message]
     assert [(p.rank, p.offset) for p in truncated] == [truncated_at]
-    missing = [p for p in problems if p.file.endswith(layout.manifest_file(2))]
+    missing = [p for p in problems if p.file.endswith(paths.manifest_file(2))]
     assert len(missing) == 1 and "missing" in missing[0].message and missing[0].rank == 2
     assert len(problems) == 5, [p.message for p in problems]  # and nothing else
     assert found.stats["chunks"] > 0
@@ -100,7 +102,7 @@ def test_a_truncated_file_still_has_the_items_before_its_end_verified(saved, tmp
     src, _ = saved
     path = str(tmp_path / "iter_0000005")
     shutil.copytree(src, path)
-    data = os.path.join(path, layout.data_file(1))
+    data = os.path.join(path, paths.data_file(1))
     local = _item(path, 1, "local")
     os.truncate(data, local["offset"] + local["nbytes"])  # the pickled objects after the tensors are cut off
     _flip(path, 1, local, 0)
@@ -122,8 +124,8 @@ def test_a_collecting_load_reports_every_damaged_chunk_and_reads_the_rest(damage
     path, whole, flipped, truncated_at = damaged
     rows = ROWS // WORLD
     problems = Problems()
-    with CheckpointReader.open(path, threads=2, staging_bytes=48 << 10, registry=_registry()) as reader:
-        out = reader.load(0, {"w0": Box("w", torch.zeros(rows, COLS), whole.shape, (0, 0)),
+    with OpenCheckpoint.standalone(path, threads=2, staging_bytes=48 << 10) as checkpoint:
+        out = CheckpointLoader(checkpoint, _registry()).load(0, {"w0": Box("w", torch.zeros(rows, COLS), whole.shape, (0, 0)),
                               "w1": Box("w", torch.zeros(rows, COLS), whole.shape, (rows, 0))}, problems)
     assert {(p.rank, p.offset) for p in problems.found} == {f for f in flipped if f[0] == 0} | {truncated_at}
     assert torch.equal(out["w1"], whole[rows:2 * rows])  # within rank 1's short file, after the damaged chunks

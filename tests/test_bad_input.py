@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError
 from datastates import format as fmt
-from datastates import layout
+from datastates import paths
 
 _np_reconstruct = (np._core if hasattr(np, "_core") else np.core).multiarray._reconstruct
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,7 +72,7 @@ def work(saved, tmp_path):
 
 def _paths(root):
     d = root / "iter_0000001"
-    return d, d / layout.manifest_file(0), d / layout.data_file(0), d / layout.METADATA
+    return d, d / paths.manifest_file(0), d / paths.data_file(0), d / paths.METADATA
 
 
 def _load_both(engine, root):
@@ -177,7 +177,7 @@ def _named(doc, edits) -> list[str]:
 
 
 DELETE = object()
-# One re-signed edit per structural check of the index (datastates/schema.py; restore.py for the saved structure's
+# One re-signed edit per structural check of the index (datastates/schema.py; open_checkpoint.py for the saved structure's
 # leaves), and the refusal it must produce:
 # (what is edited: "top", "rank" (rank 0's entry) or an item id; the changes: a value, DELETE, or a function of the
 # old value; the message). Random edits reach most checks only by chance; this reaches each one.

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from datastates import CheckpointEngine, PosixOptions, audit_checkpoint
-from test_restore import Box, _registry
+from test_load_reads import Box, _registry
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "fe86c63")
 GLOBAL = (6, 5)

@@ -17,7 +17,7 @@ from datastates import format as fmt
 from datastates.codecs import CODECS
 from s3_store import s3_server  # noqa: F401  (the session fixture)
 from test_compatibility import FIXTURE, GLOBAL, _same, state as fixture_state
-from test_restore import Box, _registry
+from test_load_reads import Box, _registry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int16,
@@ -289,7 +289,7 @@ def test_a_compressed_checkpoint_loads_into_another_layout_bit_exact(trained, tm
 # ----- an object store: auto compresses there -----
 
 def test_auto_compresses_on_an_object_store_and_the_checkpoint_loads(s3_server, monkeypatch):  # noqa: F811
-    from datastates import layout, storage_for
+    from datastates import paths, storage_for
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
@@ -300,7 +300,7 @@ def test_auto_compresses_on_an_object_store_and_the_checkpoint_loads(s3_server, 
     with CheckpointEngine(host_buffer_bytes=1 << 20, compress="auto",
                           storage=storage_for(root, writer_threads=2)) as eng:
         assert eng.codec is not None and eng.codec.name == "bytegroup-zstd"
-        path = layout.checkpoint_dir(root, 5)
+        path = paths.checkpoint_dir(root, 5)
         eng.save(want, path).wait()
         got = eng.load(root)
     assert got["step"] == 3 and all(as_bytes(got[k]) == as_bytes(want[k]) for k in ("bf16", "fp32"))

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, paths, tracker
 from datastates.storage import posix
 
 
@@ -22,7 +22,7 @@ def test_every_rank_returns_only_once_latest_names_the_checkpoint(tmp_path):
     engines = _engines(keep_last=2)
     try:
         for it in range(1, 13):
-            path = layout.checkpoint_dir(str(tmp_path), it)
+            path = paths.checkpoint_dir(str(tmp_path), it)
             engines[1].save({"w": torch.full((100,), float(it))}, path)
             engines[1].wait_for_snapshot()
             done = threading.Event()
@@ -34,7 +34,7 @@ def test_every_rank_returns_only_once_latest_names_the_checkpoint(tmp_path):
             t = threading.Thread(target=rank0)
             t.start()
             engines[1].wait()
-            with open(tmp_path / layout.TRACKER) as f:
+            with open(tmp_path / paths.TRACKER) as f:
                 assert f.read().strip() == str(it), f"rank 1 returned before latest named iteration {it}"
             t.join(60)
             assert done.is_set()
@@ -49,7 +49,7 @@ def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypa
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device", "metadata.json")
     monkeypatch.setattr(posix.PosixStorage, "commit", refuse)  # the publication of rank 0 fails
-    path = layout.checkpoint_dir(str(tmp_path), 1)
+    path = paths.checkpoint_dir(str(tmp_path), 1)
     handles = [eng.save({"w": torch.full((1000,), float(r))}, path) for r, eng in enumerate(engines)]
     assert handles[1].join(30), "rank 1 waited for its timeout instead of hearing rank 0's failure"
     for eng in engines:
@@ -58,7 +58,7 @@ def test_rank0_publication_failure_reaches_every_rank_at_once(tmp_path, monkeypa
     assert not (tmp_path / "iter_0000001.partial").exists() and not (tmp_path / "iter_0000001").exists()
     monkeypatch.undo()
     for r, eng in enumerate(engines):  # the engines carry on: the next save publishes
-        eng.save({"w": torch.full((1000,), float(r))}, layout.checkpoint_dir(str(tmp_path), 2))
+        eng.save({"w": torch.full((1000,), float(r))}, paths.checkpoint_dir(str(tmp_path), 2))
     for eng in engines:
         eng.wait()
         eng.close()
@@ -74,7 +74,7 @@ def test_more_ranks_than_a_store_needs_is_a_clear_error(tmp_path):
 
 def _save_all(engines, root, it, numel=1000):
     for r, eng in enumerate(engines):
-        eng.save({"w": torch.full((numel,), float(it + r))}, layout.checkpoint_dir(str(root), it))
+        eng.save({"w": torch.full((numel,), float(it + r))}, paths.checkpoint_dir(str(root), it))
     for eng in engines:
         eng.wait()
 
@@ -88,7 +88,7 @@ def test_each_rank_deletes_its_share_of_retired_checkpoints(tmp_path):
             _save_all(engines, tmp_path, it)
             for eng in engines:
                 eng.pipeline._deleter.submit(lambda: None).result()  # the deletions of this publication are done
-            retired = [n for n in sorted(tmp_path.iterdir()) if layout.DELETING in n.name]
+            retired = [n for n in sorted(tmp_path.iterdir()) if paths.DELETING in n.name]
             assert all(not any(d.iterdir()) for d in retired), "a retired checkpoint still has files"
             assert len(retired) <= 1, retired  # rank 0 removed the directories emptied before this save
         for r, eng in enumerate(engines):
@@ -96,7 +96,7 @@ def test_each_rank_deletes_its_share_of_retired_checkpoints(tmp_path):
     finally:
         for eng in engines:
             eng.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", layout.TRACKER]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", paths.TRACKER]
 
 
 def test_retired_checkpoint_of_a_larger_world_is_removed_whole(tmp_path):
@@ -112,5 +112,5 @@ def test_retired_checkpoint_of_a_larger_world_is_removed_whole(tmp_path):
     finally:
         for eng in engines:
             eng.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", layout.TRACKER]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", paths.TRACKER]
 

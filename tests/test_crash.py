@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import crash_harness  # noqa: E402
 from datastates import CheckpointEngine, PosixOptions, CheckpointError  # noqa: E402
-from datastates import layout, tracker  # noqa: E402
+from datastates import paths, tracker  # noqa: E402
 
 
 def test_random_sigkill_campaign(tmp_path):
@@ -36,7 +36,7 @@ def test_random_sigkill_campaign(tmp_path):
 # ----- every state a crash can leave, built deterministically -----
 
 def _save(eng, root, it):
-    eng.save({"w": torch.full((3000,), float(it)), "it": it}, layout.checkpoint_dir(str(root), it))
+    eng.save({"w": torch.full((3000,), float(it)), "it": it}, paths.checkpoint_dir(str(root), it))
     eng.wait()
 
 
@@ -57,7 +57,7 @@ def _loaded_iteration(eng, root):
 
 def test_killed_between_rename_and_tracker(three):
     eng, root = three
-    (root / layout.TRACKER).write_text("2")  # iter_3 renamed into place, tracker not yet replaced
+    (root / paths.TRACKER).write_text("2")  # iter_3 renamed into place, tracker not yet replaced
     # the tracker names a complete checkpoint: that one is the latest (as in Megatron-LM), not the newest directory
     assert tracker.read_latest(str(root)) == 2
     assert _loaded_iteration(eng, root) == 2
@@ -66,7 +66,7 @@ def test_killed_between_rename_and_tracker(three):
 
 def test_tracker_missing_garbage_or_naming_a_missing_dir(three):
     eng, root = three
-    tracker_file = root / layout.TRACKER
+    tracker_file = root / paths.TRACKER
     # no tracker, an unreadable one, or one naming a missing directory: the newest published iteration (3), never
     # an older one (lost progress); a readable one naming a complete checkpoint wins (surrounding blanks stripped)
     for text, expected in ((None, 3), ("", 3), ("abc", 3), ("17", 3), ("-1", 3), ("3\n3", 3), ("2 ", 2),
@@ -77,7 +77,7 @@ def test_tracker_missing_garbage_or_naming_a_missing_dir(three):
             tracker_file.write_text(text)
         latest = tracker.read_latest(str(root))
         assert latest == expected, (text, latest)
-        assert tracker.is_published(layout.checkpoint_dir(str(root), latest))
+        assert tracker.is_published(paths.checkpoint_dir(str(root), latest))
         assert _loaded_iteration(eng, root) == latest
 
 
@@ -96,18 +96,18 @@ def test_killed_during_retention_or_replacement(three):
     eng, root = three
     # retention renamed iter_1 away and died in rmtree; a re-save of iter_3 died after moving the old one aside
     os.rename(root / "iter_0000001", root / "iter_0000001.deleting.123.456")
-    (root / "iter_0000001.deleting.123.456" / layout.data_file(0)).unlink()
+    (root / "iter_0000001.deleting.123.456" / paths.data_file(0)).unlink()
     os.rename(root / "iter_0000003", root / "iter_0000003.deleting.123.789")
     (root / "iter_0000003.partial").mkdir()
-    (root / f"{layout.TRACKER}.tmp.999").write_text("4")
+    (root / f"{paths.TRACKER}.tmp.999").write_text("4")
     assert tracker.published_iterations(str(root)) == [2]
     assert tracker.read_latest(str(root)) == 2  # tracker says 3, which is gone: newest complete one instead
     assert _loaded_iteration(eng, root) == 2
     removed = tracker.clean_leftovers(str(root))
     assert sorted(os.path.basename(p) for p in removed) == [
-        "iter_0000001.deleting.123.456", "iter_0000003.partial", f"{layout.TRACKER}.tmp.999"]
+        "iter_0000001.deleting.123.456", "iter_0000003.partial", f"{paths.TRACKER}.tmp.999"]
     # the next start rolls the interrupted re-save back: the tracker's iteration 3 is not lost
-    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", layout.TRACKER]
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", paths.TRACKER]
     assert tracker.read_latest(str(root)) == 3
     assert _loaded_iteration(eng, root) == 3
 

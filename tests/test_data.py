@@ -8,7 +8,7 @@ import pytest
 
 from corpus import documents, gpt2_bpe, hf_dir, preprocess, sentencepiece_model, write_jsonl
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 
 TEXT = "the checkpoint is written lazily while the next forward pass runs"
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

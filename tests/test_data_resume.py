@@ -125,7 +125,7 @@ def embedding_rows(ckpt_dir: str) -> set[int]:
     """The rows of the word embedding saved in a checkpoint (the weights and their optimizer states)."""
     from datastates import CheckpointEngine
     with CheckpointEngine(rank=0, world_size=1) as engine:
-        index = engine.reader(ckpt_dir).global_index()
+        index = engine.checkpoint(ckpt_dir).global_index()
     return {shards[0].global_shape[0] for name, shards in index.items() if "word_embeddings.weight" in name}
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError
-from datastates import layout, read_json, tracker, format as fmt
+from datastates import paths, read_json, tracker, format as fmt
 from datastates.storage import READ_MODES
 
 Pair = namedtuple("Pair", "left right")
@@ -144,7 +144,7 @@ def test_budget_holds_with_tensor_three_times_larger(tmp_path):
         assert eng.pool.allocated_bytes <= budget
         loaded = eng.load(str(tmp_path))
     assert torch.equal(loaded["big"], big)
-    manifest = fmt.read_manifest(eng.storage, str(tmp_path / "iter_0000001" / layout.manifest_file(0)))
+    manifest = fmt.read_manifest(eng.storage, str(tmp_path / "iter_0000001" / paths.manifest_file(0)))
     assert len(manifest.items["big"].crcs) > 3  # chunked, one checksum per chunk
 
 
@@ -154,7 +154,7 @@ def test_native_module_does_the_writing(tmp_path, engine):
     engine.save(state, str(tmp_path / "iter_0000001"))
     stats = engine.wait()[0]
     written = engine.storage._pool("write").bytes_written - before
-    data = tmp_path / "iter_0000001" / layout.data_file(0)
+    data = tmp_path / "iter_0000001" / paths.data_file(0)
     assert written == stats.bytes == data.stat().st_size
     assert data.read_bytes()[:360000] == state["x"].numpy().tobytes()
 
@@ -162,13 +162,13 @@ def test_native_module_does_the_writing(tmp_path, engine):
 def test_layout_aligned_and_manifest_complete(tmp_path, engine):
     engine.save({"a": torch.randn(3), "b": torch.randn(1000), "obj": {"k": 1}}, str(tmp_path / "iter_0000002"))
     engine.wait()
-    doc = read_json(str(tmp_path / "iter_0000002" / layout.manifest_file(0)), "manifest")
+    doc = read_json(str(tmp_path / "iter_0000002" / paths.manifest_file(0)), "manifest")
     assert doc["schema_version"] == fmt.SCHEMA_VERSION
     tensors = [it for it in doc["items"] if it["kind"] == "tensor"]
     assert all(it["offset"] % 4096 == 0 for it in tensors)
     assert {it["id"] for it in doc["items"]} >= {"a", "b", "obj/k", "__skeleton__"}
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-    meta = json.loads((tmp_path / "iter_0000002" / layout.METADATA).read_text())
+    meta = json.loads((tmp_path / "iter_0000002" / paths.METADATA).read_text())
     assert meta["world_size"] == 1 and meta["iteration"] == 2
 
 
@@ -177,7 +177,7 @@ def test_unpublished_checkpoint_is_not_loadable(tmp_path, engine):
     engine.wait()
     partial = tmp_path / "iter_0000002.partial"
     partial.mkdir()
-    (partial / layout.data_file(0)).write_bytes(b"junk")
+    (partial / paths.data_file(0)).write_bytes(b"junk")
     with pytest.raises(CheckpointError, match="not published"):
         engine.load(str(tmp_path / "iter_0000002"))
     assert torch.equal(engine.load(str(tmp_path))["a"], torch.ones(4))  # latest still the good one
@@ -191,7 +191,7 @@ def _save_ok(engine, root, it, value):
 
 def test_flipped_byte_is_detected(tmp_path, engine):
     _save_ok(engine, tmp_path, 1, 1.0)
-    data = tmp_path / "iter_0000001" / layout.data_file(0)
+    data = tmp_path / "iter_0000001" / paths.data_file(0)
     raw = bytearray(data.read_bytes())
     raw[1234] ^= 0x10
     data.write_bytes(bytes(raw))
@@ -201,23 +201,23 @@ def test_flipped_byte_is_detected(tmp_path, engine):
 
 def test_truncated_and_missing_files(tmp_path, engine):
     _save_ok(engine, tmp_path, 1, 1.0)
-    (tmp_path / "iter_0000001" / layout.manifest_file(0)).unlink()  # a load needs the index, not the manifests
+    (tmp_path / "iter_0000001" / paths.manifest_file(0)).unlink()  # a load needs the index, not the manifests
     assert torch.equal(engine.load(str(tmp_path))["w"], torch.full((1000,), 1.0))
-    data = tmp_path / "iter_0000001" / layout.data_file(0)
+    data = tmp_path / "iter_0000001" / paths.data_file(0)
     os.truncate(data, 2000)
     with pytest.raises(CheckpointCorruptError, match=r"truncated"):
         engine.load(str(tmp_path))
     data.unlink()
     with pytest.raises(CheckpointError, match=r"rank_00000\.data"):
         engine.load(str(tmp_path))
-    (tmp_path / "iter_0000001" / layout.METADATA).unlink()
+    (tmp_path / "iter_0000001" / paths.METADATA).unlink()
     with pytest.raises(CheckpointError, match=r"no published checkpoint"):
         engine.load(str(tmp_path))
 
 
 def test_edited_manifest_and_newer_schema_are_refused(tmp_path, engine):
     _save_ok(engine, tmp_path, 1, 1.0)
-    meta = tmp_path / "iter_0000001" / layout.METADATA
+    meta = tmp_path / "iter_0000001" / paths.METADATA
     pristine = meta.read_text()
     doc = json.loads(pristine)
     doc["ranks"]["0"]["items"][0]["offset"] += 4096

@@ -16,7 +16,7 @@ try:
     raise SystemExit("megatron-core is visible")
 except ImportError:
     pass
-from datastates import CheckpointEngine, PosixOptions, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, paths, tracker
 root = sys.argv[1]
 store = torch.distributed.HashStore()
 state = lambda r: {"w": torch.arange(1000, dtype=torch.float32) + r, "step": 7}
@@ -24,7 +24,7 @@ engines = [CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writ
                             store=store)
            for r in range(2)]
 for r, eng in enumerate(engines):
-    eng.save(state(r), layout.checkpoint_dir(root, 3))
+    eng.save(state(r), paths.checkpoint_dir(root, 3))
 for eng in engines:
     eng.wait()
 for r, eng in enumerate(engines):

@@ -66,7 +66,7 @@ def test_exit_duration_then_sigterm_then_resume(tmp_path):
     assert {**losses(log1), **losses(log2), **losses(log3)} == reference
     # a shape flag that contradicts the checkpoint is refused before any work, naming both values
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.checkpoint_args import apply_checkpoint_args
+    from megatron.training.args_from_checkpoint import apply_checkpoint_args
     args = parse_args(argv=["--load", ck, "--use-checkpoint-args", "--hidden-size", "32"])
     with pytest.raises(ArgumentError, match=r"--hidden-size is 32 on the command line but 64 in .*iter_0000030"):
         apply_checkpoint_args(args)

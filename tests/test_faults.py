@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, paths, tracker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -43,7 +43,7 @@ def _assert_is(state, value):
 
 def _no_leftover_checkpoint(root):
     names = os.listdir(root)
-    bad = [n for n in names if layout.iteration_of(n) is not None and not tracker.is_published(os.path.join(root, n))]
+    bad = [n for n in names if paths.iteration_of(n) is not None and not tracker.is_published(os.path.join(root, n))]
     assert not bad, f"unpublished directories that look like checkpoints: {bad}"
 
 
@@ -122,7 +122,7 @@ FAULT_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
 from test_faults import _state, _assert_is
-from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, paths, tracker
 root = {root!r}
 with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last={keep}) as eng:
     eng.save(_state(1), root + "/iter_0000001"); eng.wait()
@@ -201,7 +201,7 @@ def test_file_size_limit_mid_flush(tmp_path, limit_mb):
 import resource, signal, sys
 sys.path.insert(0, {HERE!r})
 from test_faults import _state, _assert_is
-from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, paths, tracker
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 root = {str(tmp_path)!r}
 with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2)) as eng:
@@ -283,7 +283,7 @@ def test_turns_read_only_mid_save(immutable_ok, what):
         for p in locked:
             _set_immutable(p, False)
     assert tracker.clean_leftovers(str(root)) in ([], [str(root / "iter_0000002.partial")])
-    assert sorted(os.listdir(root)) == ["iter_0000001", layout.TRACKER]
+    assert sorted(os.listdir(root)) == ["iter_0000001", paths.TRACKER]
 
 
 def test_permission_denied_names_the_path(tmp_path):
@@ -364,16 +364,16 @@ def test_missing_rank_is_named_within_the_timeout(tmp_path, victim, how):
 def test_retention_never_deletes_newest_published_around_failures(tmp_path):
     root = str(tmp_path)
     with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=1) as eng:
-        eng.save(_state(1, 1000), layout.checkpoint_dir(root, 1))
+        eng.save(_state(1, 1000), paths.checkpoint_dir(root, 1))
         eng.wait()
         for it in (2, 3):  # failing saves (an object that cannot be pickled) newer than the published one
             bad = dict(_state(it, 1000), fn=lambda: None)
-            eng.save(bad, layout.checkpoint_dir(root, it))
+            eng.save(bad, paths.checkpoint_dir(root, it))
             with pytest.raises(CheckpointError):
                 eng.wait()
             assert tracker.published_iterations(root) == [1] and tracker.read_latest(root) == 1
             _assert_is(eng.load(root), 1)
-        eng.save(_state(4, 1000), layout.checkpoint_dir(root, 4))
+        eng.save(_state(4, 1000), paths.checkpoint_dir(root, 4))
         eng.wait()
         assert tracker.published_iterations(root) == [4] and tracker.read_latest(root) == 4
     # keep_last=2 with a pipeline of saves where a middle one fails
@@ -383,14 +383,14 @@ def test_retention_never_deletes_newest_published_around_failures(tmp_path):
             st = _state(it, 1000)
             if it == 5:
                 st["fn"] = lambda: None
-            eng.save(st, layout.checkpoint_dir(root2, it))
+            eng.save(st, paths.checkpoint_dir(root2, it))
         with pytest.raises(CheckpointError, match="iter_0000005"):
             eng.wait()
         assert tracker.published_iterations(root2) == [4, 6] and tracker.read_latest(root2) == 6
         _assert_is(eng.load(root2), 6)
-        _assert_is(eng.load(layout.checkpoint_dir(root2, 4)), 4)
+        _assert_is(eng.load(paths.checkpoint_dir(root2, 4)), 4)
         # the newest published one survives even when an older iteration is re-saved afterwards
-        eng.save(_state(3, 1000), layout.checkpoint_dir(root2, 3))
+        eng.save(_state(3, 1000), paths.checkpoint_dir(root2, 3))
         eng.wait()
         assert 6 in tracker.published_iterations(root2)
 
@@ -412,7 +412,7 @@ def test_back_pressure_every_iteration_bounded_and_ordered(tmp_path):
                                   keep_last=2) as eng:
                 for it in range(1, 9):
                     want = {k: v.clone() for k, v in state.items()}
-                    eng.save(state, layout.checkpoint_dir(root, it))
+                    eng.save(state, paths.checkpoint_dir(root, it))
                     eng.wait_for_snapshot()
                     for t in state.values():
                         t.add_(1)

@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
-from datastates import CheckpointEngine, PosixOptions, CheckpointError, layout, tracker, format as fmt
+from datastates import CheckpointEngine, PosixOptions, CheckpointError, paths, tracker, format as fmt
 from datastates.storage.posix import retire
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, TensorProvider
-from test_restore import Box, BoxProvider
+from test_load_reads import Box, BoxProvider
 
 
 def _registry():
@@ -32,12 +32,12 @@ def _state(step):
 def _as_schema_1(ckpt: str) -> None:
     """Rewrite a published checkpoint as datastates 0.1 wrote it: schema-1 manifests, each with its own
     checksum, and a metadata.json without the items, its checksum or one of its own."""
-    meta_path = os.path.join(ckpt, layout.METADATA)
+    meta_path = os.path.join(ckpt, paths.METADATA)
     with open(meta_path) as f:
         meta = json.load(f)
     crcs = {}
     for rank in range(meta["world_size"]):
-        path = os.path.join(ckpt, layout.manifest_file(rank))
+        path = os.path.join(ckpt, paths.manifest_file(rank))
         with open(path) as f:
             doc = json.load(f)
         body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
@@ -60,7 +60,7 @@ def engine():
 def _schema_1_checkpoint(engine, root, step):
     """(checkpoint directory, the logical tensor, the state) of a save of `step`, rewritten as schema 1."""
     whole, state = _state(step)
-    ckpt = layout.checkpoint_dir(str(root), step)
+    ckpt = paths.checkpoint_dir(str(root), step)
     engine.save(state, ckpt)
     engine.wait()
     _as_schema_1(ckpt)
@@ -69,7 +69,7 @@ def _schema_1_checkpoint(engine, root, step):
 
 def test_schema_1_checkpoint_loads_and_reshards(tmp_path, engine):
     ckpt, whole, state = _schema_1_checkpoint(engine, tmp_path, 3)
-    assert engine.reader(str(tmp_path)).index.schema_version == 1
+    assert engine.checkpoint(str(tmp_path)).index.schema_version == 1
     plain = engine.load(str(tmp_path))
     assert torch.equal(plain["w0"], whole[:25]) and torch.equal(plain["local"], state["local"])
     assert plain["step"] == 3
@@ -86,7 +86,7 @@ def test_schema_1_checkpoint_loads_and_reshards(tmp_path, engine):
 
 def test_schema_1_manifest_not_the_published_one_is_refused(tmp_path, engine):
     ckpt, _, _ = _schema_1_checkpoint(engine, tmp_path, 1)
-    path = os.path.join(ckpt, layout.manifest_file(0))
+    path = os.path.join(ckpt, paths.manifest_file(0))
     with open(path) as f:
         doc = json.load(f)
     body = dict({k: v for k, v in doc.items() if k != "manifest_crc32c"}, direct_io=not doc["direct_io"])
@@ -99,7 +99,7 @@ def test_schema_1_manifest_not_the_published_one_is_refused(tmp_path, engine):
 
 def _every_caller(root: str):
     """The checkpoint each caller resolves `root` to."""
-    from megatron.training.validation import _loadable
+    from megatron.training.argument_checks import _loadable
     from tools.convert_checkpoint import resolve_input
     from tools.inspect_checkpoint import Problems, scan_root
     loadable, why = _loadable(root)
@@ -111,15 +111,15 @@ def _every_caller(root: str):
 def test_a_tracker_naming_a_retired_checkpoint_is_skipped_by_every_caller(tmp_path, engine):
     root = str(tmp_path)
     for step in (1, 2):
-        engine.save(_state(step)[1], layout.checkpoint_dir(root, step))
+        engine.save(_state(step)[1], paths.checkpoint_dir(root, step))
         engine.wait()
     assert engine.load(root)["step"] == 2
-    retire(layout.checkpoint_dir(root, 2))  # retention ran; the tracker still says 2
-    with open(os.path.join(root, layout.TRACKER)) as f:
+    retire(paths.checkpoint_dir(root, 2))  # retention ran; the tracker still says 2
+    with open(os.path.join(root, paths.TRACKER)) as f:
         assert f.read() == "2"
     seen, _ = _every_caller(root)
-    assert seen == {"find_latest": layout.checkpoint_dir(root, 1), "read_latest": 1, "--load": True, "inspect": 1,
-                    "convert": layout.checkpoint_dir(root, 1)}
+    assert seen == {"find_latest": paths.checkpoint_dir(root, 1), "read_latest": 1, "--load": True, "inspect": 1,
+                    "convert": paths.checkpoint_dir(root, 1)}
     assert engine.load(root)["step"] == 1
 
 
@@ -128,9 +128,9 @@ def test_nothing_loadable_is_named_with_the_tracker(tmp_path):
     root.mkdir()
     latest = tracker.find_latest(str(root))
     assert latest.path is None and "holds no checkpoint" in latest.why_none()
-    (root / layout.TRACKER).write_text("garbage")
+    (root / paths.TRACKER).write_text("garbage")
     assert "holds 'garbage', not an iteration" in tracker.find_latest(str(root)).why_none()
-    (root / layout.TRACKER).write_text("7")
+    (root / paths.TRACKER).write_text("7")
     (root / "iter_0000007.partial").mkdir()
     latest = tracker.find_latest(str(root))
     assert latest.tracker == "7" and latest.iteration is None
@@ -143,11 +143,11 @@ def test_nothing_loadable_is_named_with_the_tracker(tmp_path):
 def test_megatron_legacy_and_release_directories_are_checkpoints_too(tmp_path):
     root = tmp_path / "ck"
     (root / "iter_0000004" / "mp_rank_00").mkdir(parents=True)  # torch.save format: no index
-    (root / layout.TRACKER).write_text("4")
+    (root / paths.TRACKER).write_text("4")
     latest = tracker.find_latest(str(root))
     assert (latest.iteration, latest.path) == (4, str(root / "iter_0000004"))
     (root / "release" / "mp_rank_00").mkdir(parents=True)
-    (root / layout.TRACKER).write_text("release")
+    (root / paths.TRACKER).write_text("release")
     assert tracker.find_latest(str(root)).path == str(root / "release")
     shutil.rmtree(root / "release")  # a tracker naming a missing release: the newest iteration instead
     assert tracker.find_latest(str(root)).iteration == 4

@@ -71,7 +71,7 @@ def test_models_published_during_training_are_the_offline_tool_s(tmp_path):
 
 def refusal(tmp_path, *flags: str) -> str:
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     sys.path.insert(0, ROOT)
     argv = TINY + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2", *flags]
     with pytest.raises(ArgumentError) as e:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data"]
@@ -109,7 +109,7 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     either way the last published checkpoint stays the latest."""
     import torch
 
-    from datastates import CheckpointError, layout, tracker
+    from datastates import CheckpointError, paths, tracker
     from megatron.training.checkpointing import CheckpointManager
 
     save = tmp_path / "ckpt"
@@ -122,8 +122,8 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
     logging.getLogger("megatron.training.checkpointing").addHandler(handler)
     try:
         engine = checkpoints.checkpoint_format.engine  # the manager's pending saves are its engine's
-        good = engine.save({"w": torch.ones(8)}, layout.checkpoint_dir(str(save), 1))
-        bad = engine.save({"w": torch.ones(8), "f": lambda: 0}, layout.checkpoint_dir(str(save), 2))
+        good = engine.save({"w": torch.ones(8)}, paths.checkpoint_dir(str(save), 1))
+        bad = engine.save({"w": torch.ones(8), "f": lambda: 0}, paths.checkpoint_dir(str(save), 2))
         good.join()
         bad.join()
         checkpoints.maybe_finalize()

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from datastates import CheckpointEngine, PosixOptions, layout
+from datastates import CheckpointEngine, PosixOptions, paths
 
 N_EXPERTS, ROWS, COLS = 3, 2, 4
 
@@ -45,7 +45,7 @@ def test_factory_merge_reads_a_nonpersistent_value_as_in_megatron_core(tmp_path,
     dist_checkpointing.save(_expert_state(saved.clone()), str(stock))
     from_stock = dist_checkpointing.load(_expert_state(torch.zeros_like(saved)), str(stock))
 
-    path = layout.checkpoint_dir(str(tmp_path / "ds"), 1)
+    path = paths.checkpoint_dir(str(tmp_path / "ds"), 1)
     with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), rank=0, world_size=1,
                           registry=make_registry()) as eng:
         save_sharded(eng, _expert_state(saved.clone()), path).wait()

@@ -267,7 +267,7 @@ def test_a_clique_on_one_node_is_warned_and_replicates_nothing(tmp_path):
 
 def test_replication_jump_is_validated_before_any_work():
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     argv = FLAGS + ["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
     assert validate_args(parse_args(argv=argv + ["--replication-jump", "1"]), 4, cuda=False).replication_jump == 1
     with pytest.raises(ArgumentError, match="--replication-factor 2 x --replication-jump 4 must divide the world "

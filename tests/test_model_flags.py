@@ -4,7 +4,7 @@ they disagree (in-process, cheap)."""
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--disable-bias-linear"]
@@ -121,7 +121,7 @@ def test_mla_on_cuda_ranks_takes_transformer_engine_and_sequence_parallel():
 
 def test_use_checkpoint_args_takes_the_experts_not_their_layout():
     from megatron.training.arguments import build_parser
-    from megatron.training.checkpoint_args import architecture_flags
+    from megatron.training.args_from_checkpoint import architecture_flags
     flags = architecture_flags(build_parser())
     assert {"num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_enable_expert_bias", "qk_layernorm",
             "rotary_base", "multi_latent_attention", "kv_lora_rank", "v_head_dim", "mtp_num_layers"} <= set(flags)

@@ -3,7 +3,7 @@ checkpoint (SeaweedFS behind an s3 profile), the trainer's tracker and format de
 profile, and a resume from the store is exact. s3:// with torch_dist is refused before any work, saying why."""
 import pytest
 
-from datastates import layout, tracker
+from datastates import paths, tracker
 from megatron_helpers import TINY, losses, torchrun
 
 BASE = TINY + ["--train-iters", "4", "--global-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -33,11 +33,11 @@ def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkey
         prefix = f"run/iter_{it:07d}/"
         assert {prefix + "metadata.json", prefix + ".metadata"} <= set(keys), keys
         assert any(k.startswith(prefix) and k.endswith(".distcp") for k in keys), keys
-    assert "run/" + layout.TRACKER in keys
+    assert "run/" + paths.TRACKER in keys
     latest = tracker.find_latest(root)  # the tracker, read through the profile
     assert (latest.tracker, latest.iteration) == ("4", 4)
     from megatron.core.msc_utils import MultiStorageClientFeature
-    from megatron.training.checkpoint_args import saved_args
+    from megatron.training.args_from_checkpoint import saved_args
     from megatron.training.checkpointing.formats import TorchDistFormat, detect
     assert detect(latest.path) is TorchDistFormat
     before = MultiStorageClientFeature.is_enabled()  # 0.16: on with MSC installed; 0.19: off
@@ -45,7 +45,7 @@ def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkey
     assert path == latest.path and saved.hidden_size == 64
     assert MultiStorageClientFeature.is_enabled() == before  # megatron-core's switch is back as it was
 
-    _, log = torchrun(2, BASE + ["--load", layout.checkpoint_dir(root, 2)])
+    _, log = torchrun(2, BASE + ["--load", paths.checkpoint_dir(root, 2)])
     assert "at iteration 2" in log and "(torch_dist)" in log, log[-3000:]
     assert losses(log) == {3: straight[3], 4: straight[4]}
 
@@ -58,7 +58,7 @@ def test_torch_dist_saves_to_msc_and_resumes_exactly(s3_server, tmp_path, monkey
 def test_what_torch_dist_and_torch_refuse_on_object_stores(s3_server, tmp_path, monkeypatch,
                                                            fmt, path, match):
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     bucket = _store(s3_server, tmp_path, monkeypatch, "tdist")
     args = parse_args(argv=BASE[:-2] + ["--ckpt-format", fmt, "--save", path.format(bucket=bucket)])
     with pytest.raises(ArgumentError, match=match):

@@ -28,7 +28,7 @@ def _worker(rank, root, port, errors):
 
 
 def _scenarios(rank, root):
-    from datastates import CheckpointEngine, PosixOptions, CheckpointError, CheckpointTimeoutError, layout, tracker
+    from datastates import CheckpointEngine, PosixOptions, CheckpointError, CheckpointTimeoutError, paths, tracker
     from datastates.providers import ProviderRegistry, StateProvider, default_registry
 
     class Shard:  # a minimal stand-in for a sharded tensor: name, local data, global box
@@ -56,7 +56,7 @@ def _scenarios(rank, root):
 
     eng = CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), registry=registry,
                            publish_timeout_s=60)
-    first = layout.checkpoint_dir(root, 1)
+    first = paths.checkpoint_dir(root, 1)
 
     # 1. not published until the last rank is done
     if rank == 0:
@@ -87,23 +87,23 @@ def _scenarios(rank, root):
     bad = state(1.0)
     if rank == 1:
         bad["fn"] = lambda: None
-    eng.save(bad, layout.checkpoint_dir(root, 2))
+    eng.save(bad, paths.checkpoint_dir(root, 2))
     with pytest.raises(CheckpointError, match="rank 1.*not picklable" if rank == 0 else "not picklable"):
         eng.wait()  # rank 0 learns it from rank 1's report, rank 1 from its own save
     assert tracker.read_latest(root) == 1
     dist.barrier()
-    assert not os.path.exists(layout.partial_dir(layout.checkpoint_dir(root, 2)))  # rank 0 removed it
+    assert not os.path.exists(paths.partial_dir(paths.checkpoint_dir(root, 2)))  # rank 0 removed it
 
     # 3. a rank that never saves: rank 0 gives up after the timeout and names it
     eng.publish_timeout_s = 2.0
     if rank == 0:
-        eng.save(state(2.0), layout.checkpoint_dir(root, 3))
+        eng.save(state(2.0), paths.checkpoint_dir(root, 3))
         t0 = time.monotonic()
         with pytest.raises(CheckpointTimeoutError, match=r"rank\(s\) \[1\] did not finish"):
             eng.wait()
         assert time.monotonic() - t0 < 30  # the timeout set above, not the 60 s the engine was built with
         assert tracker.read_latest(root) == 1
-        assert not os.path.exists(layout.partial_dir(layout.checkpoint_dir(root, 3)))
+        assert not os.path.exists(paths.partial_dir(paths.checkpoint_dir(root, 3)))
     dist.barrier()
     eng.close()
 

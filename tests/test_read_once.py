@@ -111,28 +111,28 @@ def _same(loaded, want):
 
 
 def _load(eng, path, rank, template, exchange):
-    """Load `template` through the engine's reader; this rank's (bytes read, requests) of the load."""
-    reader = eng.reader(path)
-    before = dataclasses.replace(reader.stats)
-    loaded = reader.load(rank, template, exchange=exchange)
-    return loaded, reader.stats.bytes_read - before.bytes_read, reader.stats.requests - before.requests
+    """Load `template` through the engine; this rank's (bytes read, requests) of the load."""
+    stats = eng.checkpoint(path).stats
+    before = dataclasses.replace(stats)
+    loaded = eng.load(path, template, rank, exchange)
+    return loaded, stats.bytes_read - before.bytes_read, stats.requests - before.requests
 
 
 def _unique_bytes(eng, path):
     """The bytes of every saved item a template load reads (all but the rank-local state structures)."""
     from datastates import format as fmt
-    reader = eng.reader(path)
-    return sum(it.nbytes for r in range(reader.world_size) for it in reader.items(r).values()
+    checkpoint = eng.checkpoint(path)
+    return sum(it.nbytes for r in range(checkpoint.world_size) for it in checkpoint.items(r).values()
                if it.write and it.id != fmt.SKELETON_ID)
 
 
 def _replicated_bytes(eng, path, tp):
     """What a load without the exchange reads in all: each saved item once per rank that holds it."""
     from datastates import format as fmt
-    reader = eng.reader(path)
+    checkpoint = eng.checkpoint(path)
     copies = {"opt": 1, "norm": WORLD, "common": WORLD}
-    return sum(it.nbytes * copies.get(it.name, WORLD // tp) for r in range(reader.world_size)
-               for it in reader.items(r).values() if it.write and it.id != fmt.SKELETON_ID)
+    return sum(it.nbytes * copies.get(it.name, WORLD // tp) for r in range(checkpoint.world_size)
+               for it in checkpoint.items(r).values() if it.write and it.id != fmt.SKELETON_ID)
 
 
 def _fails_everywhere(eng, path, rank, template, exchange) -> str:
@@ -141,7 +141,7 @@ def _fails_everywhere(eng, path, rank, template, exchange) -> str:
     from datastates import CheckpointError
     t0 = time.monotonic()
     try:
-        eng.reader(path).load(rank, template, exchange=exchange)
+        eng.load(path, template, rank, exchange)
         message = None
     except CheckpointError as e:
         message = str(e)
@@ -153,7 +153,7 @@ def _fails_everywhere(eng, path, rank, template, exchange) -> str:
 
 
 def _scenarios(rank, root):
-    from datastates import CheckpointEngine, PosixOptions, layout
+    from datastates import CheckpointEngine, PosixOptions, paths
     from datastates.exchange import Exchange
 
     eng = CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2), registry=_registry(),
@@ -166,7 +166,7 @@ def _scenarios(rank, root):
         return sum(gathered)
 
     for tp in (1, 2):  # DP4, then TP2 x DP2
-        path = layout.checkpoint_dir(root, tp)
+        path = paths.checkpoint_dir(root, tp)
         eng.save(_state(rank, tp), path)
         eng.wait()
         unique, replicated = _unique_bytes(eng, path), _replicated_bytes(eng, path, tp)
@@ -176,7 +176,7 @@ def _scenarios(rank, root):
             assert totals(nbytes) == (unique if ex else replicated), (tp, ex, totals(nbytes), unique, replicated)
 
     # a reshard with the exchange: TP2 x DP2 into DP4, the flat optimizer tensor cut mid-chunk elsewhere
-    path = layout.checkpoint_dir(root, 2)
+    path = paths.checkpoint_dir(root, 2)
     cuts = [0, 130, 200, 330, OPT]
     loaded, nbytes, _ = _load(eng, path, rank, _state(rank, 1, cuts, fill=False), exchange)
     assert _same(loaded, _state(rank, 1, cuts))
@@ -184,10 +184,10 @@ def _scenarios(rank, root):
 
     # a damaged chunk that one rank reads for all: every rank fails at once, naming it
     if rank == 0:
-        reader = eng.reader(path)
-        norm = next((r, it) for r in range(WORLD) for it in reader.items(r).values()
+        checkpoint = eng.checkpoint(path)
+        norm = next((r, it) for r in range(WORLD) for it in checkpoint.items(r).values()
                     if it.name == "norm" and it.write)
-        with open(os.path.join(path, layout.data_file(norm[0])), "r+b") as f:
+        with open(os.path.join(path, paths.data_file(norm[0])), "r+b") as f:
             f.seek(norm[1].offset)
             f.write(b"\xff" * 8)
     dist.barrier()
@@ -202,7 +202,7 @@ def _scenarios(rank, root):
         fmt.allow_unpickle(Pair.__module__, "Pair")
     state = _state(rank, 1)
     state["common"] = Shared("common", Pair(1, 2), rank == 0)
-    path = layout.checkpoint_dir(root, 3)
+    path = paths.checkpoint_dir(root, 3)
     eng.save(state, path)
     eng.wait()
     message = _fails_everywhere(eng, path, rank, _state(rank, 1, fill=False), exchange)

@@ -139,8 +139,8 @@ def test_a_damaged_box_raises_or_is_reported(saved, tmp_path):
     damaged = str(tmp_path / os.path.basename(path))
     shutil.copytree(path, damaged)
     with CheckpointReader.open(damaged, threads=2, staging_bytes=1 << 20) as reader:
-        shard = next(sh for sh in reader.global_index()["w"] if sh.rank == world - 1)
-        item = reader.shard_item(shard)
+        shard = next(sh for sh in reader.checkpoint.global_index()["w"] if sh.rank == world - 1)
+        item = reader.checkpoint.shard_item(shard)
     with open(os.path.join(damaged, f"rank_{world - 1:05d}.data"), "r+b") as f:
         f.seek(item.offset)
         byte = f.read(1)

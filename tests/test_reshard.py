@@ -233,7 +233,7 @@ def test_padded_vocab_shape_mismatch(tmp_path):
 
 def test_save_after_load_flag_validation(tmp_path):
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     base = FLAGS + ["--save-after-load"]
     with pytest.raises(ArgumentError, match="needs both --load and --save"):
         validate_args(parse_args(argv=base + ["--save", str(tmp_path)]), 1, cuda=False)

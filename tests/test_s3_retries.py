@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from datastates import CheckpointError, layout, tracker
+from datastates import CheckpointError, paths, tracker
 from datastates.storage import s3
 from s3_faults import FaultProxy
 from test_s3_storage import PART_SLOTS, assert_same, engines, keys, state
@@ -44,7 +44,7 @@ def test_throttled_parts_and_puts_are_retried_and_the_checkpoint_loads_bit_exact
     (eng,) = engines(root, budget=PART_SLOTS)
     with eng:
         want = state(1, BIG)
-        eng.save(want, layout.checkpoint_dir(root, 1)).wait()
+        eng.save(want, paths.checkpoint_dir(root, 1)).wait()
         assert tracker.read_latest(root) == 1
         assert_same(eng.load(root), want)
     parts, puts = attempts(proxy, "UploadPart"), attempts(proxy, "PutObject")
@@ -56,7 +56,7 @@ def test_a_reset_inside_a_ranged_get_resumes_from_the_first_missing_byte(proxy, 
     (eng,) = engines(root, budget=PART_SLOTS)
     with eng:
         want = state(2, BIG)
-        eng.save(want, layout.checkpoint_dir(root, 2)).wait()
+        eng.save(want, paths.checkpoint_dir(root, 2)).wait()
         received = 3 * s3.BODY_READ  # whole pieces of the body: what the reader holds when the reset comes
         proxy.inject("RangedGet", "reset_body", after=received)
         assert_same(eng.load(root), want)
@@ -71,7 +71,7 @@ def test_a_part_whose_connection_resets_before_the_reply_is_sent_again(proxy, ro
     (eng,) = engines(root, budget=PART_SLOTS)
     with eng:
         want = state(3, BIG)
-        eng.save(want, layout.checkpoint_dir(root, 3)).wait()
+        eng.save(want, paths.checkpoint_dir(root, 3)).wait()
         assert_same(eng.load(root), want)
     parts = attempts(proxy, "UploadPart")
     assert len(parts) == 2 and sorted(parts.values()) == [1, 2]
@@ -82,11 +82,11 @@ def test_throttling_beyond_the_retry_budget_fails_the_save_naming_the_path_and_l
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     (eng,) = engines(root, budget=PART_SLOTS)
     with eng:
-        eng.save(state(1), layout.checkpoint_dir(root, 1)).wait()
+        eng.save(state(1), paths.checkpoint_dir(root, 1)).wait()
         proxy.inject("UploadPart", "slow_down", times=1000)
-        failing = layout.checkpoint_dir(root, 2)
+        failing = paths.checkpoint_dir(root, 2)
         start = time.monotonic()
-        with pytest.raises(CheckpointError, match=re.escape(layout.join(failing, layout.data_file(0))) + ".*SlowDown"):
+        with pytest.raises(CheckpointError, match=re.escape(paths.join(failing, paths.data_file(0))) + ".*SlowDown"):
             eng.save(state(2, BIG), failing).wait()
         assert time.monotonic() - start < 10  # one backoff of at most 1 s per part, then given up
         parts = attempts(proxy, "UploadPart")

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointError, layout, tracker
+from datastates import CheckpointEngine, CheckpointError, paths, tracker
 from datastates.storage import storage_for
 
 SMALL_SLOTS = 1 << 20  # a budget whose slots (256 KiB) are far below S3's 5 MiB part: every byte is coalesced
@@ -54,12 +54,12 @@ def test_save_and_load_round_trip(s3, s3_server, budget, big):
     (eng,) = engines(s3, budget=budget)
     with eng:
         want = state(1, big)
-        eng.save(want, layout.checkpoint_dir(s3, 10)).wait()
+        eng.save(want, paths.checkpoint_dir(s3, 10)).wait()
         assert tracker.read_latest(s3) == 10
         assert_same(eng.load(s3), want)
     objects, uploads = keys(s3_server, s3)
     assert sorted(o.rsplit("/", 1)[1] for o in objects) == sorted(
-        [layout.TRACKER, layout.METADATA, layout.data_file(0), layout.manifest_file(0)])
+        [paths.TRACKER, paths.METADATA, paths.data_file(0), paths.manifest_file(0)])
     assert uploads == []
 
 
@@ -68,7 +68,7 @@ def test_two_ranks_publish_one_checkpoint_and_retention_deletes_whole_ones(s3, s
     try:
         for it in (1, 2, 3):
             with ThreadPoolExecutor(len(ranks)) as pool:  # a rank's error is raised here, not lost in its thread
-                saves = [pool.submit(lambda e=e, r=r: e.save(state(it + r), layout.checkpoint_dir(s3, it)).wait())
+                saves = [pool.submit(lambda e=e, r=r: e.save(state(it + r), paths.checkpoint_dir(s3, it)).wait())
                          for r, e in enumerate(ranks)]
                 for save in saves:
                     save.result(timeout=120)
@@ -86,12 +86,12 @@ def test_two_ranks_publish_one_checkpoint_and_retention_deletes_whole_ones(s3, s
 def test_a_failed_save_leaves_nothing_and_the_last_published_loads(s3, s3_server):
     (eng,) = engines(s3, budget=PART_SLOTS)
     with eng:
-        eng.save(state(1), layout.checkpoint_dir(s3, 1)).wait()
+        eng.save(state(1), paths.checkpoint_dir(s3, 1)).wait()
         bad = dict(state(2, 12 << 20), lock=threading.Lock())  # not picklable: fails after the tensors went up
         with pytest.raises(CheckpointError, match="not picklable"):
-            eng.save(bad, layout.checkpoint_dir(s3, 2)).wait()
+            eng.save(bad, paths.checkpoint_dir(s3, 2)).wait()
         assert_same(eng.load(s3), state(1))
-    objects, uploads = keys(s3_server, layout.checkpoint_dir(s3, 2))
+    objects, uploads = keys(s3_server, paths.checkpoint_dir(s3, 2))
     assert objects == [] and uploads == []
     assert tracker.read_latest(s3) == 1
 
@@ -99,18 +99,18 @@ def test_a_failed_save_leaves_nothing_and_the_last_published_loads(s3, s3_server
 def test_leftovers_are_cleaned_at_the_next_start_and_published_ones_untouched(s3, s3_server):
     (eng,) = engines(s3)
     with eng:
-        eng.save(state(1), layout.checkpoint_dir(s3, 1)).wait()
+        eng.save(state(1), paths.checkpoint_dir(s3, 1)).wait()
     bucket, _, prefix = s3[len("s3://"):].partition("/")
     c = s3_server.client()
     c.put_object(Bucket=bucket, Key=f"{prefix}/iter_0000002/rank_00000.data", Body=b"x" * 100)  # killed save
     c.put_object(Bucket=bucket, Key=f"{prefix}/iter_0000002/rank_00000.manifest.json", Body=b"{}")
     c.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/iter_0000003/rank_00001.data")  # killed upload
-    before, _ = keys(s3_server, layout.checkpoint_dir(s3, 1))
+    before, _ = keys(s3_server, paths.checkpoint_dir(s3, 1))
     removed = tracker.clean_leftovers(s3)
-    assert layout.checkpoint_dir(s3, 2) in removed and any("open multipart upload" in r for r in removed)
+    assert paths.checkpoint_dir(s3, 2) in removed and any("open multipart upload" in r for r in removed)
     objects, uploads = keys(s3_server, s3)
     assert uploads == [] and not [o for o in objects if "iter_0000002" in o]
-    assert keys(s3_server, layout.checkpoint_dir(s3, 1))[0] == before
+    assert keys(s3_server, paths.checkpoint_dir(s3, 1))[0] == before
     assert tracker.clean_leftovers(s3) == []
 
 
@@ -124,17 +124,17 @@ def test_the_store_killed_mid_save_fails_that_save_and_the_last_published_loads_
             return (int, (0,))
     (eng,) = engines(s3, budget=PART_SLOTS)
     with eng:
-        eng.save(state(1), layout.checkpoint_dir(s3, 1)).wait()
+        eng.save(state(1), paths.checkpoint_dir(s3, 1)).wait()
         try:
             with pytest.raises(CheckpointError, match="iter_0000002"):
-                eng.save(dict(state(2, 12 << 20), killer=KillsTheStore()), layout.checkpoint_dir(s3, 2)).wait()
+                eng.save(dict(state(2, 12 << 20), killer=KillsTheStore()), paths.checkpoint_dir(s3, 2)).wait()
         finally:
             s3_server.start()
         assert tracker.read_latest(s3) == 1
         assert_same(eng.load(s3), state(1))
-        eng.save(state(3), layout.checkpoint_dir(s3, 3)).wait()  # the engine goes on (--ckpt-on-failure warn)
+        eng.save(state(3), paths.checkpoint_dir(s3, 3)).wait()  # the engine goes on (--ckpt-on-failure warn)
     tracker.clean_leftovers(s3)  # what the failed save could not remove while the store was down
-    assert keys(s3_server, layout.checkpoint_dir(s3, 2)) == ([], [])
+    assert keys(s3_server, paths.checkpoint_dir(s3, 2)) == ([], [])
     assert tracker.published_iterations(s3) == [1, 3]
 
 
@@ -159,7 +159,7 @@ def test_a_store_that_cannot_be_used_is_refused_naming_the_path(s3, s3_server, m
         tracker.find_latest(url)
     (eng,) = engines(url)
     with eng, pytest.raises(CheckpointError, match=f"{url}.*{match}|{match}.*{url}"):
-        eng.save(state(1), layout.checkpoint_dir(url, 1)).wait()
+        eng.save(state(1), paths.checkpoint_dir(url, 1)).wait()
 
 
 def test_msc_profile_reaches_the_same_store(s3_server, tmp_path, monkeypatch):
@@ -170,9 +170,9 @@ def test_msc_profile_reaches_the_same_store(s3_server, tmp_path, monkeypatch):
     root = "msc://ckpt/run"
     (eng,) = engines(root)
     with eng:
-        eng.save(state(4), layout.checkpoint_dir(root, 4)).wait()
+        eng.save(state(4), paths.checkpoint_dir(root, 4)).wait()
         assert_same(eng.load(root), state(4))
     objects = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
-    assert f"base/run/iter_0000004/{layout.METADATA}" in objects
+    assert f"base/run/iter_0000004/{paths.METADATA}" in objects
     with pytest.raises(CheckpointError, match="no MSC profile 'other'"):
         storage_for("msc://other/run")

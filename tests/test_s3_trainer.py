@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from datastates import layout, tracker
+from datastates import paths, tracker
 from hf_helpers import assert_round_trip, tiny_llama
 from megatron_helpers import ROOT, TINY, losses, torchrun
 
@@ -109,17 +109,17 @@ def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, mo
     assert tracker.published_iterations(root) == [1, 2, 5, 6]
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from inspect_checkpoint import main as inspect
-    assert inspect([layout.checkpoint_dir(root, 2), "--verify"]) == 0
+    assert inspect([paths.checkpoint_dir(root, 2), "--verify"]) == 0
 
     rc, log = torchrun(2, flags + ["--load", root], faults=True, check=False,
                        env={"FAULT_KILL_JOB_IN_UPLOAD": "8"})
     assert rc != 0 and "FAULT-KILL-JOB" in log, log[-4000:]
     removed = [line for line in log.splitlines() if "removed the leftovers of an unfinished checkpoint" in line]
     assert removed and all("iter_0000003" in line for line in removed), log[-4000:]  # the store was down
-    assert stored(s3_server, layout.checkpoint_dir(root, 3)) == ([], [])  # when the failed save of 3 ended
+    assert stored(s3_server, paths.checkpoint_dir(root, 3)) == ([], [])  # when the failed save of 3 ended
     killed = losses(log)
     assert sorted(killed) == [7, 8] and tracker.published_iterations(root)[-1] == 7, log[-4000:]
-    assert stored(s3_server, layout.checkpoint_dir(root, 8))[1]  # the job died in the middle of its uploads
+    assert stored(s3_server, paths.checkpoint_dir(root, 8))[1]  # the job died in the middle of its uploads
 
     _, log = torchrun(2, flags + ["--load", root])
     assert "at iteration 7" in log and losses(log) == {8: killed[8]}, log[-4000:]
@@ -149,7 +149,7 @@ def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, m
 ])
 def test_what_an_object_store_refuses_before_any_work(s3_server, monkeypatch, flags, match):
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.validation import validate_args
+    from megatron.training.argument_checks import validate_args
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     save = "msc://nowhere/run" if "--disable-msc" in flags else f"s3://{s3_server.create_bucket()}/run"

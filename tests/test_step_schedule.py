@@ -9,7 +9,7 @@ import pytest
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.schedules import (StepBatchSizeCalculator, batch_at, init_microbatches, parse_step_schedule,
                                          train_iters_for_samples)
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 
 GPT3 = "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"  # upstream's GPT-3 175B script, seq length 2048
 BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "64",

@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 
-from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError, layout, tracker
+from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError, paths, tracker
 from datastates.copies import HostCopyBackend
 from datastates.memory_tier.replication import receive
 from datastates.storage import SPARES, SharedMemoryStorage
+from datastates.verifier import CheckpointVerifier
 from late_copies import LateCopyBackend
 from test_engine import assert_same, every_kind_of_state
 
@@ -41,16 +42,16 @@ def _disk(**kw):
 def test_memory_save_lands_in_mapped_pages_and_loads_back(tmp_path):
     state = every_kind_of_state()
     with _memory(tmp_path) as eng:
-        path = layout.checkpoint_dir(str(tmp_path), 1)
+        path = paths.checkpoint_dir(str(tmp_path), 1)
         eng.save(state, path).wait()
         data = eng.storage.data_of(path)
-        part = eng.reader(path).part(0)
+        part = eng.checkpoint(path).part(0)
         item = next(it for it in part.items.values() if it.kind == "tensor" and it.nbytes > 4096)
-        on_disk = open(os.path.join(path, layout.data_file(0)), "rb").read()
+        on_disk = open(os.path.join(path, paths.data_file(0)), "rb").read()
         assert len(on_disk) == part.data_bytes
         assert on_disk[item.offset:item.offset + item.nbytes] == \
             data.pages[item.offset:item.offset + item.nbytes].numpy().tobytes()  # the file is the pages
-        eng.reader(path).verify(0)  # every checksum computed over the pages
+        CheckpointVerifier(eng.checkpoint(path)).verify(0)  # every checksum computed over the pages
         assert_same(eng.load(path), state)
 
 
@@ -61,8 +62,8 @@ def test_storage_writes_from_the_memory_pages_without_a_copy_of_its_own(tmp_path
     expected = {"w": live["w"].clone(), "b": live["b"].clone(), "step": 7}
     counting = CountingCopies()
     with _memory(tmp_path, copy_backend=LateCopyBackend(seed=3)) as mem, _disk(copy_backend=counting) as disk:
-        memory_save = mem.save(live, layout.checkpoint_dir(str(tmp_path / "mem"), 4))
-        disk.save(live, layout.checkpoint_dir(str(tmp_path / "ck"), 4), from_save=memory_save)
+        memory_save = mem.save(live, paths.checkpoint_dir(str(tmp_path / "mem"), 4))
+        disk.save(live, paths.checkpoint_dir(str(tmp_path / "ck"), 4), from_save=memory_save)
         mem.wait_for_snapshot()
         disk.wait_for_snapshot()
         live["w"].add_(1000)  # the optimizer step after the fence
@@ -76,24 +77,24 @@ def test_storage_writes_from_the_memory_pages_without_a_copy_of_its_own(tmp_path
 
 def test_a_save_from_another_needs_one_to_storage_that_lends_its_pages(tmp_path):
     with _disk() as disk:
-        first = disk.save({"w": torch.ones(4)}, layout.checkpoint_dir(str(tmp_path), 1))
+        first = disk.save({"w": torch.ones(4)}, paths.checkpoint_dir(str(tmp_path), 1))
         with pytest.raises(CheckpointError, match="needs a save to storage that lends its pages"):
-            disk.save({"w": torch.ones(4)}, layout.checkpoint_dir(str(tmp_path), 2), from_save=first)
+            disk.save({"w": torch.ones(4)}, paths.checkpoint_dir(str(tmp_path), 2), from_save=first)
 
 
 def test_a_failed_memory_snapshot_fails_the_storage_save_and_spares_the_last_good_one(tmp_path):
     ck = str(tmp_path / "ck")
     with _memory(tmp_path) as mem, _disk() as disk:
-        good = mem.save({"w": torch.ones(1000)}, layout.checkpoint_dir(str(tmp_path / "mem"), 1))
-        disk.save({"w": torch.ones(1000)}, layout.checkpoint_dir(ck, 1), from_save=good).wait()
-        bad = mem.save({"w": torch.ones(1000), "f": lambda: None}, layout.checkpoint_dir(str(tmp_path / "mem"), 2))
-        handle = disk.save({"w": torch.ones(1000)}, layout.checkpoint_dir(ck, 2), from_save=bad)
+        good = mem.save({"w": torch.ones(1000)}, paths.checkpoint_dir(str(tmp_path / "mem"), 1))
+        disk.save({"w": torch.ones(1000)}, paths.checkpoint_dir(ck, 1), from_save=good).wait()
+        bad = mem.save({"w": torch.ones(1000), "f": lambda: None}, paths.checkpoint_dir(str(tmp_path / "mem"), 2))
+        handle = disk.save({"w": torch.ones(1000)}, paths.checkpoint_dir(ck, 2), from_save=bad)
         with pytest.raises(CheckpointError, match="the memory checkpoint it is written from failed"):
             handle.wait()
         with pytest.raises(CheckpointError, match="not picklable"):
             bad.wait()
         assert tracker.read_latest(ck) == 1 and tracker.published_iterations(ck) == [1]
-        assert not os.path.exists(layout.partial_dir(layout.checkpoint_dir(ck, 2)))
+        assert not os.path.exists(paths.partial_dir(paths.checkpoint_dir(ck, 2)))
         assert_same(disk.load(ck), {"w": torch.ones(1000)})
 
 
@@ -102,17 +103,17 @@ def test_retired_pages_are_reused_but_never_under_a_save_writing_from_them(tmp_p
     with _memory(tmp_path) as mem:
         inodes = []
         for it in range(1, 6):
-            mem.save({"w": torch.full((100_000,), float(it))}, layout.checkpoint_dir(mem_root, it)).wait()
+            mem.save({"w": torch.full((100_000,), float(it))}, paths.checkpoint_dir(mem_root, it)).wait()
             mem.pipeline._deleter.submit(lambda: None).result()  # retention's deletions done
-            inodes.append(os.stat(os.path.join(layout.checkpoint_dir(mem_root, it), layout.data_file(0))).st_ino)
+            inodes.append(os.stat(os.path.join(paths.checkpoint_dir(mem_root, it), paths.data_file(0))).st_ino)
         assert tracker.published_iterations(mem_root) == [4, 5]
         assert len(set(inodes)) == 3  # 2 kept, and the retired one taken over by each next save
         storage = mem.storage
-        held = layout.checkpoint_dir(mem_root, 4)
+        held = paths.checkpoint_dir(mem_root, 4)
         storage.hold(held)  # a storage save writes from iteration 4's pages
         pages = storage.data_of(held)
         for it in (6, 7):
-            mem.save({"w": torch.full((100_000,), float(it))}, layout.checkpoint_dir(mem_root, it)).wait()
+            mem.save({"w": torch.full((100_000,), float(it))}, paths.checkpoint_dir(mem_root, it)).wait()
             mem.pipeline._deleter.submit(lambda: None).result()
         assert tracker.published_iterations(mem_root) == [6, 7]
         assert torch.equal(pages.pages[:400_000].view(torch.float32), torch.full((100_000,), 4.0))
@@ -125,12 +126,12 @@ def test_retired_pages_are_reused_but_never_under_a_save_writing_from_them(tmp_p
 
 def test_a_replica_whose_index_does_not_verify_is_refused(tmp_path):
     with _memory(tmp_path) as mem:
-        path = layout.checkpoint_dir(str(tmp_path / "mine"), 1)
+        path = paths.checkpoint_dir(str(tmp_path / "mine"), 1)
         mem.save({"w": torch.arange(5000.0)}, path).wait()
-        index = open(os.path.join(path, layout.METADATA), "rb").read()
-        data = torch.from_file(os.path.join(path, layout.data_file(0)), size=os.path.getsize(
-            os.path.join(path, layout.data_file(0))), dtype=torch.uint8)
-        peer = layout.checkpoint_dir(str(tmp_path / "peer"), 1)
+        index = open(os.path.join(path, paths.METADATA), "rb").read()
+        data = torch.from_file(os.path.join(path, paths.data_file(0)), size=os.path.getsize(
+            os.path.join(path, paths.data_file(0))), dtype=torch.uint8)
+        peer = paths.checkpoint_dir(str(tmp_path / "peer"), 1)
         os.makedirs(os.path.dirname(peer))
         with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
             receive(mem.storage, peer, index.replace(b'"iteration":1', b'"iteration":2'), data, keep=2)

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from datastates import CheckpointCorruptError, CheckpointEngine, _native, layout, save_root, tracker
+from datastates import CheckpointCorruptError, CheckpointEngine, _native, paths, save_root, tracker
 from datastates.save_root import Publisher
 from datastates.storage import PosixOptions, PosixStorage, SharedMemoryStorage, Storage, options_for, storage_for
 from memory_storage import MemoryStorage
@@ -33,7 +33,7 @@ class Backend:
     fresh: object  # another storage object of the same backend (an engine closes the one it is given)
 
     def checkpoint(self, iteration: int) -> str:
-        return layout.checkpoint_dir(self.root, iteration)
+        return paths.checkpoint_dir(self.root, iteration)
 
 
 @contextlib.contextmanager
@@ -135,28 +135,28 @@ def read_data(storage: Storage, path: str, offset: int, nbytes: int, segments) -
 def check_complete(b: Backend, iteration: int, ranks=1, nbytes=64 << 10) -> None:
     """The checkpoint `iteration` is there whole: its index, and every rank's data and manifest as written."""
     path = b.checkpoint(iteration)
-    index = b.storage.read_bytes(layout.join(path, layout.METADATA)).decode()
+    index = b.storage.read_bytes(paths.join(path, paths.METADATA)).decode()
     iteration_, ranks_ = map(int, index.split()[1:])
     assert iteration_ == iteration
     for rank in range(ranks_):
-        data = layout.join(path, layout.data_file(rank))
+        data = paths.join(path, paths.data_file(rank))
         assert b.storage.size(data) >= nbytes  # the memory tier's reused pages may be longer
         got, _ = read_data(b.storage, data, 0, nbytes, [(0, nbytes)])
         assert got == bytes(content(iteration, rank, nbytes).numpy()), f"{data} differs"
-        manifest = b.storage.read_bytes(layout.join(path, layout.manifest_file(rank)))
+        manifest = b.storage.read_bytes(paths.join(path, paths.manifest_file(rank)))
         assert manifest == f"manifest {iteration} {rank}".encode()
 
 
 def visible(b: Backend) -> list[str]:
     """The names under the save root that a reader may look at: the memory tier keeps a retired checkpoint's pages
     for the next one, out of sight (`.deleting`), and SeaweedFS may list an emptied prefix."""
-    return sorted(n for n in b.storage.list(b.root) if layout.DELETING not in n
-                  and b.storage.exists(layout.join(b.root, n)))
+    return sorted(n for n in b.storage.list(b.root) if paths.DELETING not in n
+                  and b.storage.exists(paths.join(b.root, n)))
 
 
 def test_ranged_reads_give_the_bytes_and_the_checksum_of_each_segment(backend):
     nbytes = 2 * PART + 12345  # three parts, the last short
-    path = layout.join(backend.storage.stage(backend.checkpoint(1)), layout.data_file(0))
+    path = paths.join(backend.storage.stage(backend.checkpoint(1)), paths.data_file(0))
     data = content(1, 0, nbytes)
     sink = backend.storage.open_data(path, nbytes)
     crcs = []
@@ -184,18 +184,18 @@ def test_ranged_reads_give_the_bytes_and_the_checksum_of_each_segment(backend):
 def test_small_objects_listing_and_removal(backend):
     s, root = backend.storage, backend.root
     with pytest.raises(FileNotFoundError):
-        s.read_bytes(layout.join(root, "missing"))
-    assert s.stat(layout.join(root, "missing")) is None and s.list(root) == [] and not s.exists(root)
+        s.read_bytes(paths.join(root, "missing"))
+    assert s.stat(paths.join(root, "missing")) is None and s.list(root) == [] and not s.exists(root)
     place = s.stage(backend.checkpoint(1))
-    s.write_bytes(layout.join(place, "a"), b"first")
-    before = s.stat(layout.join(place, "a"))
-    s.write_bytes(layout.join(place, "a"), b"second!", replace=True)
-    assert s.read_bytes(layout.join(place, "a")) == b"second!"
-    after = s.stat(layout.join(place, "a"))
+    s.write_bytes(paths.join(place, "a"), b"first")
+    before = s.stat(paths.join(place, "a"))
+    s.write_bytes(paths.join(place, "a"), b"second!", replace=True)
+    assert s.read_bytes(paths.join(place, "a")) == b"second!"
+    after = s.stat(paths.join(place, "a"))
     assert after.size == 7 and after != before  # a replaced object is another version
-    s.write_bytes(layout.join(place, "b"), b"x")
-    assert sorted(s.list(place)) == ["a", "b"] and layout.name(place) in s.list(root)
-    s.remove(layout.join(place, "a"))
+    s.write_bytes(paths.join(place, "b"), b"x")
+    assert sorted(s.list(place)) == ["a", "b"] and paths.name(place) in s.list(root)
+    s.remove(paths.join(place, "a"))
     assert s.list(place) == ["b"]
     s.remove(place)
     assert s.list(place) == [] and not s.exists(place)
@@ -213,7 +213,7 @@ def test_a_reader_never_sees_half_a_checkpoint(backend):
             try:
                 latest = tracker.find_latest(backend.root, backend.storage)
                 if latest.path is not None:
-                    assert not latest.path.endswith(layout.PARTIAL)
+                    assert not latest.path.endswith(paths.PARTIAL)
                     check_complete(backend, latest.iteration, nbytes=nbytes)
                     seen.add(latest.iteration)
             except BaseException as e:  # noqa: BLE001 - reported below
@@ -245,17 +245,17 @@ def test_retention_keeps_the_newest_and_a_resave_replaces_whole(backend):
             pub.delete(retired, rank, 2)
     pub.sweep()
     assert save_root.published(backend.storage, backend.root) == [3, 4]
-    assert visible(backend) == ["iter_0000003", "iter_0000004", layout.TRACKER]
+    assert visible(backend) == ["iter_0000003", "iter_0000004", paths.TRACKER]
     assert tracker.read_latest(backend.root, backend.storage) == 4
     partial = pub.prepare(backend.checkpoint(4))  # the same iteration saved again: the new one wins
     write_part(pub, partial, 0, 40, 64 << 10)
     pub.delete(pub.publish(partial, backend.checkpoint(4), b"index 4 1", keep_last=2), 0, 1)
     pub.sweep()
-    got, _ = read_data(backend.storage, layout.join(backend.checkpoint(4), layout.data_file(0)), 0, 64 << 10,
+    got, _ = read_data(backend.storage, paths.join(backend.checkpoint(4), paths.data_file(0)), 0, 64 << 10,
                        [(0, 64 << 10)])
     assert got == bytes(content(40, 0, 64 << 10).numpy())
     check_complete(backend, 3, ranks=2)
-    assert visible(backend) == ["iter_0000003", "iter_0000004", layout.TRACKER]
+    assert visible(backend) == ["iter_0000003", "iter_0000004", paths.TRACKER]
 
 
 def test_leftovers_of_a_killed_save_are_cleaned_and_the_last_good_one_stays(backend):
@@ -268,7 +268,7 @@ def test_leftovers_of_a_killed_save_are_cleaned_and_the_last_good_one_stays(back
     assert tracker.read_latest(backend.root, backend.storage) == 1
     removed = save_root.clean_leftovers(backend.storage, backend.root)
     assert removed and all(r.startswith(backend.root) for r in removed)
-    assert visible(backend) == ["iter_0000001", layout.TRACKER]
+    assert visible(backend) == ["iter_0000001", paths.TRACKER]
     assert backend.storage.abort_uploads(backend.root) == []  # nothing left open
     assert save_root.clean_leftovers(backend.storage, backend.root) == []
     check_complete(backend, 1)
@@ -287,7 +287,7 @@ def test_a_write_failing_midway_fails_the_save_and_leaves_the_last_good_one(back
             sink.close(2 * PART)
     sink.discard()
     pub.abandon(partial)  # what the pipeline does with a failed save
-    assert visible(backend) == ["iter_0000001", layout.TRACKER]
+    assert visible(backend) == ["iter_0000001", paths.TRACKER]
     assert save_root.clean_leftovers(backend.storage, backend.root) == []
     assert tracker.read_latest(backend.root, backend.storage) == 1
     check_complete(backend, 1)
@@ -301,7 +301,7 @@ def test_the_engine_saves_and_loads_through_it_and_refuses_a_corrupt_byte(backen
         got = eng.load(backend.root)
         assert torch.equal(got["w"], state["w"]) and got["step"] == 2
         assert save_root.published(backend.storage, backend.root) == [2]
-    data = layout.join(backend.checkpoint(2), layout.data_file(0))
+    data = paths.join(backend.checkpoint(2), paths.data_file(0))
     damaged = bytearray(backend.storage.read_bytes(data))
     damaged[1000] ^= 0x40
     backend.storage.write_bytes(data, bytes(damaged))

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from datastates import CheckpointEngine, PosixOptions, layout, tracker, format as fmt
+from datastates import CheckpointEngine, PosixOptions, paths, tracker, format as fmt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSPECT = os.path.join(REPO, "tools", "inspect_checkpoint.py")
@@ -96,7 +96,7 @@ def run_here(main, args, capsys):
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     full = full_tensors()
-    save_two_ranks(str(layout.checkpoint_dir(str(root), 7)), full)
+    save_two_ranks(str(paths.checkpoint_dir(str(root), 7)), full)
     return str(root), full
 
 
@@ -412,7 +412,7 @@ def test_convert_refuses_a_tensor_not_fully_saved(tmp_path, capsys):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from datastates.megatron import make_registry, save_sharded
     from tools.convert_checkpoint import main
-    path = layout.checkpoint_dir(str(tmp_path / "half"), 1)
+    path = paths.checkpoint_dir(str(tmp_path / "half"), 1)
     with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), rank=0, world_size=1,
                           registry=make_registry()) as eng:  # one rank saves the first half of a (4, 6) tensor
         save_sharded(eng, {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 6), (0, 0, 2))}, path)

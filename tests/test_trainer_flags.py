@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from datastates import layout, tracker
+from datastates import paths, tracker
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 from megatron_helpers import ROOT, TINY, iter_dir, losses, torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -53,7 +53,7 @@ def resumed(tmp_path_factory, reference):
 
 
 def _manifests(ckpt_dir: str) -> list[dict]:
-    return [json.load(open(os.path.join(ckpt_dir, layout.manifest_file(r)))) for r in range(2)]
+    return [json.load(open(os.path.join(ckpt_dir, paths.manifest_file(r)))) for r in range(2)]
 
 
 def test_failed_save_warns_and_training_goes_on(reference):
@@ -64,8 +64,8 @@ def test_failed_save_warns_and_training_goes_on(reference):
             "published checkpoint is still 1") in log, log[-4000:]
     assert "stopping at iteration" not in log
     assert tracker.published_iterations(root) == [1, 3, 4, 5, 6]
-    assert not os.path.exists(iter_dir(root, 2)) and not os.path.exists(layout.partial_dir(iter_dir(root, 2)))
-    assert open(os.path.join(root, layout.TRACKER)).read().strip() == str(N)
+    assert not os.path.exists(iter_dir(root, 2)) and not os.path.exists(paths.partial_dir(iter_dir(root, 2)))
+    assert open(os.path.join(root, paths.TRACKER)).read().strip() == str(N)
 
 
 def test_checkpoint_flags_take_effect(reference):
@@ -126,7 +126,7 @@ def test_resume_from_own_format_is_exact(tmp_path, reference, ckpt_format):
     if ckpt_format == "torch":  # one file per (tp, pp) rank, from DP rank 0
         assert os.listdir(iter_dir(ck, K)) == ["mp_rank_00"]
     else:
-        assert "sharded_backend" in json.load(open(os.path.join(iter_dir(ck, K), layout.METADATA)))
+        assert "sharded_backend" in json.load(open(os.path.join(iter_dir(ck, K), paths.METADATA)))
     _, log2 = torchrun(2, flags)
     assert f"({ckpt_format}) at iteration {K}" in log2, log2[-3000:]
     assert losses(log2) == {i: ref[i] for i in range(K + 1, N + 1)}

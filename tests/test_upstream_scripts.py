@@ -12,7 +12,7 @@ from megatron_helpers import ROOT
 from upstream_scripts import SCRIPTS, argv
 
 from megatron.training.arguments import ArgumentError, build_parser, parse_args
-from megatron.training.validation import validate_args
+from megatron.training.argument_checks import validate_args
 
 DOC = os.path.join(ROOT, "docs", "from-megatron-lm.md")
 ROW_RE = re.compile(r"^\| `(\w+)` \| (\d+) \| (\d+) \| (\d+) \|", re.M)
@@ -73,7 +73,7 @@ def classify(words: list[str]) -> tuple[list[str], dict[str, str]]:
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_flag_of_every_side_is_known_or_refused_with_a_reason(name, paths):
     """No flag of any branch of the script is unknown to this trainer (argparse's 'unrecognized')."""
-    from megatron.training.flag_policy import REFUSED
+    from megatron.training.refused_flags import REFUSED
     known = {o for a in build_parser()._actions for o in a.option_strings}
     spec = SCRIPTS[name]
     every = set(spec.flags) | {f for side in spec.sides.values() for f in side}

@@ -15,7 +15,7 @@ optimizer part by part) and a MoE model's experts (how many, which ranks write a
 The structural checks always run: metadata.json present and listing every rank, each manifest intact (its own
 crc32c, and the one metadata.json published for it), data files at their recorded size, item extents inside
 them, and every global tensor fully covered by written shards. `--verify` also reads every data byte through the
-engine's reader (the read pipeline a load uses, a crc32c per checksummed chunk) and compares it with the index.
+engine's verifier (the read pipeline a load uses, a crc32c per checksummed chunk) and compares it with the index.
 Every problem is collected, none stops the others: every bad checksum, short or missing file, missing manifest,
 uncovered or overlapping shard of every rank, each named with its file (and rank, item, file offset in --json).
 

@@ -9,7 +9,7 @@ copied straight into the tier's pages, and a storage save of the same iteration 
 clique on other nodes, so that a node lost entirely is recovered from its peers' memory.
 
 One module per job, read in this order: `tier` (LocalTier: set-up, where parts go, the end of the tier),
-`identity` (whose tier it is), `paths` (where its files are), `topology` (nodes and cliques), `replication`
+`identity` (whose tier it is), `node_paths` (where its files are), `topology` (nodes and cliques), `replication`
 (the background exchange with the clique), `restart` (which iteration every rank loads, and recovery of the
 parts a node lacks), `notices` (what the tier tells the operator).
 """

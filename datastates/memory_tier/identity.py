@@ -10,7 +10,7 @@ import json
 import os
 
 from .. import format as fmt
-from .. import layout
+from .. import paths
 from ..storage import SharedMemoryStorage
 
 
@@ -20,7 +20,7 @@ def job_id(save_dir: str | None) -> str:
     explicit = os.environ.get("DATASTATES_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     if explicit:
         return "".join(c if c.isalnum() or c in "-_." else "_" for c in explicit)
-    where = (layout.normalize(save_dir) if layout.scheme(save_dir) else os.path.abspath(save_dir)) if save_dir \
+    where = (paths.normalize(save_dir) if paths.scheme(save_dir) else os.path.abspath(save_dir)) if save_dir \
         else os.getcwd()
     return "save-" + hashlib.sha1(where.encode()).hexdigest()[:16]
 

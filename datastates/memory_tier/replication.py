@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from .. import format as fmt
-from .. import layout
+from ..paths import METADATA, data_file, join, partial_dir
 from ..errors import CheckpointCorruptError
 from ..save_root import Publisher
 from ..storage import SharedMemoryStorage
-from .paths import NodePaths
+from .node_paths import NodePaths
 from .topology import cliques
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 def receive(storage: SharedMemoryStorage, final: str, index: bytes, data: torch.Tensor, keep: int) -> None:
     """Publish a checkpoint another rank sent (a replica): its data file and its index, refused unless the index
     verifies and describes that data; then keep the newest `keep` of its save root."""
-    partial = layout.partial_dir(final)
+    partial = partial_dir(final)
     storage.remove(partial)
     partial = storage.stage(final)
     try:
@@ -42,8 +42,8 @@ def receive(storage: SharedMemoryStorage, final: str, index: bytes, data: torch.
         if part.data_bytes != data.numel():
             raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
                                          f"{data.numel()} came")
-        storage.write_bytes(layout.join(partial, layout.data_file(0)), data.numpy())
-        storage.write_bytes(layout.join(partial, layout.METADATA), index)
+        storage.write_bytes(join(partial, data_file(0)), data.numpy())
+        storage.write_bytes(join(partial, METADATA), index)
     except BaseException:
         storage.remove(partial)
         raise

@@ -17,9 +17,10 @@ from ..engine import CheckpointEngine
 from ..errors import CheckpointError
 from ..save_root import published
 from ..storage import SharedMemoryStorage
+from ..verifier import CheckpointVerifier
 from .identity import read_owner
 from .notices import notice
-from .paths import NodePaths, rank_of
+from .node_paths import NodePaths, rank_of
 from .replication import receive
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def _verified_everywhere(engine: CheckpointEngine, path: str, rank: int) -> bool
     """Whether every rank's part reads back with every checksum right (agreed by an all-reduce)."""
     ok = torch.tensor([1], dtype=torch.int32)
     try:
-        engine.reader(path).verify(0)
+        CheckpointVerifier(engine.checkpoint(path)).verify(0)
     except (CheckpointError, OSError) as e:
         log.warning("rank %d: memory checkpoint %s does not verify: %s", rank, path, e)
         ok.zero_()

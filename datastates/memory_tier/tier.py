@@ -11,13 +11,13 @@ import torch.distributed as dist
 
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
-from ..layout import join
+from ..paths import join
 from ..save_root import clean_leftovers
 from ..storage import SharedMemoryStorage
 from . import restart
 from .identity import owner, read_owner, write_owner
 from .notices import notice
-from .paths import NodePaths
+from .node_paths import NodePaths
 from .replication import Replicator, join_clique
 from .topology import gather_nodes, node_of
 

@@ -18,7 +18,7 @@ with the options of that backend that `flags` give (`options_for`).
 from __future__ import annotations
 
 from .. import format as fmt
-from .. import layout
+from .. import paths
 from ..errors import CheckpointError
 from .base import DataSink, DataSource, Done, Options, PageLending, Stat, Storage
 from .posix import DEFAULT_READ_THREADS, READ_MODES, PosixOptions, PosixStorage, check_read_mode
@@ -30,7 +30,7 @@ FILE_SYSTEM_ONLY = ("fsync", "direct_io", "read_mode")  # flags that mean nothin
 def options_for(path: str, **flags) -> Options:
     """The options of the backend `path` names, from one set of flags (the trainer's --ckpt-* serve every
     storage): an object store takes its threads and leaves the file system's flags aside."""
-    if layout.scheme(path) is None:
+    if paths.scheme(path) is None:
         return PosixOptions(**flags)
     from .s3 import S3Options
     return S3Options(**{k: v for k, v in flags.items() if k not in FILE_SYSTEM_ONLY})
@@ -38,7 +38,7 @@ def options_for(path: str, **flags) -> Options:
 
 def storage_for(path: str, **flags) -> Storage:
     """The backend for checkpoints at `path`, made with its options from `flags` (`options_for`)."""
-    scheme = layout.scheme(path)
+    scheme = paths.scheme(path)
     if scheme is None:
         return PosixStorage(options_for(path, **flags))
     if scheme == "s3":

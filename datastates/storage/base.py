@@ -14,7 +14,7 @@ the backend owns the bytes.
     abort_uploads(root)             writes killed before they completed, cancelled
 
 Every path is a string the backend understands (a file system path, or a URL of its scheme); names inside a
-checkpoint and a save root are `layout`'s. Options are typed per backend (`PosixOptions`, `s3.S3Options`). What
+checkpoint and a save root come from `paths`. Options are typed per backend (`PosixOptions`, `s3.S3Options`). What
 the memory tier needs beyond the contract (pages lent to another save, replicas, free space) is the declared
 sub-protocol `PageLending`.
 """

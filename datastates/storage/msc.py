@@ -5,7 +5,7 @@ s3://<base_path>/key at the profile's endpoint, with its region and credentials.
 ranged-GET calls itself, and MSC's own clients expose neither a part uploaded from a given buffer nor an abort."""
 from __future__ import annotations
 
-from .. import layout
+from .. import paths
 from ..errors import CheckpointError
 from .s3 import S3Options, S3Storage, client
 
@@ -15,7 +15,7 @@ STATIC_CREDENTIALS = "S3Credentials"
 
 def profile_of(url: str) -> tuple[str, str]:
     """msc://profile/key -> (profile, key)."""
-    profile, _, key = layout.normalize(url)[len("msc://"):].partition("/")
+    profile, _, key = paths.normalize(url)[len("msc://"):].partition("/")
     if not profile:
         raise CheckpointError(f"{url!r}: an msc:// path names a profile: msc://profile/prefix")
     return profile, key

@@ -12,7 +12,7 @@ import threading
 import time
 
 from .. import _native
-from .. import layout
+from .. import paths
 from .base import DataSink, DataSource, Options, Stat, Storage
 
 # Writers run at a lower priority than training and the snapshot copies: a flush may take a little longer,
@@ -137,7 +137,7 @@ class PosixStorage(Storage):
         tmp = f"{path}.tmp.{os.getpid()}"
         write_file(tmp, data, self.fsync)
         os.replace(tmp, path)
-        self._sync_dir(layout.parent(path))
+        self._sync_dir(paths.parent(path))
 
     # ----- names -----
 
@@ -168,7 +168,7 @@ class PosixStorage(Storage):
     # ----- publication -----
 
     def stage(self, final):
-        partial = layout.partial_dir(final)
+        partial = paths.partial_dir(final)
         make_dir(partial)
         return partial
 
@@ -187,7 +187,7 @@ class PosixStorage(Storage):
             # `.deleting` and none under `final`; `save_root.clean_leftovers` gives the old one its name back.
             retired.append(self.retire(final))
             os.rename(partial, final)
-        self._sync_dir(layout.parent(final))
+        self._sync_dir(paths.parent(final))
         return retired
 
     def retire(self, path):
@@ -218,7 +218,7 @@ def retire(path: str) -> str:
     """Take a checkpoint out of sight in one atomic rename; returns the new name, for the caller to delete
     (deleting large files can take long, e.g. on file systems mounted with discard). A crash before the
     deletion leaves a `.deleting` leftover that `save_root.clean_leftovers` removes."""
-    doomed = f"{path}{layout.DELETING}.{os.getpid()}.{time.monotonic_ns()}"
+    doomed = f"{path}{paths.DELETING}.{os.getpid()}.{time.monotonic_ns()}"
     os.rename(path, doomed)
     return doomed
 

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from .. import _native
-from .. import layout
+from .. import paths
 from ..errors import CheckpointError
 from .base import DataSink, DataSource, Options, Stat, Storage
 
@@ -375,8 +375,8 @@ class S3Storage(Storage):
     def stage(self, final):
         """The final prefix itself, once the index an earlier save of the same iteration left there is deleted
         (that one is invisible from then on)."""
-        final = layout.normalize(final)
-        self._delete_key(layout.join(final, layout.METADATA))
+        final = paths.normalize(final)
+        self._delete_key(paths.join(final, paths.METADATA))
         return final
 
     def commit(self, partial, final):
@@ -385,7 +385,7 @@ class S3Storage(Storage):
 
     def retire(self, path):
         """Its index deleted: no reader sees it; the rest goes with `remove`."""
-        self._delete_key(layout.join(path, layout.METADATA))
+        self._delete_key(paths.join(path, paths.METADATA))
         return path
 
     def abort_uploads(self, root):
@@ -458,7 +458,7 @@ def _client(endpoint, region, profile, connections, credentials, attempts):
 
 def s3_url_location(url: str) -> tuple[str, str]:
     """s3://bucket/key -> (bucket, key)."""
-    bucket, _, key = layout.normalize(url)[len("s3://"):].partition("/")
+    bucket, _, key = paths.normalize(url)[len("s3://"):].partition("/")
     if not bucket:
         raise CheckpointError(f"{url!r}: an s3:// path names a bucket: s3://bucket/prefix")
     return bucket, key

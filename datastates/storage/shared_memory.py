@@ -10,13 +10,13 @@ import torch
 
 from .. import _native
 from .. import format as fmt
-from .. import layout
-from ..plan import ALIGN, align_up
+from .. import paths
+from ..save_plan import ALIGN, align_up
 from ..slots import cuda_host_register
 from .base import DataSink
 from .posix import DEFAULT_READ_THREADS, PosixOptions, PosixStorage, retire, write_file
 
-SPARES = "spare" + layout.DELETING  # a memory tier's reusable pages, out of sight of every reader (clean_leftovers)
+SPARES = "spare" + paths.DELETING  # a memory tier's reusable pages, out of sight of every reader (clean_leftovers)
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
@@ -76,7 +76,7 @@ class SharedMemoryStorage(PosixStorage):
         self._held_retired: dict[str, list[MappedSink]] = {}  # retired while held: dropped at the last release
 
     def open_data(self, path, nbytes):
-        partial = layout.parent(path)
+        partial = paths.parent(path)
         nbytes = max(align_up(nbytes), ALIGN)
         with self._lock:
             spare = next((s for s in self._spares if s.nbytes >= nbytes), None)
@@ -88,7 +88,7 @@ class SharedMemoryStorage(PosixStorage):
             data = spare
         else:
             data = MappedSink(path, nbytes, self.pinned)
-        data.final = partial[:-len(layout.PARTIAL)] if partial.endswith(layout.PARTIAL) else partial
+        data.final = partial[:-len(paths.PARTIAL)] if partial.endswith(paths.PARTIAL) else partial
         with self._lock:
             self._live[partial] = data
         return data
@@ -96,14 +96,14 @@ class SharedMemoryStorage(PosixStorage):
     def data_of(self, checkpoint: str) -> MappedSink | None:
         """The mapped data of a checkpoint this storage wrote and still holds."""
         with self._lock:
-            return self._live.get(layout.normalize(checkpoint))
+            return self._live.get(paths.normalize(checkpoint))
 
     def _move(self, old: str, new: str) -> None:
         """The mapped data of the checkpoint `old` follows it to `new`."""
         with self._lock:
             data = self._live.pop(old, None)
             if data is not None:
-                data.path = layout.join(new, layout.name(data.path))
+                data.path = paths.join(new, paths.name(data.path))
                 self._live[new] = data
 
     def commit(self, partial, final):
@@ -122,10 +122,10 @@ class SharedMemoryStorage(PosixStorage):
         with self._lock:
             data = self._live.pop(path, None)
         if data is not None:
-            if path.endswith(layout.PARTIAL):
+            if path.endswith(paths.PARTIAL):
                 self._drop(data)
             else:
-                self._spare(data, layout.parent(path))
+                self._spare(data, paths.parent(path))
         super().remove(path)
 
     def _spare(self, data: MappedSink, root: str) -> None:
@@ -135,8 +135,8 @@ class SharedMemoryStorage(PosixStorage):
             if self._holds.get(data.final):
                 self._held_retired.setdefault(data.final, []).append(data)
                 return
-        spares = layout.join(root, SPARES)  # a crash leaves it to clean_leftovers
-        spare = layout.join(spares, str(id(data)))
+        spares = paths.join(root, SPARES)  # a crash leaves it to clean_leftovers
+        spare = paths.join(spares, str(id(data)))
         try:
             os.makedirs(spares, exist_ok=True)
             os.rename(data.path, spare)
@@ -183,9 +183,9 @@ class SharedMemoryStorage(PosixStorage):
     def part(self, final: str) -> tuple[bytes, torch.Tensor]:
         """A published checkpoint of one rank as it travels: its index, and the bytes of its data file that the
         index describes, mapped (read from the tier's pages, never copied here; a reused file may be longer)."""
-        index = self.read_bytes(layout.join(final, layout.METADATA))
+        index = self.read_bytes(paths.join(final, paths.METADATA))
         size = fmt.parse_index(index, final).part(0).data_bytes
-        data = layout.join(final, layout.data_file(0))
+        data = paths.join(final, paths.data_file(0))
         return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
 
     def make_dirs(self, path: str) -> None:

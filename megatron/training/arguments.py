@@ -1,7 +1,7 @@
 """Megatron-LM compatible command line flags, plus the checkpoint flags (README.md, "Flags").
 
-Every upstream flag is honoured or refused with its reason (`flag_policy`), never accepted and ignored;
-`validation.validate_args` then checks the whole configuration against the world size before any work starts.
+Every upstream flag is honoured or refused with its reason (`refused_flags`), never accepted and ignored;
+`argument_checks.validate_args` then checks the whole configuration against the world size before any work starts.
 This module imports neither megatron-core nor torch.distributed, so it is cheap to use in tests.
 """
 from __future__ import annotations
@@ -355,11 +355,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
 
 def parse_args(extra_args_provider=None, argv=None) -> argparse.Namespace:
-    """Parse the flags (sys.argv[1:] when argv is None). Use validation.validate_args once the world size is known.
+    """Parse the flags (sys.argv[1:] when argv is None). Use argument_checks.validate_args once the world size is known.
 
     An upstream flag this trainer refuses raises ArgumentError with the reason (all of them at once); a flag
     upstream does not know either is argparse's error."""
-    from .flag_policy import refusals
+    from .refused_flags import refusals
     parser = build_parser(extra_args_provider)
     args, unknown = parser.parse_known_args(argv)
     messages, unrecognized = refusals(unknown)

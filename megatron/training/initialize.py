@@ -15,7 +15,7 @@ from datastates.logs import setup_logging
 from . import cpu_shim
 from .arguments import ArgumentError, parse_args
 from .failures import stage
-from .validation import validate_args
+from .argument_checks import validate_args
 from .global_vars import set_args, set_tokenizer
 
 
@@ -37,7 +37,7 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     args = parse_args(extra_args_provider, argv)
     apply_args_defaults(args, args_defaults)
     if args.use_checkpoint_args:
-        from .checkpoint_args import apply_checkpoint_args
+        from .args_from_checkpoint import apply_checkpoint_args
         apply_checkpoint_args(args)
     validate_args(args, _world_size_from_env())
     if not args.enable_msc:

@@ -1,7 +1,7 @@
 """--profile over iterations [--profile-step-start, --profile-step-end) on --profile-ranks, as upstream: with
 --use-pytorch-profiler, torch.profiler traced into --tensorboard-dir (TensorBoard's profiler plugin reads it);
 without it, CUDA's profiler API is started and stopped for an enclosing `nsys profile --capture-range=cudaProfilerApi`
-(CUDA ranks only: validation refuses it on CPU ranks)."""
+(CUDA ranks only: argument_checks refuses it on CPU ranks)."""
 from __future__ import annotations
 
 import torch

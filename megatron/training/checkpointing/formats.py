@@ -154,7 +154,7 @@ class DatastatesFormat(CheckpointFormat):
         return load_sharded(self.engine, template, ckpt_dir, self._exchange(ckpt_dir))
 
     def read_stats(self, ckpt_dir: str) -> LoadStats:
-        return self.engine.reader(ckpt_dir).stats
+        return self.engine.checkpoint(ckpt_dir).stats
 
     def _exchange(self, ckpt_dir: str) -> Exchange | None:
         """--ckpt-fully-parallel-load: by default on for object stores, off on file systems (docs/architecture.md,
@@ -169,7 +169,7 @@ class DatastatesFormat(CheckpointFormat):
 
     def saved_common(self, ckpt_dir: str) -> dict:
         wanted = ("args", "content_metadata")
-        paths = [name[len(COMMON_PREFIX):].split("/") for name in self.engine.reader(ckpt_dir).global_index()
+        paths = [name[len(COMMON_PREFIX):].split("/") for name in self.engine.checkpoint(ckpt_dir).global_index()
                  if name.startswith(COMMON_PREFIX)]
         names = {p[0] for p in paths}
         present = [n for n in wanted if n in names]
@@ -222,7 +222,7 @@ def _through_msc(path: str):
     The switch is one global of megatron-core, and it sends every path through MSC, local ones too; 0.16
     turns it on whenever multi-storage-client is installed, 0.19 leaves it off until upstream's --enable-msc
     turns it on. Scoped to msc:// paths, it leaves local torch_dist saves and loads as each release does them.
-    (--disable-msc refuses msc:// paths before any work: validation.)"""
+    (--disable-msc refuses msc:// paths before any work: argument_checks.)"""
     if url_scheme(path) != "msc":
         yield
         return

@@ -14,10 +14,12 @@ import torch
 from datastates import CheckpointEngine, PosixOptions
 from datastates.errors import CheckpointCorruptError
 from datastates.providers import ContainerProvider, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider
-from datastates.restore import CheckpointReader
+from datastates.loader import CheckpointLoader
+from datastates.open_checkpoint import OpenCheckpoint
 from datastates.copies import HostCopyBackend
 from datastates.slots import StagingPool
 from datastates.storage import PosixStorage
+from datastates.verifier import CheckpointVerifier
 from late_copies import LateAddressCopyBackend, LateCopyBackend
 
 ROWS, COLS, SPLIT = 600, 500, 300  # one logical tensor, saved as two row blocks
@@ -62,14 +64,14 @@ def saved(tmp_path_factory):
 
 @contextlib.contextmanager
 def _reading(path, budget, backend, read_mode="stream"):
-    """(a reader of `path` on a staging pool of `budget` bytes and `backend`, that pool); all closed after."""
+    """(a loader of `path` on a staging pool of `budget` bytes and `backend`, that pool); all closed after."""
     storage = PosixStorage(PosixOptions(read_threads=2, read_mode=read_mode))
     pool = StagingPool(budget, writer_threads=2)
-    reader = CheckpointReader(path, storage, pool, backend, _registry())
+    checkpoint = OpenCheckpoint(path, storage, pool, backend)
     try:
-        yield reader, pool
+        yield CheckpointLoader(checkpoint, _registry()), pool
     finally:
-        reader.close(), backend.close(), storage.close(), pool.close()
+        checkpoint.close(), backend.close(), storage.close(), pool.close()
 
 
 def _template():
@@ -101,9 +103,9 @@ def _all_slots_back(pool):
 def test_late_copies_out_of_slots_land_before_reuse_and_before_return(saved, seed, read_mode):
     path, whole, local = saved
     backend = LateCopyBackend(seed)
-    with _reading(path, 256 << 10, backend, read_mode) as (reader, pool):
+    with _reading(path, 256 << 10, backend, read_mode) as (loader, pool):
         template = _template()
-        out = reader.load(0, template)
+        out = loader.load(0, template)
         assert not backend.pending, "load returned before every copy out of a slot landed"
         _check(out, whole, local)
         assert out["cols"] is template["cols"]  # strided targets are filled in place
@@ -125,9 +127,9 @@ def _contiguous_template():
 def test_stream_reads_whole_items_into_contiguous_host_targets_parallel_stages_them(saved, read_mode):
     path, whole, local = saved
     backend = LateCopyBackend(4)
-    with _reading(path, 256 << 10, backend, read_mode) as (reader, pool):
+    with _reading(path, 256 << 10, backend, read_mode) as (loader, pool):
         template = _contiguous_template()
-        out = reader.load(0, template)
+        out = loader.load(0, template)
         assert torch.equal(out["w0"], whole[:SPLIT]) and torch.equal(out["w1"], whole[SPLIT:])
         assert torch.equal(out["cols"], local["cols"]) and torch.equal(out["half"], local["half"])
         assert torch.equal(out["scalar"], local["scalar"]) and out["note"] == local["note"]
@@ -139,24 +141,23 @@ def test_stream_reads_whole_items_into_contiguous_host_targets_parallel_stages_t
         _all_slots_back(pool)
 
 
-def test_read_item_and_verify_read_global_blocks_whole(saved):
-    """What the memory tier and the tools use: one saved item as it is, and a check of every chunk."""
+def test_a_load_without_template_and_the_verifier_read_every_saved_item(saved):
+    """What the memory tier uses: the state rank 0 saved rebuilt (each item whole), and a check of every chunk."""
     path, whole, local = saved
-    with _reading(path, 256 << 10, HostCopyBackend(2)) as (reader, pool):
-        items = reader.items(0)
-        assert torch.equal(reader.read_item(0, items["w1"]), whole[SPLIT:])
-        assert torch.equal(reader.read_item(0, items["cols"]), local["cols"])
-        assert reader.read_item(0, items["note"]) == local["note"]
-        reader.verify(0)
+    with _reading(path, 256 << 10, HostCopyBackend(2)) as (loader, pool):
+        out = loader.load(0)
+        assert torch.equal(out["w0"], whole[:SPLIT]) and torch.equal(out["w1"], whole[SPLIT:])
+        assert torch.equal(out["cols"], local["cols"]) and out["note"] == local["note"]
+        CheckpointVerifier(loader.checkpoint).verify(0)
         _all_slots_back(pool)
 
 
 def test_chunks_larger_than_a_slot_read_into_buffers_of_their_own(saved):
     """A loader with a smaller staging budget than the saver's chunks still loads, within its budget."""
     path, whole, local = saved
-    with _reading(path, 64 << 10, HostCopyBackend(2)) as (reader, pool):
-        assert pool.slot_bytes < reader.items(0)["w0"].chunk_bytes
-        _check(reader.load(0, _template()), whole, local)
+    with _reading(path, 64 << 10, HostCopyBackend(2)) as (loader, pool):
+        assert pool.slot_bytes < loader.checkpoint.items(0)["w0"].chunk_bytes
+        _check(loader.load(0, _template()), whole, local)
         _all_slots_back(pool)
 
 
@@ -165,9 +166,9 @@ def test_buffers_of_their_own_live_until_the_copies_out_of_them_landed(saved, re
     """Copies out of a buffer of its own (a chunk larger than a slot) that land late and hold only its address,
     as the native copy pool's do, still find it: it is not freed when its read completes."""
     path, whole, local = saved
-    with _reading(path, 64 << 10, LateAddressCopyBackend(7), read_mode) as (reader, pool):
-        _check(reader.load(0, _template()), whole, local)
-        out = reader.load(0, _contiguous_template())  # in "parallel", whole items through the buffers too
+    with _reading(path, 64 << 10, LateAddressCopyBackend(7), read_mode) as (loader, pool):
+        _check(loader.load(0, _template()), whole, local)
+        out = loader.load(0, _contiguous_template())  # in "parallel", whole items through the buffers too
         assert torch.equal(out["w0"], whole[:SPLIT]) and torch.equal(out["w1"], whole[SPLIT:])
         _all_slots_back(pool)
 
@@ -181,20 +182,23 @@ def test_damage_in_a_read_is_reported_and_gives_every_slot_back(saved, tmp_path,
     for name in os.listdir(path):
         data = open(os.path.join(path, name), "rb").read()
         open(damaged / name, "wb").write(data)
-    with _reading(path, 1 << 20, HostCopyBackend(2)) as (reader, _):
-        item = reader.items(0)["w0"]
+    with _reading(path, 1 << 20, HostCopyBackend(2)) as (loader, _):
+        item = loader.checkpoint.items(0)["w0"]
     pos = 150 * COLS * 4  # row 150 of the first block: inside the target's box "b"
     with open(damaged / "rank_00000.data", "r+b") as f:
         f.seek(item.offset + pos)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with _reading(str(damaged), 1 << 20, HostCopyBackend(2)) as (reader, pool):
+    with _reading(str(damaged), 1 << 20, HostCopyBackend(2)) as (loader, pool):
         with pytest.raises(CheckpointCorruptError, match=rf"checksum mismatch .* item 'w0' chunk {pos // item.chunk_bytes} "):
-            reader.load(0, make())
+            loader.load(0, make())
         _all_slots_back(pool)
-        reader.close()  # the data file is opened again, and checked, at the next load
+        with pytest.raises(CheckpointCorruptError, match=rf"checksum mismatch .* item 'w0' chunk {pos // item.chunk_bytes} "):
+            CheckpointVerifier(loader.checkpoint).verify(0)
+        _all_slots_back(pool)
+        loader.checkpoint.close()  # the data file is opened again, and checked, at the next load
         os.truncate(damaged / "rank_00000.data", item.offset)  # refused at open, after a slot was taken
         with pytest.raises(CheckpointCorruptError, match="is truncated"):
-            reader.load(0, make())
+            loader.load(0, make())
         _all_slots_back(pool)

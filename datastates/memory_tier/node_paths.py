@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import checkpoint_dir, join
+from ..paths import checkpoint_dir, join
 
 _RANK = "rank_"
 

@@ -1,8 +1,8 @@
-"""Write plans: where each item of one rank goes in its data file.
+"""Save plans: where each item of one rank goes in its data file (the load side's is `load_plan`).
 
 A provider walk turns a nested state into a skeleton plus a list of `Item`s (`schema`). `Plan` assigns each
 tensor item an aligned offset in the rank's data file and splits items larger than a staging slot into chunks,
-each with its own checksum. The layout depends only on the structure (keys, dtypes, shapes), so it is cached across
+each with its own checksum. The placement depends only on the structure (keys, dtypes, shapes), so it is cached across
 saves while the structure holds; the tensors themselves are bound per save.
 """
 from __future__ import annotations
@@ -28,24 +28,24 @@ class Entry:
 
 
 class Plan:
-    """Layout of one rank's data file: tensor items first, each aligned; objects are appended after them.
+    """Where each item goes in one rank's data file: tensor items first, each aligned; objects after them.
 
     Computed once per structure; `apply` stamps it onto the fresh items of each later save."""
 
     def __init__(self, items: list[Item], chunk_bytes: int):
-        self.layout = []
+        self.placements = []
         offset = 0
         for it in items:
             if it.kind == Kind.TENSOR and it.write:
-                self.layout.append((offset, chunk_bytes if it.nbytes > chunk_bytes else it.nbytes))
+                self.placements.append((offset, chunk_bytes if it.nbytes > chunk_bytes else it.nbytes))
                 offset += align_up(it.nbytes)
             else:
-                self.layout.append((-1, 0))
+                self.placements.append((-1, 0))
         self.tensor_region = offset
         self.apply(items)
 
     def apply(self, items: list[Item]) -> None:
-        for it, (offset, chunk_bytes) in zip(items, self.layout):
+        for it, (offset, chunk_bytes) in zip(items, self.placements):
             it.offset, it.chunk_bytes = offset, chunk_bytes
             it.crcs = [0] * len(it.chunks())
 

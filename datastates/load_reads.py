@@ -1,4 +1,4 @@
-"""One load's reads: the read pipeline every load, check and tool goes through (`restore.CheckpointReader`).
+"""One load's reads: the read pipeline every load, check and tool goes through (`open_checkpoint.OpenCheckpoint`).
 
 Reads are submitted to the native pool as soon as they are known and completed oldest first: verified (each
 chunk's crc32c, computed on the pool's threads), then placed, so reading, verification and placement overlap.
@@ -19,7 +19,7 @@ import torch
 
 from . import codecs
 from .errors import CheckpointCorruptError, CheckpointError
-from .plan import ALIGN
+from .save_plan import ALIGN
 from .problems import Problems
 from .schema import Item
 from .copies import CopyBackend
@@ -120,7 +120,7 @@ class _Held:
 
 class ReadSource(Protocol):
     """What the reads of one load read from: a checkpoint's data files, the memory they are staged in and copied
-    out by, and the counts they add to (`restore.CheckpointReader` is one)."""
+    out by, and the counts they add to (`open_checkpoint.OpenCheckpoint` is one)."""
 
     pool: StagingPool
     backend: CopyBackend

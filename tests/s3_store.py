@@ -53,9 +53,9 @@ class ClaimedPorts:
     store restarted on its ports is exposed for as long as it is down. Hence three guards:
     - the ports lie outside the kernel's ephemeral range, so no outgoing connection or port-0 bind of any process
       (the trainer's, a client's) can take one;
-    - each is claimed with an abstract unix socket named after it, which every user of this class on the machine
-      (two test suites side by side, a benchmark) respects and the kernel drops when the holder dies: no two
-      claims ever share a port, stopped server or not;
+    - each is claimed with an abstract unix socket named after it, which every user of this class in the network
+      namespace (the ports' own scope: two test suites side by side, a benchmark) respects and the kernel drops
+      when the holder dies: no two claims ever share a port, stopped server or not;
     - they are drawn at random and skipped while anything listens there, so a program that names a fixed port
       (a torchrun default) is rarely met; a server that still finds one taken is started anew on fresh ports
       (`S3Store.start`)."""

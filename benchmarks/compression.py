@@ -185,7 +185,7 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, 
             print(f"| {where} | {compress} | {stored / 1e6:.1f} | {raw / stored:.3f} | {durable:.3f} | {restore:.3f} "
                   f"| {loop:.2f} |")
     finally:
-        store.stop()
+        store.close()
         shutil.rmtree(local, ignore_errors=True)
 
 

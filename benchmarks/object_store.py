@@ -10,7 +10,6 @@ checkpoint every iteration over the same loop without.
 """
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -171,8 +170,7 @@ def main(argv=None):
         for name, why in failed.items():
             print(f"{name:<40} failed: {why}")
     finally:
-        store.stop()
-        shutil.rmtree(store.root, ignore_errors=True)
+        store.close()
 
 
 if __name__ == "__main__":

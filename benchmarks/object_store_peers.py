@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from common import install_cpu_guard
-from s3_store import REGION, free_ports
+from s3_store import REGION
 
 
 def init_single_rank():
-    """A one-rank gloo process group: megatron-core's save asks the rank of it, DCP plans through it."""
+    """A one-rank gloo process group: megatron-core's save asks the rank of it, DCP plans through it. Its store
+    is in this process: no port to pick."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 class DcpAsync:

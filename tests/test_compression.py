@@ -14,7 +14,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError, audit_checkpoint
 from datastates import format as fmt
-from datastates.codecs import CODECS
+from datastates.codecs import CODECS, for_storage
+from datastates.storage import PosixStorage, SharedMemoryStorage
+from memory_storage import MemoryStorage
 from s3_store import s3_server  # noqa: F401  (the session fixture)
 from test_compatibility import FIXTURE, GLOBAL, _same, state as fixture_state
 from test_load_reads import Box, _registry
@@ -287,6 +289,16 @@ def test_a_compressed_checkpoint_loads_into_another_layout_bit_exact(trained, tm
 
 
 # ----- an object store: auto compresses there -----
+
+def test_auto_follows_what_the_storage_declares_not_its_class():
+    """A backend says whether it is an object store; `auto` compresses there only (the tests' in-memory backend is
+    no file system, yet stays raw until it declares itself one)."""
+    class Bucket(MemoryStorage):
+        object_store = True
+    assert for_storage("auto", Bucket()).name == "bytegroup-zstd"
+    assert [for_storage("auto", s) for s in (MemoryStorage(), PosixStorage(PosixOptions()))] == [None, None]
+    assert for_storage("auto", SharedMemoryStorage(pinned=False)) is None
+
 
 def test_auto_compresses_on_an_object_store_and_the_checkpoint_loads(s3_server, monkeypatch):  # noqa: F811
     from datastates import paths, storage_for

@@ -1,9 +1,14 @@
 """The SeaweedFS fixture that the object-store tests stand on: it stores, it refuses strangers, it survives a
-kill, and the MSC config it writes reaches it."""
+kill, its ports cannot be taken from it, and the MSC config it writes reaches it."""
 import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from botocore.exceptions import ClientError
+from s3_store import ClaimedPorts, PortTaken, S3Store
 
 
 
@@ -55,3 +60,54 @@ def test_msc_config_points_a_profile_at_the_store(s3_server, tmp_path):
     client.write("ckpt/tracker", b"7")
     assert s3_server.client().get_object(Bucket=bucket, Key="runs/ckpt/tracker")["Body"].read() == b"7"
     assert client.read("ckpt/tracker") == b"7"
+
+
+def round_trip(store):
+    bucket = store.create_bucket()
+    store.client().put_object(Bucket=bucket, Key="k", Body=b"v")
+    return store.client().get_object(Bucket=bucket, Key="k")["Body"].read()
+
+
+def test_a_port_taken_after_it_was_picked_is_given_up_before_serving_and_kept_after(tmp_path):
+    """A program that binds one of the store's ports between the pick and weed's bind: the first start moves to
+    fresh ports; a restart keeps its ports (its clients know them) and fails naming the one taken."""
+    store = S3Store(root=tmp_path)
+    picked = store.ports["s3"]
+    try:
+        with socket.create_server(("127.0.0.1", picked)):
+            store.start()
+            assert picked not in store.ports.values()
+        assert round_trip(store) == b"v"
+        store.stop()
+        with socket.create_server(("127.0.0.1", store.ports["s3"])), pytest.raises(PortTaken) as e:
+            store.start()
+        assert f"port {store.ports['s3']} " in str(e.value)
+        assert round_trip(store.start()) == b"v"
+    finally:
+        store.close()
+
+
+def test_two_stores_started_at_once_serve_on_distinct_ports():
+    stores = [S3Store(), S3Store()]
+    with ThreadPoolExecutor(2) as pool:  # weed dies with the thread that started it: both outlive the checks
+        try:
+            list(pool.map(S3Store.start, stores))
+            assert not set(stores[0].ports.values()) & set(stores[1].ports.values())
+            assert [round_trip(s) for s in stores] == [b"v", b"v"]
+        finally:
+            for s in stores:
+                s.close()
+
+
+def test_a_claimed_port_is_refused_to_another_process_until_released():
+    """What keeps a second suite's store off this one's ports, even while this one is down for a restart."""
+    claim = "from s3_store import ClaimedPorts; print(ClaimedPorts(1, candidates=[{}], tries=3).numbers)"
+    here = os.path.dirname(__file__)
+    with ClaimedPorts(1) as held:
+        (port,) = held.numbers
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        assert not low <= port <= high  # no connect() or port-0 bind is given it
+        other = subprocess.run([sys.executable, "-c", claim.format(port)], cwd=here, capture_output=True, text=True)
+        assert other.returncode != 0 and "no 1 free ports" in other.stderr
+    again = subprocess.run([sys.executable, "-c", claim.format(port)], cwd=here, capture_output=True, text=True)
+    assert again.stdout.strip() == f"[{port}]", again.stderr

@@ -1,14 +1,15 @@
 """The trainer on an object store: 4 ranks TP2 x DP2, bf16, distributed optimizer, the memory tier every iteration
-and s3:// every 2 (written from the tier's pages), then an exact resume from s3:// saving to a file system; the
-checkpoints read whole
-onto one process (a reshard) through the conversion tool's reader; the store killed in the middle of a save and
-the whole job killed in the middle of an upload (tests/fault_launcher.py); the Hugging Face tools on s3://; and
-refusals that need no run."""
+and s3:// every 2 (written from the tier's pages), then an exact resume from s3:// saving to a file system, each
+byte read once and passed on (the default for an object store); the checkpoints read whole onto one process (a
+reshard) through the conversion tool's reader; the store killed in the middle of a save (training goes on with
+--ckpt-on-failure warn, stops with stop) and the whole job killed in the middle of an upload
+(tests/fault_launcher.py), an exact resume without the exchange; the Hugging Face tools on s3://; and refusals
+that need no run."""
 import os
 import re
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -35,12 +36,16 @@ def test_tp2_dp2_saves_to_s3_from_the_memory_tier_and_resumes_exactly(s3_server,
     assert tracker.published_iterations(first) == [2, 4]
 
     _, log = torchrun(4, BASE + ["--load", f"{first}/iter_0000002", "--save", second, "--save-interval", "2",
-                                 "--async-ckpt"], env=env)
+                                 "--async-ckpt", "--log-all-ranks"], env=env)
     assert "at iteration 2" in log, log[-3000:]
     assert losses(log) == {3: straight[3], 4: straight[4]}
-    # read once, passed on: on by default for an object store, so rank 0 took replicas from or gave them to its DP peer
-    moved = re.search(r"([\d,]+) B received from and ([\d,]+) B passed to other ranks", log)
-    assert moved and sum(int(n.replace(",", "")) for n in moved.groups()) > 0, log[-3000:]
+    # read once, passed on: on by default for an object store, so every rank received from its DP peer bytes it did
+    # not read, and the ranks together read no more than the data objects hold
+    counted = [(int(read.replace(",", "")), int(received.replace(",", ""))) for read, received in
+               re.findall(r"read ([\d,]+) B from storage in \d+ requests, ([\d,]+) B received from", log)]
+    assert len(counted) == 4 and all(received > 0 for _, received in counted), log[-3000:]
+    bucket_objects = s3_server.client().list_objects_v2(Bucket=bucket, Prefix="first/iter_0000002/")["Contents"]
+    assert sum(read for read, _ in counted) <= sum(o["Size"] for o in bucket_objects if o["Key"].endswith(".data"))
 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from convert_checkpoint import main as convert, read_datastates
@@ -64,20 +69,20 @@ def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 def faulted_run(store, control, **run):
     """A 2-rank faulted run (`run`: torchrun's arguments) whose FAULT_STORE_DOWN requests this thread serves:
     weed dies with the thread that started it (PR_SET_PDEATHSIG), so the job runs on another."""
-    result = {}
-    job = threading.Thread(target=lambda: result.update(out=torchrun(2, faults=True, check=False, **run)))
-    job.start()
-    for request, act in (("store-down", store.stop), ("store-up", store.start)):
-        while not os.path.exists(os.path.join(control, request)) and job.is_alive():
-            time.sleep(0.05)
-        if not job.is_alive():
-            break
-        act()
-        open(os.path.join(control, request + ".done"), "w").close()
-    job.join()
-    if store.proc is None:
-        store.start()
-    return result["out"]
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(torchrun, 2, faults=True, check=False, **run)
+        for request, act in (("store-down", store.stop), ("store-up", store.start)):
+            while not os.path.exists(os.path.join(control, request)) and not job.done():
+                time.sleep(0.05)
+            if job.done():
+                break
+            act()
+            open(os.path.join(control, request + ".done"), "w").close()
+        try:
+            return job.result()  # what the job's thread raised, raised here
+        finally:
+            if store.proc is None:
+                store.start()
 
 
 def stored(store, url):
@@ -93,7 +98,10 @@ def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, mo
     and is back before the save of 5: the saves of 3 and 4 fail, --ckpt-on-failure warn keeps training, 5 and 6
     publish, and 2, published before, still loads. Run B resumes at 6 (removing what the failed save of 3 left)
     and the whole job is SIGKILLed while iteration 8's data is going up. Run C resumes exactly after 7, the last
-    published, removing the open uploads, and computes B's loss of iteration 8 again."""
+    published, removing the open uploads, and computes B's loss of iteration 8 again, each rank reading all it
+    needs itself (--no-ckpt-fully-parallel-load). Run D resumes at 8 with --ckpt-on-failure stop and the store
+    dies in the save of 9: every rank stops at the same iteration, naming the failed checkpoint, and 8 stays
+    the latest, whole."""
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     root = f"s3://{s3_server.create_bucket()}/run"
@@ -121,10 +129,24 @@ def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, mo
     assert sorted(killed) == [7, 8] and tracker.published_iterations(root)[-1] == 7, log[-4000:]
     assert stored(s3_server, paths.checkpoint_dir(root, 8))[1]  # the job died in the middle of its uploads
 
-    _, log = torchrun(2, flags + ["--load", root])
+    _, log = torchrun(2, flags + ["--load", root, "--no-ckpt-fully-parallel-load", "--log-all-ranks"])
     assert "at iteration 7" in log and losses(log) == {8: killed[8]}, log[-4000:]
     assert "an open multipart upload" in log
+    assert len(re.findall(r"read [\d,]+ B from storage in \d+ requests\n", log)) == 2, log[-4000:]  # no exchange
     assert tracker.published_iterations(root)[-2:] == [7, 8] and not stored(s3_server, root)[1]
+
+    control = str(tmp_path / "stop")  # run A's requests are in the first one
+    os.mkdir(control)
+    rc, log = faulted_run(s3_server, control, args=flags + ["--load", root, "--train-iters", "12",
+                                                             "--ckpt-on-failure", "stop", "--log-all-ranks"],
+                          env={"FAULT_STORE_DOWN": "9:99", "FAULT_CONTROL_DIR": control, "AWS_MAX_ATTEMPTS": "2"})
+    stops = re.findall(r"rank (\d): stopping at iteration (\d+): a checkpoint failed \(--ckpt-on-failure stop\)", log)
+    assert rc != 0 and "FAULT-STORE-DOWN" in log and sorted(rank for rank, _ in stops) == ["0", "1"], log[-4000:]
+    (stopped,) = {int(it) for _, it in stops}  # the same on both ranks, and no step trained after it
+    assert 9 <= stopped <= 12 and max(losses(log)) <= stopped, log[-4000:]
+    # the error names a checkpoint the store's death failed: 9, or 10 when its call, refused, is recorded first
+    assert re.search(r"CheckpointError: [^\n]*iter_00000(09|10)", log), log[-4000:]
+    assert tracker.read_latest(root) == 8 and inspect([paths.checkpoint_dir(root, 8), "--verify"]) == 0
 
 
 def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, monkeypatch, capsys):

@@ -96,14 +96,17 @@ class Stat:
 
 
 class Storage(abc.ABC):
-    """The contract (see the module docstring). Two facts about a backend steer the policy above it:
-    `in_place` (a checkpoint is written under its final name: object stores, which have no rename) and
+    """The contract (see the module docstring). Three facts about a backend steer the policy above it:
+    `in_place` (a checkpoint is written under its final name: object stores, which have no rename),
     `spreads_deletes` (deleting files costs time on a file system, so each rank deletes its own share of a
-    retired checkpoint; an object store deletes a prefix in one batched request)."""
+    retired checkpoint; an object store deletes a prefix in one batched request) and `object_store` (a service
+    behind a network API, where each byte is transfer time, requests and money: `--ckpt-compress auto` spends a
+    codec's CPU there, not on a file system or in memory)."""
 
     options: Options
     in_place = False
     spreads_deletes = True
+    object_store = False
 
     @abc.abstractmethod
     def open_data(self, path: str, nbytes: int) -> DataSink:

@@ -291,6 +291,7 @@ class S3Storage(Storage):
 
     in_place = True
     spreads_deletes = False
+    object_store = True
 
     def __init__(self, locate, client, options: S3Options = S3Options()):
         self.locate, self.client, self.options = locate, client, options

@@ -88,7 +88,7 @@ def test_what_the_export_refuses_is_refused_at_start_up(tmp_path):
         tmp_path, "--save-hf", hf, "--save-hf-interval", "3")
     assert "is not a directory holding any of the tokenizer files" in refusal(
         tmp_path, "--save-hf", hf, "--save-hf-tokenizer", str(tmp_path))
-    assert "only a file system path" in refusal(tmp_path, "--save-hf", "s3://bucket/hf")
+    assert "msc:// paths are disabled by --disable-msc" in refusal(tmp_path, "--save-hf", "msc://p/hf", "--disable-msc")
     assert "--save-hf-keep-last given without --save-hf" in refusal(tmp_path, "--save-hf-keep-last", "1")
     assert not os.path.exists(hf)
 

@@ -97,8 +97,8 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
 class HFPublisher:
     """One rank's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order.
     Every rank writes its share of the safetensors files (shard k on rank k mod world), reading only the units of
-    the checkpoint those hold; each reports to rank 0 through the torch.distributed store, and rank 0 writes
-    config.json, the tokenizer and the index, then publishes. `finished` / `drain` hand back, on rank 0, what
+    the checkpoint those hold (rank 0 also config.json and the tokenizer); each reports to rank 0 through the
+    torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand back, on rank 0, what
     ended (the manager reports failures as failed saves)."""
 
     def __init__(self, args, rank: int = 0, world_size: int = 1, store=None):

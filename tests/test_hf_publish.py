@@ -2,9 +2,9 @@
 
 A TP2 x PP2 run publishes a model at every checkpoint: each is byte for byte what `convert_checkpoint.py --to hf`
 writes from the checkpoint of the same iteration, transformers loads the newest and computes megatron-core's
-logits, `latest` names the newest, --save-hf-keep-last retires the oldest. A job SIGKILLed in the middle of an
-export leaves `latest` naming the previous complete model, and the next start removes the leftovers. What the
-offline tool refuses is refused at start-up.
+logits, `latest` names the newest, --save-hf-keep-last retires the oldest. An EP2 run publishes to s3:// (SeaweedFS)
+the same bytes. A job SIGKILLed in the middle of an export leaves `latest` naming the previous complete model, and
+the next start removes the leftovers. What the offline tool refuses is refused at start-up.
 """
 import os
 import subprocess
@@ -88,7 +88,7 @@ def test_what_the_export_refuses_is_refused_at_start_up(tmp_path):
         tmp_path, "--save-hf", hf, "--save-hf-interval", "3")
     assert "is not a directory holding any of the tokenizer files" in refusal(
         tmp_path, "--save-hf", hf, "--save-hf-tokenizer", str(tmp_path))
-    assert "only a file system path" in refusal(tmp_path, "--save-hf", "s3://bucket/hf")
+    assert "msc:// paths are disabled by --disable-msc" in refusal(tmp_path, "--save-hf", "msc://p/hf", "--disable-msc")
     assert "--save-hf-keep-last given without --save-hf" in refusal(tmp_path, "--save-hf-keep-last", "1")
     assert not os.path.exists(hf)
 
@@ -130,20 +130,42 @@ def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path
     assert not [n for n in os.listdir(hf) if ".partial" in n or ".deleting" in n]
 
 
-def test_an_ep2_mixtral_in_bf16_saved_synchronously(tmp_path):
-    """Experts spread over 2 ranks (EP2, distributed optimizer), bf16 weights, a synchronous save: the model
-    published at the end of the run is the tool's bytes, a bf16 MixtralForCausalLM."""
+def download(s3_server, bucket: str, prefix: str, target: str) -> list[str]:
+    """Every object under `prefix` into `target` (the transformers side reads files); the keys, relative."""
+    client = s3_server.client()
+    keys = [o["Key"][len(prefix):] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    for key in keys:
+        os.makedirs(os.path.dirname(os.path.join(target, key)), exist_ok=True)
+        client.download_file(bucket, prefix + key, os.path.join(target, key))
+    return sorted(keys)
+
+
+def test_an_ep2_mixtral_in_bf16_saved_synchronously_published_to_s3(s3_server, tmp_path):
+    """Experts spread over 2 ranks (EP2, distributed optimizer), bf16 weights, a synchronous save, the models
+    published to s3:// (SeaweedFS): what a killed export left there (a model without its index, an open multipart
+    upload) is removed at start, --save-hf-keep-last 1 retires iteration 2's model, and iteration 4's is the
+    offline tool's bytes, a bf16 MixtralForCausalLM once downloaded."""
     from test_hf_moe import MIXTRAL
-    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    torchrun(2, MIXTRAL + TRAIN + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
-                                   "--save", save, "--save-interval", "2", "--save-hf", hf,
-                                   "--save-hf-max-shard-size", SHARD])
-    assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n"
+    save, bucket = str(tmp_path / "ckpt"), s3_server.create_bucket()
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="hf/iter_0000001/model-00001-of-00002.safetensors", Body=b"half")
+    client.create_multipart_upload(Bucket=bucket, Key="hf/iter_0000001/model-00002-of-00002.safetensors")
+    train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "4"]
+    _, log = torchrun(2, MIXTRAL + train + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                            "--bf16", "--save", save, "--save-interval", "2",
+                                            "--save-hf", f"s3://{bucket}/hf", "--save-hf-keep-last", "1",
+                                            "--save-hf-max-shard-size", SHARD], env=s3_server.env())
+    assert f"removed the leftovers of an unfinished export: s3://{bucket}/hf/iter_0000001" in log, log[-3000:]
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    published = str(tmp_path / "published")
+    keys = download(s3_server, bucket, "hf/", published)
+    assert keys[-1] == "latest" and all(k.startswith("iter_0000004/") for k in keys[:-1]), keys
+    assert open(os.path.join(published, "latest")).read() == "iter_0000004\n"
     offline = str(tmp_path / "offline")
     convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
-    assert_same_bytes(os.path.join(hf, "iter_0000002"), offline)
+    assert_same_bytes(os.path.join(published, "iter_0000004"), offline)
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(hf, "iter_0000002"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(published, "iter_0000004"))
     assert type(model).__name__ == "MixtralForCausalLM" and model.dtype == torch.bfloat16
 
 

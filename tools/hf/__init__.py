@@ -1,12 +1,12 @@
 """Hugging Face transformers in and out: `convert_checkpoint.py --to hf` / `--from hf` (docs/huggingface.md).
 
 arch.py      which registered architecture a run's flags or a config.json are, and the flags every one prints
-architectures/  one module per transformers architecture (flags <-> config.json, names, splits, refusals)
+architectures/  one module per transformers architecture (flags <-> config.json, names, splits, refusals); DeepSeek-V3,
+             whose flags and config.json take more, is a package of its own (deepseek_v3/: flags.py and the names)
 geometry.py  the sizes and choices every architecture's mapping needs, and the checks they share
 mapping.py   what name mappings are made of: rules, the fused-tensor splits, units of stacked tensors
-deepseek.py  the DeepSeek-style (MLA, shared experts, sigmoid routing) flags <-> DeepseekV3's config, each way
 source.py    reads a datastates or torch_dist checkpoint one tensor (one layer of it) at a time
-writer.py    streamed, sharded safetensors in a directory published by one rename
+writer.py    streamed, sharded safetensors through the engine's storage contract (a file system, s3://, msc://)
 export.py    checkpoint -> transformers model directory
 load_hf.py   transformers model directory -> the convert tool's in-memory checkpoint
 """

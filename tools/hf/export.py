@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from datastates import Storage, storage_for
+
 from . import HFError, saved_flag
 from .arch import geometry_from_args, hf_config, rules_for
 from .mapping import Rule, unit_indices
 from .source import open_source
-from .writer import OutputDirectory, Planned, ShardedWriter, copy_in, plan_shards, write_index, write_json
+from .writer import OutputDirectory, Planned, ShardedWriter, copy_in, plan_shards, write_json
 
 STAGING_BYTES = 32 << 20
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -97,12 +99,12 @@ def _run_tokenizer(args) -> str | None:
     return directory
 
 
-def _copy_tokenizer(directory: str, tokenizer: str) -> None:
+def _copy_tokenizer(storage: Storage, directory: str, tokenizer: str) -> None:
     found = _tokenizer_files(tokenizer)
     if not found:
         raise HFError(f"--tokenizer {tokenizer!r} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}")
     for path in found:
-        copy_in(directory, path)
+        copy_in(storage, directory, path)
 
 
 @dataclass
@@ -147,13 +149,11 @@ def plan_export(kind: str, path: str, *, tokenizer: str | None = None, init_dist
         raise
 
 
-def write_metadata(plan: ExportPlan, directory: str, shards: list[list[Planned]] | None = None) -> None:
-    """config.json, the tokenizer's files and (given the `shards`) the index, into `directory`."""
-    write_json(directory, "config.json", hf_config(plan.geo, str(plan.dtype).replace("torch.", "")))
+def write_metadata(plan: ExportPlan, storage: Storage, directory: str) -> None:
+    """config.json and the tokenizer's files, into `directory` of `storage`."""
+    write_json(storage, directory, "config.json", hf_config(plan.geo, str(plan.dtype).replace("torch.", "")))
     if plan.tokenizer is not None:
-        _copy_tokenizer(directory, plan.tokenizer)
-    if shards is not None:
-        write_index(directory, shards)
+        _copy_tokenizer(storage, directory, plan.tokenizer)
 
 
 def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
@@ -162,11 +162,13 @@ def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
     """Write the transformers model directory `output` from the checkpoint at `path` (`kind`: its format);
     `drop_mtp` leaves the run's multi-token prediction layers out; `progress`: a progress bar on a terminal."""
     plan = plan_export(kind, path, tokenizer=tokenizer, init_distributed=init_distributed, drop_mtp=drop_mtp)
+    storage = storage_for(output)
     try:
         with OutputDirectory(output) as out:
-            write_metadata(plan, out.path)
-            write_tensors(plan, out.path, plan.shards(max_shard_bytes), progress=progress)
+            write_metadata(plan, storage, out.path)
+            write_tensors(plan, storage, out.path, plan.shards(max_shard_bytes), progress=progress)
     finally:
+        storage.close()
         plan.close()
     log.info("exported %s (%s, %s) to %s", plan.source.path, kind, plan.geo.arch, output)
     return os.path.normpath(output)
@@ -179,15 +181,15 @@ def _progress_bar(total: int, shown: bool):
     return tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=None)
 
 
-def write_tensors(plan: ExportPlan, directory: str, shards: list[list[Planned]], mine: set[int] | None = None,
-                  progress: bool = False) -> None:
-    """The safetensors files of `shards` (only those numbered in `mine`, and then no index: each process of the
+def write_tensors(plan: ExportPlan, storage: Storage, directory: str, shards: list[list[Planned]],
+                  mine: set[int] | None = None, progress: bool = False) -> None:
+    """The safetensors files of `shards` in `directory` of `storage` (only those numbered in `mine`, and then no index: each process of the
     trainer's export writes its share); a megatron-core unit is read only when one of its tensors is to be written."""
     wanted = None if mine is None else {e.name for k in mine for e in shards[k]}
     total = sum(e.nbytes for k, shard in enumerate(shards) for e in shard if mine is None or k in mine)
     source, geo = plan.source, plan.geo
     with _progress_bar(total, progress) as bar:
-        writer = ShardedWriter(directory, shards, bar, mine)
+        writer = ShardedWriter(storage, directory, shards, bar, mine)
         try:
             for rule, index in _units(plan.rules, geo):
                 names = rule.names(index)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from . import HFError, saved_flag
 
 if TYPE_CHECKING:
-    from .deepseek import DeepSeek
+    from .architectures.deepseek_v3.flags import DeepSeek
 
 ROPE_BASE = 10000.0  # megatron-core's RotaryEmbedding default (pretrain_gpt.py's --rotary-base default)
 
@@ -31,7 +31,7 @@ class Geometry:
     experts: int = 0  # routed experts per layer; 0: dense MLPs
     topk: int = 0  # experts per token
     aux_loss: float = 0.0  # weight of the load-balancing loss (a training choice both sides carry)
-    deepseek: DeepSeek | None = None  # multi-latent attention, dense then MoE layers, shared experts (deepseek.py)
+    deepseek: DeepSeek | None = None  # multi-latent attention, dense then MoE layers, shared experts (architectures/deepseek_v3/)
     rope_base: float = ROPE_BASE  # the rotary base (transformers' rope_theta)
     qkv_bias: bool = False  # biases on the query/key/value projections alone (--add-qkv-bias, Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys (--qk-layernorm, Qwen3)

@@ -4,7 +4,9 @@ The safetensors library writes a file from a dict of tensors held at once; a mod
 memory whole. The format is fixed (an 8-byte little-endian header length, a JSON header of names, dtypes,
 shapes and byte ranges, then the raw bytes), and every name, shape and dtype is known before any tensor is
 read, so each shard's header is written first and its tensors streamed after it, one at a time. The files are
-read back by safetensors and transformers in the tests.
+read back by safetensors and transformers in the tests. Every file goes through the engine's storage contract
+(`datastates.Storage`): a shard is one data object (a file, or an object store's multipart upload), the small
+files are `write_bytes`, so one writer serves a file system and s3:// / msc:// alike.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from datastates import fsync_dir, write_file
+from datastates import Storage, fsync_dir, join_path
 
 from . import HFError
 
@@ -70,29 +72,32 @@ def shard_files(shards: list[list[Planned]]) -> list[str]:
     return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
-def write_index(directory: str, shards: list[list[Planned]]) -> None:
+def write_index(storage: Storage, directory: str, shards: list[list[Planned]]) -> None:
     """model.safetensors.index.json: which file holds each tensor, and the total size."""
     files = shard_files(shards)
     weight_map = {e.name: files[k] for k, shard in enumerate(shards) for e in shard}
     total = sum(e.nbytes for shard in shards for e in shard)
     doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_file(os.path.join(directory, INDEX), json.dumps(doc, indent=2).encode(), True)
+    storage.write_bytes(join_path(directory, INDEX), json.dumps(doc, indent=2).encode())
 
 
 class ShardedWriter:
-    """Takes the planned tensors in plan order; writes `model-0000k-of-0000n.safetensors` and the index.
+    """Takes the planned tensors in plan order; writes `model-0000k-of-0000n.safetensors` and the index into
+    `directory` of `storage`.
 
     `mine`: only these shards (by index), and no index: several processes each write their share of one model's
     files (the trainer's --save-hf), and one writes the index once all are done."""
 
-    def __init__(self, directory: str, shards: list[list[Planned]], progress=None, mine: set[int] | None = None):
+    def __init__(self, storage: Storage, directory: str, shards: list[list[Planned]], progress=None,
+                 mine: set[int] | None = None):
         if sys.byteorder != "little":
             raise HFError("safetensors stores little-endian bytes; this host is big-endian")
-        self.directory, self.shards, self.progress, self.mine = directory, shards, progress, mine
+        self.storage, self.directory, self.shards, self.progress, self.mine = storage, directory, shards, progress, mine
         self.files = shard_files(shards)
         self._queue = [(k, e) for k, shard in enumerate(shards) for e in shard if mine is None or k in mine]
         self._next = 0
-        self._file = None
+        self._sink = None  # the open shard's data object
+        self._offset = 0
         self._shard = -1
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -103,49 +108,51 @@ class ShardedWriter:
             raise HFError(f"internal: got {name!r} {tuple(tensor.shape)} {tensor.dtype}, planned {planned}")
         if shard != self._shard:
             self._open(shard)
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._file.write(memoryview(data))
+        self._submit(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         self._next += 1
         if self.progress is not None:
             self.progress.update(planned.nbytes)
 
-    def _open(self, shard: int) -> None:
-        self._close_file()
-        self._shard = shard
-        self._file = open(os.path.join(self.directory, self.files[shard]), "wb")
-        self._file.write(_header(self.shards[shard]))
+    def _submit(self, data: torch.Tensor) -> None:
+        """Written before returning: the caller's tensor may be a view of a buffer its reader reuses."""
+        self._sink.submit(data, self._offset, [])()
+        self._offset += data.numel()
 
-    def _close_file(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+    def _open(self, shard: int) -> None:
+        self._close_sink()
+        header = _header(self.shards[shard])
+        size = len(header) + sum(e.nbytes for e in self.shards[shard])
+        self._shard, self._offset = shard, 0
+        self._sink = self.storage.open_data(join_path(self.directory, self.files[shard]), size)
+        self._submit(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+    def _close_sink(self) -> None:
+        if self._sink is not None:
+            sink, self._sink = self._sink, None
+            sink.close(self._offset)  # durable where the storage syncs
 
     def close(self) -> None:
         """Finish the last shard and write the index (which names every tensor's file)."""
-        self._close_file()
+        self._close_sink()
         if self._next != len(self._queue):
             raise HFError(f"internal: {len(self._queue) - self._next} planned tensors were never written")
         if self.mine is None:
-            write_index(self.directory, self.shards)
+            write_index(self.storage, self.directory, self.shards)
 
     def abort(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._sink is not None:
+            self._sink.discard()
+            self._sink = None
 
 
-def write_json(directory: str, name: str, doc: dict) -> None:
-    write_file(os.path.join(directory, name), (json.dumps(doc, indent=2) + "\n").encode(), True)
+def write_json(storage: Storage, directory: str, name: str, doc: dict) -> None:
+    storage.write_bytes(join_path(directory, name), (json.dumps(doc, indent=2) + "\n").encode())
 
 
-def copy_in(directory: str, source: str) -> None:
-    """A copy of the file `source` in `directory`, fsynced."""
-    target = os.path.join(directory, os.path.basename(source))
-    shutil.copyfile(source, target)
-    with open(target, "rb") as f:
-        os.fsync(f.fileno())
+def copy_in(storage: Storage, directory: str, source: str) -> None:
+    """A copy of the local file `source` in `directory` (a small file: a tokenizer's)."""
+    with open(source, "rb") as f:
+        storage.write_bytes(join_path(directory, os.path.basename(source)), f.read())
 
 
 class OutputDirectory:
@@ -160,12 +167,6 @@ class OutputDirectory:
     def __enter__(self) -> "OutputDirectory":
         os.makedirs(self.path)
         return self
-
-    def write_json(self, name: str, doc: dict) -> None:
-        write_json(self.path, name, doc)
-
-    def copy_in(self, source: str) -> None:
-        copy_in(self.path, source)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:

@@ -4,17 +4,20 @@ Behind the checkpoint: once it is published, every rank exports it on a thread o
 tool's own plan and writer (`tools/hf/export.py`: the same architecture registry, mapping and safetensors
 writer), so a model published here is byte for byte what `convert_checkpoint.py --to hf` writes from that
 checkpoint with the same shard size. Rank k writes safetensors files k, k + world, ...; rank 0, once every rank
-reported through the store, writes config.json, the tokenizer and the index, and publishes. Under --save-hf:
+reported through the store, writes the index and publishes. Under --save-hf (a file system path, s3:// or msc://;
+every byte goes through the engine's storage contract, `datastates.Storage`):
 
     iter_0000100/           config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json, tokenizer
-    latest                  `iter_0000100`: the newest complete model (replaced by rename, after the model)
-    iter_0000200.partial/   an export under way (renamed to iter_0000200/ when complete)
+    latest                  `iter_0000100`: the newest complete model (replaced in one step, after the model)
+    iter_0000200.partial/   an export under way, on a file system (renamed to iter_0000200/ when complete)
 
-A model directory appears complete or not at all (written under `.partial`, fsynced, renamed); `latest` names
-only complete ones; --save-hf-keep-last retires the oldest (renamed to `.deleting`, then removed) after the new
-one is named. What a killed export leaves is removed at the next start (`clean_leftovers`). A failed export is
-reported as a failed save (the manager applies --ckpt-on-failure). Nothing here is on the training thread but
-`submit`, which queues.
+A model is complete when its index is there, and the index is written last: on a file system the directory is
+written under `.partial`, fsynced and renamed (`Storage.stage` / `commit`); an object store has no rename, so
+the model is written in place and the index's PUT publishes it. `latest` names only complete models;
+--save-hf-keep-last retires the oldest after the new one is named (its index removed first: out of sight in one
+step, then the rest). What a killed export leaves (a `.partial` directory, a model without its index, open
+multipart uploads) is removed at the next start (`clean_leftovers`). A failed export is reported as a failed save
+(the manager applies --ckpt-on-failure). Nothing here is on the training thread but `submit`, which queues.
 """
 from __future__ import annotations
 
@@ -23,23 +26,23 @@ import logging
 import os
 import queue
 import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from datastates import (DELETING, PARTIAL, CheckpointError, checkpoint_dir, fsync_dir, iteration_of, partial_dir,
-                        url_scheme, write_file)
+from datastates import (DELETING, PARTIAL, CheckpointError, Storage, checkpoint_dir, iteration_of, join_path,
+                        normalize_path, storage_for, url_scheme)
 
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
 NICE = 10  # the export thread's niceness: it yields the cores to training, the snapshot and the checkpoint's writes
 INDEX = "model.safetensors.index.json"
-# a model being written (by every rank, under the checkpoints' own PARTIAL suffix) or retired (DELETING)
-LEFTOVER_RE = re.compile(rf"^iter_\d{{7,}}({re.escape(PARTIAL)}(\.\d+)?|{re.escape(DELETING)})$")
+# a model being written on a file system (under the checkpoints' own PARTIAL suffix) or retired (DELETING, with the
+# storage's own suffix after it), and the pointer's temporary
+LEFTOVER_RE = re.compile(rf"^(iter_\d{{7,}}({re.escape(PARTIAL)}|{re.escape(DELETING)})(\.[\d.]+)?|{POINTER}\.tmp\.\d+)$")
 
 
 @dataclass(frozen=True)
@@ -53,44 +56,40 @@ class Exported:
     newest: str | None = None  # the model `latest` named when it ended (the one that stays newest on a failure)
 
 
-def read_pointer(root: str) -> str | None:
+def read_pointer(storage: Storage, root: str) -> str | None:
     """The directory name `latest` gives (None when there is none yet)."""
     try:
-        with open(os.path.join(root, POINTER)) as f:
-            return f.read().strip() or None
+        return storage.read_bytes(join_path(root, POINTER)).decode().strip() or None
     except FileNotFoundError:
         return None
 
 
-def write_pointer(root: str, name: str) -> None:
-    """`latest` replaced in one rename, after the model it names is durable."""
-    tmp = os.path.join(root, f".{POINTER}.tmp.{os.getpid()}")
-    write_file(tmp, f"{name}\n".encode(), True)
-    os.replace(tmp, os.path.join(root, POINTER))
-    fsync_dir(root)
+def write_pointer(storage: Storage, root: str, name: str) -> None:
+    """`latest` replaced in one step, after the model it names is durable."""
+    storage.write_bytes(join_path(root, POINTER), f"{name}\n".encode(), replace=True)
 
 
-def published_models(root: str) -> list[int]:
+def is_model(storage: Storage, path: str) -> bool:
+    """Whether the model `path` is complete: its index is written last."""
+    return storage.stat(join_path(path, INDEX)) is not None
+
+
+def published_models(storage: Storage, root: str) -> list[int]:
     """The iterations of the complete models under `root`, oldest first."""
-    found = []
-    for name in os.listdir(root):
-        it = iteration_of(name)
-        if it is not None and os.path.isfile(os.path.join(root, name, INDEX)):
-            found.append(it)
-    return sorted(found)
+    found = [iteration_of(name) for name in storage.list(root)]
+    return sorted(it for it in found if it is not None and is_model(storage, checkpoint_dir(root, it)))
 
 
-def clean_leftovers(root: str) -> list[str]:
-    """Remove what a killed export or retention left (`.partial.<pid>`, `.deleting`, the pointer's temporary);
-    call before any export of this job starts. The removed paths."""
-    removed = []
-    for name in sorted(os.listdir(root)):
-        if LEFTOVER_RE.match(name) or name.startswith(f".{POINTER}.tmp."):
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+def clean_leftovers(storage: Storage, root: str) -> list[str]:
+    """Remove what a killed export or retention left: a `.partial` or `.deleting` directory and the pointer's
+    temporary on a file system; on an object store a model without its index and the multipart uploads left open.
+    Call before any export of this job starts. What was removed."""
+    removed = storage.abort_uploads(root)
+    for name in sorted(storage.list(root)):
+        path = join_path(root, name)
+        unfinished = iteration_of(name) is not None and storage.list(path) and not is_model(storage, path)
+        if LEFTOVER_RE.match(name) or unfinished:
+            storage.remove(path)
             removed.append(path)
     return removed
 
@@ -98,12 +97,13 @@ def clean_leftovers(root: str) -> list[str]:
 class HFPublisher:
     """One rank's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order.
     Every rank writes its share of the safetensors files (shard k on rank k mod world), reading only the units of
-    the checkpoint those hold; each reports to rank 0 through the torch.distributed store, and rank 0 writes
-    config.json, the tokenizer and the index, then publishes. `finished` / `drain` hand back, on rank 0, what
+    the checkpoint those hold (rank 0 also config.json and the tokenizer); each reports to rank 0 through the
+    torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand back, on rank 0, what
     ended (the manager reports failures as failed saves)."""
 
     def __init__(self, args, rank: int = 0, world_size: int = 1, store=None):
-        self.root = os.path.abspath(args.save_hf)
+        self.root = normalize_path(args.save_hf) if url_scheme(args.save_hf) else os.path.abspath(args.save_hf)
+        self.storage = storage_for(self.root)
         self.interval = args.save_hf_interval or args.save_interval
         self.keep_last = args.save_hf_keep_last
         self.tokenizer = args.save_hf_tokenizer
@@ -113,8 +113,7 @@ class HFPublisher:
         self.store = None if store is None else torch.distributed.PrefixStore("save_hf/", store)
         self.submitted: int | None = None  # the newest iteration queued
         if rank == 0:  # before any export of this job: a rank exports only a checkpoint published after this
-            os.makedirs(self.root, exist_ok=True)
-            for path in clean_leftovers(self.root):
+            for path in clean_leftovers(self.storage, self.root):
                 log.info("--save-hf: removed the leftovers of an unfinished export: %s", path)
         self._queue: queue.Queue = queue.Queue()
         self._done: list[Exported] = []
@@ -127,8 +126,8 @@ class HFPublisher:
 
     def newest(self) -> str | None:
         """The model `latest` names (what an evaluation job takes now)."""
-        name = read_pointer(self.root)
-        return os.path.join(self.root, name) if name else None
+        name = read_pointer(self.storage, self.root)
+        return join_path(self.root, name) if name else None
 
     def submit(self, iteration: int, ckpt_dir: str) -> None:
         """Export the published checkpoint `ckpt_dir` of `iteration` once those before it are exported."""
@@ -156,6 +155,7 @@ class HFPublisher:
                 break
         self._queue.put(None)
         self._thread.join()
+        self.storage.close()
 
     def _run(self) -> None:
         try:  # below training and the snapshot copies, as the engine's writers (nice +5) are
@@ -183,46 +183,51 @@ class HFPublisher:
 
     def _export(self, ckpt_dir: str, final: str) -> None:
         iteration = iteration_of(final)
-        published = os.path.isfile(os.path.join(final, INDEX))  # the same answer on every rank: see _agree
-        error = None
+        published = is_model(self.storage, final)  # the same answer on every rank: see _agree
+        directory, shards, error = None, None, None
         if not published:
-            try:
-                self._write_share(ckpt_dir, partial_dir(final), publish=self.rank == 0)
+            try:  # a file system's `.partial` directory, or an object store's final prefix itself
+                directory = self.storage.stage(final)
+                shards = self._write_share(ckpt_dir, directory)
             except Exception as e:  # noqa: BLE001 (reported to rank 0, which fails the export with it)
                 error = e
         try:
             self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
+            if self.rank != 0:
+                return
+            if published:
+                log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
+            else:
+                from tools.hf.writer import write_index
+                write_index(self.storage, directory, shards)  # last: on an object store, what publishes the model
+                for retired in self.storage.commit(directory, final):  # a file system's rename into place
+                    self.storage.remove(retired)
         except BaseException:
-            shutil.rmtree(partial_dir(final), ignore_errors=True)
+            if directory is not None and self.rank == 0:  # a failed export leaves nothing
+                self._discard(directory)
             raise
-        if self.rank != 0:
-            return
-        if published:
-            log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
-        else:
-            try:
-                fsync_dir(partial_dir(final))
-                os.rename(partial_dir(final), final)
-            except OSError:
-                shutil.rmtree(partial_dir(final), ignore_errors=True)  # a failed export leaves nothing
-                raise
-            fsync_dir(self.root)
-        write_pointer(self.root, os.path.basename(final))
+        write_pointer(self.storage, self.root, os.path.basename(final))
         self._retire()
 
-    def _write_share(self, ckpt_dir: str, directory: str, publish: bool) -> None:
-        """This rank's safetensors files (and rank 0's config.json, tokenizer and index), through the offline tool's
-        own plan and writer: one mapping, the same bytes."""
+    def _discard(self, directory: str) -> None:
+        try:
+            self.storage.remove(directory)
+        except OSError as e:
+            log.warning("--save-hf: cannot remove %s now (%s): the next start does", directory, e)
+
+    def _write_share(self, ckpt_dir: str, directory: str) -> list:
+        """This rank's safetensors files (and rank 0's config.json and tokenizer), through the offline tool's own
+        plan and writer: one mapping, the same bytes. The shards planned (rank 0 indexes them once all are written)."""
         from tools.hf.export import plan_export, write_metadata, write_tensors
-        os.makedirs(directory, exist_ok=True)
         plan = plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
         try:
             shards = plan.shards(self.max_shard_bytes)
             mine = {k for k in range(len(shards)) if k % self.world_size == self.rank}
             if mine:
-                write_tensors(plan, directory, shards, mine)
-            if publish:
-                write_metadata(plan, directory, shards)
+                write_tensors(plan, self.storage, directory, shards, mine)
+            if self.rank == 0:
+                write_metadata(plan, self.storage, directory)
+            return shards
         finally:
             plan.close()
 
@@ -253,25 +258,23 @@ class HFPublisher:
                 f"{r}: {why}" for r, why in failed.items()))
 
     def _retire(self) -> None:
-        """--save-hf-keep-last K: the oldest models beyond the newest K go (never the one `latest` names)."""
+        """--save-hf-keep-last K: the oldest models beyond the newest K go (never the one `latest` names): each
+        index first (the model out of every reader's sight in one step), then the rest."""
         if not self.keep_last:
             return
-        keep = read_pointer(self.root)
-        for it in published_models(self.root)[:-self.keep_last]:
+        keep = read_pointer(self.storage, self.root)
+        for it in published_models(self.storage, self.root)[:-self.keep_last]:
             path = checkpoint_dir(self.root, it)
             if os.path.basename(path) == keep:
                 continue
-            os.rename(path, path + DELETING)
-            shutil.rmtree(path + DELETING)
+            self.storage.remove(join_path(path, INDEX))
+            self.storage.remove(path)
             log.info("--save-hf-keep-last %d: removed %s", self.keep_last, path)
 
 
 def check_save_hf(args) -> str | None:
     """Why --save-hf cannot run with these flags (None: it can): the offline tool's own refusals of the model,
-    and what this first version does not do, said before any work."""
-    if url_scheme(args.save_hf) is not None:
-        return (f"--save-hf {args.save_hf}: only a file system path is supported for now (s3:// and msc:// are not); "
-                "convert from the checkpoint with tools/convert_checkpoint.py --to hf instead")
+    and a destination that cannot be reached, said before any work."""
     if not args.save:
         return "--save-hf needs --save (the model is exported from each published checkpoint)"
     if args.ckpt_format != "datastates":
@@ -289,6 +292,13 @@ def check_save_hf(args) -> str | None:
                 os.path.isfile(os.path.join(args.save_hf_tokenizer, n)) for n in TOKENIZER_FILES):
             return (f"--save-hf-tokenizer {args.save_hf_tokenizer!r} is not a directory holding any of the tokenizer "
                     f"files {', '.join(TOKENIZER_FILES)}")
+    if url_scheme(args.save_hf) is not None:
+        if args.save_hf.startswith("msc://") and not args.enable_msc:
+            return f"--save-hf {args.save_hf!r}: msc:// paths are disabled by --disable-msc"
+        try:
+            storage_for(args.save_hf).list(args.save_hf)
+        except (OSError, CheckpointError, ImportError) as e:
+            return f"--save-hf {args.save_hf!r}: {getattr(e, 'strerror', None) or e}"
     from tools.hf import HFError
     from tools.hf.arch import architecture_of
     try:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import HFError
-from . import saved_flag as _get
-from .geometry import ROPE_BASE
+from ... import HFError
+from ... import saved_flag as _get
+from ...geometry import ROPE_BASE
 
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which transformers gives the q and kv latent norms
 # megatron-core's MLATransformerConfig YaRN defaults (0.16 and 0.19); pretrain_gpt.py has no flags for them

@@ -1,5 +1,6 @@
 """DeepSeek-V3 (DeepseekV3ForCausalLM): multi-latent attention, dense first layers then routed + shared experts,
-sigmoid routing. The flags and config.json each way are tools/hf/deepseek.py's; the names are here.
+sigmoid routing: the whole of its export and import is this package; the saved flags and config.json each way
+are flags.py's, the tensor names here.
 
 megatron-core saves the layers of a model whose layers differ (dense first, then MoE: a --moe-layer-freq list)
 each under its own key, `decoder.layers.<i>.`; layers that are all alike it stacks under `decoder.layers.` (then
@@ -13,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import HFError, saved_flag
-from ..deepseek import (check_deepseek_shapes, deepseek_config, deepseek_differences, deepseek_flags,
-                        deepseek_from_args, deepseek_from_config)
-from ..geometry import Geometry, check_embedding, max_positions, vocab
-from ..mapping import EXPERT, Rule, cat, halves, only
-from .base import Architecture
+from ... import HFError, saved_flag
+from ...geometry import Geometry, check_embedding, max_positions, vocab
+from ...mapping import EXPERT, Rule, cat, halves, only
+from ..base import Architecture
+from .flags import (check_deepseek_shapes, deepseek_config, deepseek_differences, deepseek_flags, deepseek_from_args,
+                    deepseek_from_config)
 
 
 def _with_zero_bias(t: torch.Tensor) -> list[torch.Tensor]:

@@ -44,13 +44,17 @@ def test_sigkill_while_flushing_resumes_from_last_published(tmp_path, reference)
 
 def test_failure_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
     """Rank 3's save of iteration 2 fails; the ranks learn it at different moments, yet all stop together at
-    the next point every rank reaches (the save of iteration 4), and iteration 2 is never published."""
+    one point every rank reaches (a later save: that of iteration 4, or a later one when rank 3's writer reports
+    the failure after save 4's agreement, as on loaded cores), and iteration 2 is never published."""
     ck = str(tmp_path / "ck")
     flags = TP2DP2 + ["--save", ck, "--save-interval", "2", "--async-ckpt", "--ckpt-on-failure", "stop",
                       "--log-all-ranks"]
     rc, log = torchrun(4, flags, check=False, faults=True, env={"FAULT_FAIL_SAVE": "3:2"})
     assert rc != 0, log[-3000:]
     stops = re.findall(r"rank (\d): stopping at iteration (\d+): a checkpoint failed", log)
-    assert sorted(stops) == [(str(r), "4") for r in range(4)], log[-4000:]
+    assert sorted(r for r, _ in stops) == ["0", "1", "2", "3"], log[-4000:]
+    stopped_at = {int(it) for _, it in stops}
+    assert len(stopped_at) == 1, stops  # one iteration for every rank
+    assert min(stopped_at) >= 4 and min(stopped_at) % 2 == 0, stops  # a save point after the failed one
     assert not os.path.isdir(os.path.join(ck, "iter_0000002"))
     assert not os.path.isdir(os.path.join(ck, "iter_0000002.partial"))

@@ -46,16 +46,10 @@ def install_cpu_guard() -> str:
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic, Megatron-shaped training state
 # ----------------------------------------------------------------------------------------------------------
-def make_state(total_bytes: float, rank: int, world: int, seed: int = 1234, device: str = "cpu") -> dict:
-    """One rank's share (total_bytes / world) of a GPT-like training state in fp32.
-
-    Model parameters of L transformer layers (qkv, proj, fc1, fc2, two layer norms with biases) plus an
-    embedding that takes the remainder, and Adam's exp_avg / exp_avg_sq for each parameter (so 3 tensors of
-    every shape), plus the small Python objects a Megatron checkpoint carries (iteration, args, RNG state).
-    Every rank's tensors are rows [rank*r, (rank+1)*r) of logical tensors sharded along dim 0. With a `device`
-    ("cuda"), the model and its moments live there (generated on the host, so the values do not depend on it).
-    """
-    per_rank = total_bytes / world
+def state_shapes(per_rank: float) -> tuple[dict, int, int]:
+    """(tensor name -> shape, hidden size, layers) of one rank's model: L transformer layers (qkv, proj, fc1,
+    fc2, two layer norms with biases) plus an embedding that takes the remainder of `per_rank` bytes, counting
+    Adam's two moments beside each parameter (fp32)."""
     layers = 4 if per_rank < 0.5 * GB else 8
     # 3 copies (param, exp_avg, exp_avg_sq) * 4 bytes * ~12 h^2 per layer; the embedding gets >= 1/4.
     h = int(math.sqrt(0.75 * per_rank / (layers * 12 * 12)))
@@ -74,7 +68,18 @@ def make_state(total_bytes: float, rank: int, world: int, seed: int = 1234, devi
     used = sum(math.prod(s) for s in shapes.values()) * 4 * 3
     vocab_rows = max(1, int((per_rank - used) / (3 * 4 * h)))
     shapes["embedding.word_embeddings.weight"] = (vocab_rows, h)
+    return shapes, h, layers
 
+
+def make_state(total_bytes: float, rank: int, world: int, seed: int = 1234, device: str = "cpu") -> dict:
+    """One rank's share (total_bytes / world) of a GPT-like training state in fp32 (`state_shapes`).
+
+    Model parameters and Adam's exp_avg / exp_avg_sq for each (so 3 tensors of every shape), plus the small
+    Python objects a Megatron checkpoint carries (iteration, args, RNG state).
+    Every rank's tensors are rows [rank*r, (rank+1)*r) of logical tensors sharded along dim 0. With a `device`
+    ("cuda"), the model and its moments live there (generated on the host, so the values do not depend on it).
+    """
+    shapes, h, layers = state_shapes(total_bytes / world)
     g = torch.Generator().manual_seed(seed + rank)
     model, exp_avg, exp_avg_sq = {}, {}, {}
     for k, s in shapes.items():

@@ -39,6 +39,7 @@ def figures(side: dict, large: dict) -> dict:
         out["systems"][name] = {"blocking_s": _median(rec, "blocking_s"), "durable_s": _median(rec, "durable_s"),
                                 "call_s": _median(rec, "call_s"),
                                 "restore_s": side.get("restore", {}).get(name, {}).get("seconds"),
+                                "restore_samples": side.get("restore", {}).get(name, {}).get("samples"),
                                 "restored_bit_exact": side.get("restore", {}).get(name, {}).get("verified")}
         snap = _median(rec, "engine_snapshot_s")
         if snap:
@@ -116,7 +117,44 @@ def markdown(check: dict) -> str:
             out += ["", f"This engine alone on {large['state_bytes'] / 1e9:.1f} GB (a staging budget that holds it): stall "
                     f"{cell(large.get('blocking_s'))} s, durable {cell(large.get('durable_s'), '{:.2f}')} s, snapshot "
                     f"{cell(large.get('snapshot_gbps'), '{:.1f}')} GB/s."]
+        restores = {n: v["restore_samples"] for n, v in fig["systems"].items() if len(v.get("restore_samples") or []) > 1}
+        if restores:
+            out += ["", "Each restore, in the order they ran (the second round runs the systems in reverse): "
+                    + "; ".join(f"{n} " + " / ".join(f"{x:.3f}" for x in v) + " s" for n, v in restores.items()) + "."]
+    out += _profile_markdown(check.get("d_snapshot_profile")) + _codecs_markdown(check.get("d_gpu_codecs"))
     return "\n".join(out) + "\n"
+
+
+def _profile_markdown(prof: dict | None) -> list[str]:
+    if not prof or not prof.get("steps"):
+        return []
+    out = ["", f"Where the snapshot's time goes (`benchmarks/snapshot_profile.py`, {prof['state_bytes'] / 1e9:.1f} GB in "
+           f"{prof['tensors']} tensors, slots of {prof.get('slot_bytes', 0) >> 20} MiB):", "",
+           "| step | s | GB/s | more |", "|---|---|---|---|"]
+    for step, v in prof["steps"].items():
+        more = ", ".join(f"{k} {x:.3f}" if isinstance(x, float) else f"{k} {x}" for k, x in v.items()
+                         if k not in ("seconds", "gbps"))
+        out.append(f"| {step} | {v['seconds']:.3f} | {v['gbps']:.1f} | {more} |")
+    return out
+
+
+def _codecs_markdown(codecs: dict | None) -> list[str]:
+    if not codecs or not codecs.get("kinds"):
+        return []
+    out = ["", f"nvCOMP {codecs.get('nvcomp')} on the trained state of part (b) (`benchmarks/gpu_codecs.py`); a "
+           f"plain copy to the host costs {1000 * codecs['plain_s_per_gb']:.1f} ms per raw GB; 'snapshot' is what "
+           f"compressing on the device and copying the result would cost:", "",
+           "| kind | codec | ratio | compress GB/s | decompress GB/s | snapshot ms/GB |", "|---|---|---|---|---|---|"]
+    for kind, rows in codecs["kinds"].items():
+        for name, r in sorted(rows.items(), key=lambda kv: -kv[1].get("ratio", 0)):
+            if "ratio" in r:
+                out.append(f"| {kind} | {name} | {r['ratio']:.3f} | {r['compress_gbps']:.1f} | "
+                           f"{r['decompress_gbps']:.1f} | {1000 * r['snapshot_s_per_gb']:.1f} |")
+            else:
+                out.append(f"| {kind} | {name} | {r.get('error')} | | | |")
+    if codecs.get("errors"):
+        out += ["", "Not measured: " + "; ".join(f"{k}: {e}" for k, e in codecs["errors"].items())]
+    return out
 
 
 def main() -> int:

@@ -3,21 +3,23 @@
 # their own python3 (3.12) and torch (2.11), and no megatron-core. Two steps:
 #
 #   here:   bash scripts/gpu_check.sh --prepare
-#           puts what such a machine lacks into gpu_bundle/ (ignored by git, a few MB; at most 40 MiB): the
-#           megatron-core 0.19.2 wheel for CPython 3.12 x86-64 and datastates._native built for CPython 3.12.
-#   there:  bash scripts/gpu_check.sh          (the device tool: carry gpu_bundle, timeout_s=570; 319 s on an H100)
+#           puts what such a machine lacks into gpu_bundle/ (ignored by git, about 37 MiB; at most 48 MiB): the
+#           megatron-core 0.19.2 wheel for CPython 3.12 x86-64, datastates._native built for CPython 3.12, and
+#           nvCOMP's wheels (nvidia-nvcomp-cu13, nvidia-libnvcomp-cu13) for part (d)'s GPU codecs.
+#   there:  bash scripts/gpu_check.sh          (the device tool: carry gpu_bundle, timeout_s=590)
 #           uses the machine's python3 and torch as they are (PYTHON, default python3): installs gpu_bundle/'s
 #           wheels with pip --no-index into gpu_bundle/site, puts the native module into datastates/, sets
 #           PYTHONPATH to this tree then gpu_bundle/site, and runs the parts below on one CUDA device (the first
 #           of CUDA_VISIBLE_DEVICES). Nothing is downloaded, nothing else installed, no venv made.
 #   --setup-only: the there-step's set-up and an import check of everything the parts import, then exit.
+#   GPU_CHECK_PARTS="c d": only those parts after the set-up (default "a b c d"), to rerun what failed; (d)'s
+#                codecs need (b)'s checkpoint and are skipped without it.
 #
-# The parts, each under its own cap (seconds on a GPU; the caps sum to 555 s, a passing run on an H100 took 319 s, so
-# a rerun fits in the device time of one session):
-#   set-up  90   install from the bundle, check that torch sees the GPU, import the trainer and megatron-core
-#   (a)     75   pytest tests/test_cuda.py: the ordering of the side-stream copy after queued work, the lazy
+# The parts, each under its own cap (seconds on a GPU; the caps sum to 575 s; (a)-(c) took 319 s on an H100):
+#   set-up  70   install from the bundle, check that torch sees the GPU, import the trainer and megatron-core
+#   (a)     45   pytest tests/test_cuda.py: the ordering of the side-stream copy after queued work, the lazy
 #                snapshot and the fence, pinned staging within its budget, a load straight into device tensors
-#   (b)    150   pretrain_gpt.py on 1 GPU, --bf16 --use-distributed-optimizer --async-ckpt --deterministic-mode,
+#   (b)    130   pretrain_gpt.py on 1 GPU, --bf16 --use-distributed-optimizer --async-ckpt --deterministic-mode,
 #                stopped at 10, resumed to 20, every loss compared with an uninterrupted run's for equality; on a
 #                difference the uninterrupted run is repeated: if the two differ, the GPU is not deterministic run
 #                to run, the line says so, and the resumed run passes within twice their largest difference
@@ -25,12 +27,17 @@
 #   (c)    240   benchmarks/run_all.py --device cuda: every system on a 1 GB state on the GPU (stall, durable,
 #                restore, the snapshot's device-to-host GB/s beside a plain pinned copy's) and a loop of bf16
 #                matrix products (~0.5 s a step) with a checkpoint every iteration against the same loop
-#                without, for this engine and the async peers; then this engine alone on an 8 GB state
+#                without, for this engine and the async peers, each restore twice (each engine mode once first:
+#                a first load's set-up is then visible); then this engine alone on an 8 GB state
 #                (GPU_CHECK_LARGE_GB) with a staging budget that holds it
-#   total  555
+#   (d)     90   diagnostics, never a failure of the check: benchmarks/snapshot_profile.py on the 8 GB state
+#                (where the snapshot's time goes: plain copy, per tensor, into slots cold and warm, the engine's
+#                first and second save) and benchmarks/gpu_codecs.py (nvCOMP's codecs on (b)'s trained state:
+#                ratio, GB/s, and what compressing before the copy would cost)
+#   total  575
 # One PASS/FAIL line per part with its key figure; exit 1 if any part fails. Under OUT (default
 # bench_out/gpu_check; the device tool's $OUT when it sets one), at most 8 files, all of which come back:
-#   check.log (everything printed), figures.json, a_test_cuda.log, b_trainer.log, c_bench.log
+#   check.log (everything printed), figures.json, a_test_cuda.log, b_trainer.log, c_bench.log, d_diagnostics.log
 # Checkpoints go to WORK (default bench_out/gpu_check_work), which is removed at the end.
 #
 # GPU_CHECK_DEVICE=cpu: the same steps and parts on the CPU, smaller (a rehearsal; scripts/gpu_rehearsal.sh runs it
@@ -40,6 +47,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUNDLE=${GPU_BUNDLE:-$ROOT/gpu_bundle}  # where --prepare puts it and the there-step takes it
 MEGATRON_CORE=megatron-core==0.19.2
+NVCOMP="nvidia-nvcomp-cu13==6.0.0.12 nvidia-libnvcomp-cu13==6.0.0.12"  # (d) only: the GPU codecs measured
 say() { echo "gpu_check: $*"; }
 
 prepare() {  # here: the bundle, from the package registry and this tree's csrc/
@@ -52,7 +60,8 @@ prepare() {  # here: the bundle, from the package registry and this tree's csrc/
   tmp=$(mktemp -d)
   # the wheels the GPU machines lack (their requirements, torch, numpy and packaging, are there)
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$BUNDLE/wheels" "$MEGATRON_CORE" || return 1
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$BUNDLE/wheels" "$MEGATRON_CORE" $NVCOMP \
+    || return 1
   # the native module for CPython 3.12 (it links no torch: any torch runs it); built in a copy of csrc/
   "$py312" -m pip wheel --quiet --no-deps -w "$tmp/wheel" "$ROOT" || return 1
   python3 -m zipfile -e "$tmp"/wheel/datastates_llm-*.whl "$tmp/unpacked" || return 1
@@ -62,7 +71,7 @@ prepare() {  # here: the bundle, from the package registry and this tree's csrc/
                      find wheels native -type f -printf '%s %p\n'; } >MANIFEST)
   local size
   size=$(du -sm "$BUNDLE" | cut -f1)
-  [ "$size" -le 40 ] || { say "gpu_bundle/ is ${size} MiB, over the 40 MiB it may carry"; return 1; }
+  [ "$size" -le 48 ] || { say "gpu_bundle/ is ${size} MiB, over the 48 MiB it may carry"; return 1; }
   say "gpu_bundle/ ready (${size} MiB):"; sed 's/^/  /' "$BUNDLE/MANIFEST"
 }
 
@@ -83,7 +92,7 @@ esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench_out/gpu_check}
 WORK=${WORK:-bench_out/gpu_check_work}
-mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log}
+mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log,d_diagnostics.log}
 rm -rf "$WORK" && mkdir -p "$WORK"
 OUT=$(cd "$OUT" && pwd) WORK=$(cd "$WORK" && pwd)
 exec > >(tee "$OUT/check.log") 2>&1
@@ -132,7 +141,7 @@ fi
 cp "$BUNDLE"/native/_native.cpython-*.so datastates/
 export PYTHONPATH=$ROOT:$BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONWARNINGS=ignore CUBLAS_WORKSPACE_CONFIG=:4096:8
-INFO=$(timeout "$(cap 60)" "$PY" - "$DEVICE" 2>&1 <<'PYEOF'
+INFO=$(timeout "$(cap 40)" "$PY" - "$DEVICE" 2>&1 <<'PYEOF'
 import json, os, subprocess, sys
 import torch
 device = sys.argv[1]
@@ -157,22 +166,25 @@ rc=$?
 if [ "$rc" != 0 ]; then
   echo "$INFO"
   INFO=$(echo "$INFO" | tail -n 1)
-  [ "$rc" = 124 ] && INFO="over its cap of $(cap 60) s (the imports and the first CUDA call); last line: $INFO"
+  [ "$rc" = 124 ] && INFO="over its cap of $(cap 40) s (the imports and the first CUDA call); last line: $INFO"
   result "set-up" FAIL "exit $rc: $INFO"
   finish
 fi
 INFO=$(echo "$INFO" | tail -n 1)
 result "set-up" PASS "$INFO"
 [ "${1:-}" = --setup-only ] && finish
+PARTS=" ${GPU_CHECK_PARTS:-a b c d} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 
 # ---------------------------------------------------------------- (a) the engine's CUDA tests
+if part a; then
 say "(a) pytest tests/test_cuda.py   (log: $OUT/a_test_cuda.log)"
-timeout "$(cap 75)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py >"$OUT/a_test_cuda.log" 2>&1
+timeout "$(cap 45)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py >"$OUT/a_test_cuda.log" 2>&1
 rc=$?
 last=$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUT/a_test_cuda.log" | tail -n 1 | tr -d '=' | xargs)
 passed=$(echo "$last" | sed -n 's/.*\b\([0-9]\+\) passed.*/\1/p')
 if [ "$rc" = 124 ]; then
-  result "(a) tests/test_cuda.py" FAIL "over its cap of $(cap 75) s"
+  result "(a) tests/test_cuda.py" FAIL "over its cap of $(cap 45) s"
 elif [ "$rc" != 0 ]; then
   result "(a) tests/test_cuda.py" FAIL "exit $rc: ${last:-no pytest summary}"; tail -n 30 "$OUT/a_test_cuda.log"
 elif [ "$DEVICE" = cpu ]; then
@@ -183,6 +195,7 @@ else
   result "(a) tests/test_cuda.py" FAIL "fewer than the 5 single-device tests ran: $last"
 fi
 echo "{\"exit\": $rc, \"pytest\": \"$last\"}" >"$FIGURES/a_test_cuda.json"
+fi
 
 # ---------------------------------------------------------------- (b) bf16 trainer: stop, resume, compare
 ITERS=20 HALF=10 INTERVAL=5
@@ -191,7 +204,7 @@ MODEL=(--num-layers 4 --hidden-size "$HIDDEN" --num-attention-heads 8 --seq-leng
        --lr-warmup-iters 2 --lr-decay-style cosine --mock-data --seed 1234 --log-interval 1 --deterministic-mode
        --bf16 --use-distributed-optimizer --ckpt-format datastates --async-ckpt --save-interval "$INTERVAL")
 B_LOG=$OUT/b_trainer.log
-B_END=$((SECONDS + $(cap 150)))
+B_END=$((SECONDS + $(cap 130)))
 train() {  # train NAME ARGS...: one 1-process torchrun job within what is left of (b)'s cap, appended to B_LOG
   local name=$1 left=$((B_END - SECONDS))
   shift
@@ -206,9 +219,11 @@ train() {  # train NAME ARGS...: one 1-process torchrun job within what is left 
   return "$rc"
 }
 compare() { "$PY" scripts/compare_losses.py --iters "$ITERS" "$@"; }
-B=$WORK/b_ckpt
+B=$WORK/b_ckpt  # kept for (d)'s codecs: the trained state
 b_json() { echo "{\"verdict\": \"$1\", \"detail\": $(printf '%s' "$2" | "$PY" -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" >"$FIGURES/b_trainer.json"; }
-if train "1-stop-at-$HALF" --save "$B/resumed" --load "$B/resumed" --exit-interval "$HALF" &&
+if ! part b; then
+  :
+elif train "1-stop-at-$HALF" --save "$B/resumed" --load "$B/resumed" --exit-interval "$HALF" &&
    train "2-resume-to-$ITERS" --save "$B/resumed" --load "$B/resumed" &&
    train "3-uninterrupted" --save "$B/straight"; then
   if msg=$(compare --half "$HALF" "$WORK/b_1-stop-at-$HALF.log" "$WORK/b_2-resume-to-$ITERS.log" "$WORK/b_3-uninterrupted.log"); then
@@ -227,11 +242,11 @@ if train "1-stop-at-$HALF" --save "$B/resumed" --load "$B/resumed" --exit-interv
     fi
   fi
 else
-  result "(b) bf16 stop/resume" FAIL "a training run failed or ran over the part's cap of $(cap 150) s (log $B_LOG)"
+  result "(b) bf16 stop/resume" FAIL "a training run failed or ran over the part's cap of $(cap 130) s (log $B_LOG)"
 fi
-rm -rf "$B"
 
 # ---------------------------------------------------------------- (c) side by side on the device, then 8 GB
+if part c; then
 say "(c) benchmarks/run_all.py --device $DEVICE: ${SIDE_GB} GB side by side with the loop, then ${LARGE_GB} GB (log: $OUT/c_bench.log)"
 C_END=$((SECONDS + $(cap 240)))
 run_all() {  # run_all OUT ARGS...: within what is left of (c)'s cap
@@ -242,7 +257,7 @@ run_all() {  # run_all OUT ARGS...: within what is left of (c)'s cap
     --mem-config "" --trainer off --no-publish --restore-reps 1 "$@" >>"$OUT/c_bench.log" 2>&1
 }
 run_all "$WORK/c_side" --grid "${SIDE_GB}x1" --reps 2 --loop-config "${SIDE_GB}x1" --loop-iters 6 \
-  --loop-compute-s "$LOOP_S" --loop-intervals 1 --loop-systems engine_lazy,dcp_async,torch_dist_async
+  --loop-compute-s "$LOOP_S" --loop-intervals 1 --loop-systems engine_lazy,dcp_async,torch_dist_async --restore-reps 2
 rc_side=$?
 # a staging budget that holds the whole state, so the snapshot runs at the copy's speed, not the disk's
 run_all "$WORK/c_large" --grid "${LARGE_GB}x1" --systems engine_lazy --reps 1 --raw-reads stream \
@@ -257,4 +272,30 @@ else
   result "(c) side by side" FAIL "exit $rc_side/$rc_large: ${line#SUMMARY FAIL }"
   tail -n 30 "$OUT/c_bench.log"
 fi
+fi
+
+# ---------------------------------------------------------------- (d) diagnostics: figures, never a failure
+if part d; then
+say "(d) benchmarks/snapshot_profile.py on ${LARGE_GB} GB, benchmarks/gpu_codecs.py on (b)'s state (log: $OUT/d_diagnostics.log)"
+D_END=$((SECONDS + $(cap 90)))
+timeout "$(cap 50)" "$PY" benchmarks/snapshot_profile.py --gb "$LARGE_GB" --dir "$WORK/d_snap" --device "$DEVICE" \
+  --json "$FIGURES/d_snapshot_profile.json" >>"$OUT/d_diagnostics.log" 2>&1
+rc_profile=$?
+trained=$(ls -d "$B"/straight/iter_* 2>/dev/null | tail -n 1)
+if [ "$DEVICE" != cuda ]; then
+  rc_codecs="skipped (no CUDA device)"
+elif [ -z "$trained" ]; then
+  rc_codecs="skipped (no checkpoint of (b))"
+elif ! "$PY" -c 'from nvidia import nvcomp' 2>>"$OUT/d_diagnostics.log"; then
+  rc_codecs="skipped (nvCOMP does not import: its wheels are not in the bundle)"
+else
+  left=$((D_END - SECONDS)); [ "$left" -gt 5 ] || left=5
+  timeout "$left" "$PY" benchmarks/gpu_codecs.py "$trained" --json "$FIGURES/d_gpu_codecs.json" \
+    >>"$OUT/d_diagnostics.log" 2>&1
+  rc_codecs="exit $?"
+fi
+grep -E "^snapshot_profile: (plain|slots_warm|engine_2)" "$OUT/d_diagnostics.log" | sed 's/^/  /'
+result "(d) diagnostics" INFO "snapshot_profile exit $rc_profile, gpu_codecs $rc_codecs (figures in figures.json)"
+fi
+rm -rf "$B"
 finish

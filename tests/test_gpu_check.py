@@ -30,7 +30,7 @@ def test_the_there_step_sets_up_from_the_bundle_alone(tmp_path):
     manifest = (bundle / "MANIFEST").read_text()
     assert "wheels/megatron_core-0.19.2-cp312" in manifest and "native/_native.cpython-312" in manifest, manifest
     size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
-    assert size < 40 << 20, f"the bundle is {size} bytes"
+    assert size < 48 << 20, f"the bundle is {size} bytes"
 
     r = _run(["scripts/gpu_rehearsal.sh", "--setup-only"], env, 600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

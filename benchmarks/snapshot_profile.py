@@ -12,6 +12,7 @@ plain copy into pinned memory. This splits that gap into its steps, on one devic
     slots_warm     the same into the same slots again (what every later save pays for its copies)
     engine_1, _2   CheckpointEngine.save + wait_for_snapshot, twice, to a directory (its writers running behind):
                    the snapshot as the training loop sees it, first save and steady state
+    loads          a fresh engine's save of (at most) 1 GB loaded back twice: the first load's one-time cost
 
     python benchmarks/snapshot_profile.py --gb 8 --dir /tmp/snap [--json out.json]   (on a CUDA machine)
     python benchmarks/snapshot_profile.py --gb 0.05 --dir /tmp/snap --device cpu     (the code path, on a CPU)
@@ -58,16 +59,28 @@ def device_state(nbytes: float, device: str) -> dict:
             for part in ("model", "exp_avg", "exp_avg_sq")} | {"iteration": 1}
 
 
-def plain(nbytes: int, device: str) -> float:
+def _pinned(nbytes: int, device: str) -> tuple[torch.Tensor, float]:
+    t0 = time.perf_counter()
+    out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    return out, time.perf_counter() - t0
+
+
+def _drop_pinned_cache() -> None:
+    """torch keeps freed pinned blocks for reuse: give them back, so each step pins its own memory."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
+def plain(nbytes: int, device: str) -> tuple[float, float]:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(7)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    dst, alloc = _pinned(nbytes, device)
     _timed(device, lambda: dst.copy_(src, non_blocking=True))  # warms the copy engine
-    seconds = _timed(device, lambda: dst.copy_(src, non_blocking=True))
-    return seconds
+    return _timed(device, lambda: dst.copy_(src, non_blocking=True)), alloc
 
 
-def per_tensor(tensors: list[torch.Tensor], device: str) -> float:
-    dst = torch.empty(sum(t.nbytes for t in tensors), dtype=torch.uint8, pin_memory=device == "cuda")
+def per_tensor(tensors: list[torch.Tensor], device: str) -> tuple[float, float]:
+    dst, alloc = _pinned(sum(t.nbytes for t in tensors), device)
     stream = torch.cuda.Stream() if device == "cuda" else None
 
     def copy():
@@ -83,8 +96,7 @@ def per_tensor(tensors: list[torch.Tensor], device: str) -> float:
         if stream is not None:
             stream.synchronize()
 
-    seconds = _timed(device, copy)
-    return seconds
+    return _timed(device, copy), alloc
 
 
 def into_slots(tensors: list[torch.Tensor], pool: StagingPool, device: str) -> tuple[float, float]:
@@ -144,6 +156,33 @@ def engine_saves(state: dict, nbytes: int, directory: str, budget: int) -> list[
     return out
 
 
+def engine_loads(directory: str, gb: float, device: str) -> dict:
+    """A fresh engine saves a `gb` state, then loads it back into the same tensors twice: what a first load pays
+    once (the GPU check saw 2.2 s, then 0.7 s, for one 1 GB checkpoint), and a new copy backend's own cost."""
+    state = device_state(gb * common.GB, device)
+    t0 = time.perf_counter()
+    make_backend().close()
+    new_backend = time.perf_counter() - t0
+    engine = CheckpointEngine(host_buffer_bytes=int(gb * common.GB * 1.2) + (64 << 20),
+                              storage=PosixOptions(writer_threads=4, fsync=True))
+    path = os.path.join(directory, "loads", "iter_0000001")
+    try:
+        engine.save(state, path)
+        engine.wait()
+        out = {"new_backend_s": new_backend}
+        for i in (1, 2):
+            _sync(device)
+            t0 = time.perf_counter()
+            engine.checkpoint(path)
+            opened = time.perf_counter() - t0
+            engine.load(path, template=state)
+            _sync(device)
+            out[f"load_{i}_s"], out[f"open_{i}_s"] = time.perf_counter() - t0, opened
+    finally:
+        engine.close()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=8.0, help="state size in GB (default 8)")
@@ -165,8 +204,12 @@ def main(argv=None) -> int:
         print(f"snapshot_profile: {step:11s} {seconds:8.3f} s  {nbytes / seconds / 1e9:6.1f} GB/s{more}", flush=True)
 
     print(f"snapshot_profile: {nbytes / 1e9:.2f} GB in {len(tensors)} tensors on {fig['device']}", flush=True)
-    report("plain", plain(nbytes, device))
-    report("per_tensor", per_tensor(tensors, device))
+    seconds, alloc = plain(nbytes, device)
+    _drop_pinned_cache()
+    report("plain", seconds, alloc_s=alloc)
+    seconds, alloc = per_tensor(tensors, device)
+    _drop_pinned_cache()
+    report("per_tensor", seconds, alloc_s=alloc)
     pool = StagingPool(budget, 4, pinned=device == "cuda")
     fig["slot_bytes"] = pool.slot_bytes
     seconds, taking = into_slots(tensors, pool, device)
@@ -177,6 +220,10 @@ def main(argv=None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     for i, save in enumerate(engine_saves(state, nbytes, args.dir, budget), 1):
         report(f"engine_{i}", save["fence_s"], **{k: v for k, v in save.items() if k != "fence_s"})
+    loads = engine_loads(args.dir, min(1.0, args.gb), device)
+    fig["loads"] = loads
+    print(f"snapshot_profile: loads of a fresh engine's {min(1.0, args.gb):g} GB checkpoint: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in loads.items()), flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -29,7 +29,7 @@ from .loader import CheckpointLoader
 from .open_checkpoint import OpenCheckpoint, resolve_checkpoint
 from .copies import CopyBackend, make_backend
 from .pipeline import HeldSnapshot, SaveHandle, SavePipeline, SaveStats
-from .slots import StagingPool
+from .slots import StagingPool, chunk_size
 from .storage import PosixOptions, PosixStorage, Storage
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class CheckpointEngine:
         key = Plan.signature(items)
         cached = self._plans.get(key)
         if cached is None:
-            cached = Plan(items, self.pool.slot_bytes)
+            cached = Plan(items, chunk_size(self.pool.slot_bytes))
             self._plans = {key: cached}  # one structure at a time; a changed model replaces it
         cached.apply(items)
         return cached

@@ -27,7 +27,9 @@ class LateCopyBackend(CopyBackend):
 
     def copy(self, dst, src, ordering):
         if dst.is_contiguous():
-            dst.view(-1).view(torch.uint8).fill_(POISON)  # what a reader of dst before the copy landed would see
+            # what a reader of dst before the copy landed would see (as_strided: a one-element view may carry
+            # any stride, which view(uint8) refuses)
+            dst.as_strided((dst.numel(),), (1,)).view(torch.uint8).fill_(POISON)
         done = threading.Event()
         with self.cv:
             self.pending.append((dst, src, done))

@@ -155,7 +155,7 @@ def test_a_load_without_template_and_the_verifier_read_every_saved_item(saved):
 def test_chunks_larger_than_a_slot_read_into_buffers_of_their_own(saved):
     """A loader with a smaller staging budget than the saver's chunks still loads, within its budget."""
     path, whole, local = saved
-    with _reading(path, 64 << 10, HostCopyBackend(2)) as (loader, pool):
+    with _reading(path, 32 << 10, HostCopyBackend(2)) as (loader, pool):
         assert pool.slot_bytes < loader.checkpoint.items(0)["w0"].chunk_bytes
         _check(loader.load(0, _template()), whole, local)
         _all_slots_back(pool)
@@ -166,7 +166,7 @@ def test_buffers_of_their_own_live_until_the_copies_out_of_them_landed(saved, re
     """Copies out of a buffer of its own (a chunk larger than a slot) that land late and hold only its address,
     as the native copy pool's do, still find it: it is not freed when its read completes."""
     path, whole, local = saved
-    with _reading(path, 64 << 10, LateAddressCopyBackend(7), read_mode) as (loader, pool):
+    with _reading(path, 32 << 10, LateAddressCopyBackend(7), read_mode) as (loader, pool):
         _check(loader.load(0, _template()), whole, local)
         out = loader.load(0, _contiguous_template())  # in "parallel", whole items through the buffers too
         assert torch.equal(out["w0"], whole[:SPLIT]) and torch.equal(out["w1"], whole[SPLIT:])

@@ -35,7 +35,7 @@ import common  # noqa: E402
 
 from datastates import CheckpointEngine, PosixOptions  # noqa: E402
 from datastates.copies import make_backend  # noqa: E402  the internals measured: the engine's own copy steps
-from datastates.slots import StagingPool  # noqa: E402
+from datastates.slots import StagingPool, chunk_size  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -100,23 +100,26 @@ def per_tensor(tensors: list[torch.Tensor], device: str) -> tuple[float, float]:
 
 
 def into_slots(tensors: list[torch.Tensor], pool: StagingPool, device: str) -> tuple[float, float]:
-    """(seconds for every copy to land, seconds of it spent taking slots) with the engine's copy backend."""
+    """(seconds for every copy to land, seconds of it spent taking slots) with the engine's copy backend. Every slot
+    is held to the end, so the pool must hold the whole state (a writer would hand slots back)."""
     backend = make_backend()
     slots, taking = [], 0.0
 
     def copy():
         nonlocal taking
         ordering = backend.begin()
-        slot, fill = None, pool.slot_bytes
+        slot, fill, chunk = None, pool.slot_bytes, chunk_size(pool.slot_bytes)
         for t in tensors:
             flat = t.reshape(-1).view(torch.uint8)
-            for start in range(0, flat.numel(), pool.slot_bytes):
-                n = min(pool.slot_bytes, flat.numel() - start)
+            for start in range(0, flat.numel(), chunk):  # the engine's chunks, packed as its slot filler does
+                n = min(chunk, flat.numel() - start)
                 if fill + n > pool.slot_bytes:
                     if slot is not None:
                         backend.mark(slot)
                     t0 = time.perf_counter()
-                    slot = pool.acquire()
+                    slot = pool.acquire(block=False)  # nothing hands a slot back here: waiting would hang
+                    if slot is None:
+                        raise RuntimeError(f"{pool.max_slots} slots of {pool.slot_bytes} bytes do not hold the state")
                     taking += time.perf_counter() - t0
                     slots.append(slot)
                     fill = 0
@@ -210,7 +213,7 @@ def main(argv=None) -> int:
     seconds, alloc = per_tensor(tensors, device)
     _drop_pinned_cache()
     report("per_tensor", seconds, alloc_s=alloc)
-    pool = StagingPool(budget, 4, pinned=device == "cuda")
+    pool = StagingPool(int(nbytes * 1.25) + (64 << 20), 4, pinned=device == "cuda")  # holds it: see into_slots
     fig["slot_bytes"] = pool.slot_bytes
     seconds, taking = into_slots(tensors, pool, device)
     report("slots_cold", seconds, register_s=taking, slots=len(pool._slots))

@@ -6,8 +6,8 @@
 SIDE_BY_SIDE_OUT: every system on the 1 GB state, with the loop; LARGE_OUT: this engine alone on the large state.
 Prints `SUMMARY PASS ...` when both engine modes saved, the lazy engine's checkpoints of both states loaded back
 bit for bit and its loop ran; else `SUMMARY FAIL ...` naming what is missing. Never fails on time.
-`--markdown` renders a GPU check's figures.json as the GPU section of benchmarks/RESULTS.md (report.py appends
-benchmarks/gpu.md), naming the card, driver and torch of every figure.
+`--markdown` renders a GPU check's figures.json as one card's part of the GPU section of benchmarks/RESULTS.md
+(benchmarks/gpu.md, which report.py appends), naming the card, driver and torch of every figure.
 """
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def markdown(check: dict) -> str:
     card = f"{dev.get('card', '?')} ({dev.get('memory_gib', '?')} GiB), driver {dev.get('driver', '?')}, torch " \
            f"{dev.get('torch', '?')} (CUDA {dev.get('cuda', '?')}), Python {dev.get('python', '?')}, megatron-core " \
            f"{dev.get('megatron_core', '?')}"
-    out = ["## On a GPU", "", f"Measured by `bash scripts/gpu_check.sh` on one {card}. Every figure below is that card's.",
+    out = [f"### {dev.get('card', '?')}", "",
+           f"Measured by `bash scripts/gpu_check.sh` on one {card}. Every figure below is that card's.",
            "", *[f"- {line}" for line in check.get("summary", [])], ""]
     if fig.get("systems"):
         d2h = fig.get("d2h_pinned_gbps")

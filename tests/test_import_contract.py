@@ -30,6 +30,8 @@ MEASURES_INTERNALS = {
     ("benchmarks.scale", "datastates.format"): "its simulated ranks sign manifests with the engine's format code",
     ("benchmarks.scale", "datastates.schema"): "its simulated ranks build their manifests from the engine's records",
     ("benchmarks.compression", "datastates.codecs"): "it measures the codecs themselves: levels, byte grouping",
+    ("benchmarks.snapshot_profile", "datastates.copies"): "it times the engine's copy backend apart from the engine",
+    ("benchmarks.snapshot_profile", "datastates.slots"): "it times the staging slots' pinning and filling apart",
     ("benchmarks.memory_tier", "datastates.storage"): "it measures SharedMemoryStorage's mapped pages, not staging",
     ("benchmarks.read_once", "datastates.format"): "its unique bytes leave out the skeleton item (its id)",
 }

@@ -155,7 +155,7 @@ class HeldSnapshot:
             return None
         if handle._lender is None:
             raise CheckpointError(f"save(from_save=...) needs a save to storage that lends its pages (the memory "
-                                  f"tier); {handle.path!r} is not one")
+                                  f"tier, uncompressed); {handle.path!r} is not one")
         return cls(*handle._lender)
 
     def release(self) -> None:

@@ -102,7 +102,12 @@ class CheckpointEngine:
         if keep is not None:
             handle.kept = Kept([e.item for e in entries if e.item.kind == Kind.TENSOR and e.item.write and
                                 e.item.name is not None and keep(e.item.name)], self.keep_budget)
-        self.pipeline.submit(handle, entries, plan, t0, HeldSnapshot.of(from_save))
+        try:
+            self.pipeline.submit(handle, entries, plan, t0, HeldSnapshot.of(from_save))
+        except BaseException:
+            if handle.kept is not None:  # refused at the call: nothing to keep
+                handle.kept.release()
+            raise
         self._pending.append(handle)
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle

@@ -6,9 +6,10 @@ is published every rank exports them on a thread of its own, through the offline
 is byte for byte what `convert_checkpoint.py --to hf` writes from that checkpoint with the same shard size. Rank k
 writes safetensors files k, k + world, ..., built from the pieces the ranks kept, passed over a gloo group of the
 export's own (`hf_staged`); rank 0, once every rank reported through the store, writes the index and publishes.
-A save whose weights did not fit in the staging budget (exports falling behind) keeps none: that export is
-dropped, never waited for, except the run's last checkpoint, which is then read back from storage. Under --save-hf (a file system path, s3:// or msc://;
-every byte goes through the engine's storage contract, `datastates.Storage`):
+A save whose weights do not fit in what is left of the staging budget (exports falling behind) keeps none: its
+export is dropped, never waited for, except the run's last checkpoint's, which is then read back from storage.
+Under --save-hf (a file system path, s3:// or msc://; every byte goes through the engine's storage contract,
+`datastates.Storage`):
 
     iter_0000100/           config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json, tokenizer
     latest                  `iter_0000100`: the newest complete model (replaced in one step, after the model)
@@ -106,10 +107,11 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
 
 class HFPublisher:
     """One rank's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order.
-    Every rank writes its share of the safetensors files (shard k on rank k mod world), reading only the units of
-    the checkpoint those hold (rank 0 also config.json and the tokenizer); each reports to rank 0 through the
-    torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand back, on rank 0, what
-    ended (the manager reports failures as failed saves). Collective at construction (the export's gloo group)."""
+    Every rank writes its share of the safetensors files (shard k on rank k mod world) from the units those hold,
+    assembled from the weights the ranks kept (rank 0 also config.json and the tokenizer); each reports to rank 0
+    through the torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand
+    back, on rank 0, what ended (the manager reports failures as failed saves, drops as warnings). Collective at
+    construction (the export's gloo group)."""
 
     def __init__(self, args, rank: int = 0, world_size: int = 1, store=None):
         self.root = normalize_path(args.save_hf) if url_scheme(args.save_hf) else os.path.abspath(args.save_hf)

@@ -71,6 +71,7 @@ class Kept:
                 view[at:at + n].copy_(buffer[start:start + n])
 
     def ids(self) -> list[str]:
+        """The item ids kept (none once released, or when nothing fitted)."""
         return list(self._views)
 
     def tensor(self, item_id: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,6 +28,7 @@ from .exchange import Exchange
 from .loader import CheckpointLoader
 from .open_checkpoint import OpenCheckpoint, resolve_checkpoint
 from .copies import CopyBackend, make_backend
+from .kept import KeepBudget, Kept
 from .pipeline import HeldSnapshot, SaveHandle, SavePipeline, SaveStats
 from .slots import StagingPool, chunk_size
 from .storage import PosixOptions, PosixStorage, Storage
@@ -63,6 +64,7 @@ class CheckpointEngine:
         self.backend = copy_backend or make_backend(copy_threads)
         self.pool = StagingPool(host_buffer_bytes, self.storage.options.writer_threads,
                                 pinned=torch.cuda.is_available())
+        self.keep_budget = KeepBudget(host_buffer_bytes)  # what saves keep past themselves (`save(keep=)`)
         self.codec = codecs.for_storage(compress, self.storage)
         self.pipeline = SavePipeline(self.rank, self.world_size, self.storage, self.pool, self.backend, store,
                                      keep_last, publish_timeout_s, self.codec, encode_threads)
@@ -75,12 +77,17 @@ class CheckpointEngine:
 
     # ----- the training-thread API -----
 
-    def save(self, state: Any, path: str, from_save: SaveHandle | None = None) -> SaveHandle:
+    def save(self, state: Any, path: str, from_save: SaveHandle | None = None,
+             keep: Callable[[str], bool] | None = None) -> SaveHandle:
         """Start saving `state` to the checkpoint directory `path`; returns before anything is copied.
 
         `from_save`: a save of the same state by an engine on storage that lends its pages (the memory tier),
         just started. This save then copies nothing: it writes its tensors from that save's pages once their
-        snapshot is done."""
+        snapshot is done.
+
+        `keep`: which global tensors (by name) of this rank's part to keep past the save, copied from where the
+        save staged them (`handle.kept`, `kept.Kept`): within the staging budget over every save's kept bytes,
+        or none of them (said in `kept.why`); never waited for."""
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointEngine")
         self.pipeline.check_usable(path)
@@ -92,7 +99,15 @@ class CheckpointEngine:
         entries.append(Entry(Item(id=fmt.SKELETON_ID, kind=Kind.OBJECT), skeleton))
         plan = self._plan_for([e.item for e in entries])
         handle = SaveHandle(paths.normalize(path))
-        self.pipeline.submit(handle, entries, plan, t0, HeldSnapshot.of(from_save))
+        if keep is not None:
+            handle.kept = Kept([e.item for e in entries if e.item.kind == Kind.TENSOR and e.item.write and
+                                e.item.name is not None and keep(e.item.name)], self.keep_budget)
+        try:
+            self.pipeline.submit(handle, entries, plan, t0, HeldSnapshot.of(from_save))
+        except BaseException:
+            if handle.kept is not None:  # refused at the call: nothing to keep
+                handle.kept.release()
+            raise
         self._pending.append(handle)
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle

@@ -284,18 +284,19 @@ def finalize_load(template: dict, loaded: dict, nonpersistent: dict, factories: 
 
 
 def save_sharded(engine, sharded_state_dict: dict, path: str, ownership: Optional[ReplicaOwnership] = None,
-                 from_save=None):
+                 from_save=None, keep=None):
     """Save a megatron-core sharded state dict (plus plain objects/tensors) with `engine`; returns the handle.
 
     `ownership` is the ReplicaOwnership of the MegatronProvider in the engine's registry (found on the engine
     when not given). Collective on first use and whenever the structure changes; otherwise local. `from_save`:
-    the memory tier's save of the same state, whose pages this save writes from (`CheckpointEngine.save`).
+    the memory tier's save of the same state, whose pages this save writes from, and `keep`, the tensors kept past
+    the save (both as `CheckpointEngine.save` takes them).
     """
     sd = prepare_for_save(sharded_state_dict)
     provider = _provider(engine.registry)
     if not provider.self_contained:
         (ownership or provider.ownership).compute(_sharded_leaves(sd))
-    return engine.save(sd, path, from_save=from_save)
+    return engine.save(sd, path, from_save=from_save, keep=keep)
 
 
 def _fit_saved_shapes(sharded_state_dict: dict, saved_shapes) -> dict:

@@ -36,6 +36,7 @@ from .errors import CheckpointError, CheckpointTimeoutError
 from .save_plan import Entry, Plan, align_up
 from .schema import Kind, Manifest
 from .copies import CopyBackend, SlotFiller, copy_tensor_bytes
+from .kept import Kept
 from .slots import StagingPool
 from .save_root import Publisher
 from .storage import DataSink, PageLending, Storage
@@ -75,6 +76,7 @@ class SaveHandle:
         self._snapshot_done = threading.Event()
         self._done = threading.Event()
         self._lender: tuple | None = None  # (storage, job) of a save whose pages another save may write from
+        self.kept: Kept | None = None  # the tensors this save keeps past itself (`CheckpointEngine.save(keep=)`)
 
     @property
     def snapshot_done(self) -> bool:
@@ -268,6 +270,8 @@ class SavePipeline:
                     pass
             if job.source is not None:
                 job.source.release()
+            if job.handle.kept is not None:
+                job.handle.kept.release()
             job.handle._snapshot_done.set()
             job.handle._done.set()
         self.pool.close()  # wakes a copier waiting for a slot that will never come back
@@ -400,6 +404,8 @@ class SavePipeline:
             done = None
             try:
                 self.backend.ready(slot)
+                if slot.job.handle.kept is not None:  # before the slot is encoded, written and reused
+                    slot.job.handle.kept.take(slot.buffer, slot.segments)
                 if slot.job.codec is not None:
                     encoding.append((slot, self._encoder.submit(_encode, slot.job.codec, slot.buffer,
                                                                 slot.segments)))
@@ -538,6 +544,8 @@ class SavePipeline:
             self._jobs.pop(handle, None)
         if job.source is not None:
             job.source.release()
+        if job.failed and handle.kept is not None:  # a failed save has no consumer
+            handle.kept.release()
         handle.stats.durable_s = time.perf_counter() - job.t0
         handle.stats.throughput_gbps = job.size / handle.stats.durable_s / 1e9
         handle._done.set()

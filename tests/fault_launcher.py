@@ -76,7 +76,7 @@ def _until_saves_end(engine) -> None:
         time.sleep(0.05)
 
 
-def save(self, state, path, from_save=None):
+def save(self, state, path, from_save=None, keep=None):
     it = paths.iteration_of(path)
     slow, kill, fail = _spec("FAULT_SLOW_SAVE"), _spec("FAULT_KILL_AFTER_SAVE"), _spec("FAULT_FAIL_SAVE")
     down, kill_up = _spec("FAULT_STORE_DOWN"), _spec("FAULT_KILL_JOB_IN_UPLOAD")
@@ -97,7 +97,7 @@ def save(self, state, path, from_save=None):
         state = dict(state, _fault_fail=lambda: None)
     if kill and kill[0] == it:
         self.wait()  # exactly the save of <it> is in flight when the process dies
-    handle = _save(self, state, path, from_save=from_save)
+    handle = _save(self, state, path, from_save=from_save, keep=keep)
     if kill and kill[0] == it:
         print(f"FAULT-KILL rank {self.rank} after the save call of iteration {it}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

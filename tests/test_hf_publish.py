@@ -2,11 +2,15 @@
 
 A TP2 x PP2 run publishes a model at every checkpoint: each is byte for byte what `convert_checkpoint.py --to hf`
 writes from the checkpoint of the same iteration, transformers loads the newest and computes megatron-core's
-logits, `latest` names the newest, --save-hf-keep-last retires the oldest. An EP2 run publishes to s3:// (SeaweedFS)
+logits, `latest` names the newest, --save-hf-keep-last retires the oldest; built from the weights the saves
+staged, passed between the ranks, no process of the job (strace) opens a checkpoint's data file to read it, also
+when storage is written from the memory tier's pages. Weights that do not fit in the staging budget drop that
+export (a warning), and the run's last model is then read back. An EP2 run publishes to s3:// (SeaweedFS)
 the same bytes. A job SIGKILLed in the middle of an export leaves `latest` naming the previous complete model, and
 the next start removes the leftovers. What the offline tool refuses is refused at start-up.
 """
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,15 +52,33 @@ def assert_same_bytes(a: str, b: str) -> None:
         assert fa[name] == fb[name], f"{name} differs between {a} and {b}"
 
 
+DATA_FILE = re.compile(r'"(?P<path>[^"]*/rank_\d+\.data)"')
+
+
+def traced_torchrun(nproc: int, flags: list[str], trace: str) -> tuple[str, list[str]]:
+    """A real torchrun of the job with every open of every process recorded (strace); its output, and the data
+    files under --save that any process opened for reading."""
+    cmd, env = torchrun_command(nproc, flags)
+    run = subprocess.run(["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=open,openat", "-o", trace, *cmd],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-6000:]
+    save = os.path.abspath(flags[flags.index("--save") + 1])
+    with open(trace) as f:
+        read = [m["path"] for line in f if "O_RDONLY" in line and (m := DATA_FILE.search(line))
+                and m["path"].startswith(save + os.sep)]
+    return run.stdout, read
+
+
 def test_models_published_during_training_are_the_offline_tool_s(tmp_path):
     save, hf, tok = str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(tmp_path / "tok")
     tiny_tokenizer(tok)
     train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
-    _, log = torchrun(4, MODEL + train + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                          "--save", save, "--save-interval", "2", "--async-ckpt", "--save-hf", hf,
-                                          "--save-hf-tokenizer", tok, "--save-hf-keep-last", "2",
-                                          "--save-hf-max-shard-size", SHARD])
+    log, read = traced_torchrun(4, MODEL + train + [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--save", save,
+        "--save-interval", "2", "--async-ckpt", "--save-hf", hf, "--save-hf-tokenizer", tok, "--save-hf-keep-last",
+        "2", "--save-hf-max-shard-size", SHARD], str(tmp_path / "opens"))
     assert "published the Hugging Face model of iteration 6" in log, log[-3000:]
+    assert read == [], f"the job read checkpoint data back: {read}"  # the weights came from the saves' staging
     # keep-last 2: iteration 2's model retired, 4 and 6 complete, latest names 6, nothing else left
     assert sorted(os.listdir(hf)) == ["iter_0000004", "iter_0000006", "latest"], os.listdir(hf)
     assert open(os.path.join(hf, "latest")).read() == "iter_0000006\n"
@@ -67,6 +89,44 @@ def test_models_published_during_training_are_the_offline_tool_s(tmp_path):
         assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
     ref = reference(save, str(tmp_path / "reference.pt"), MODEL + TRAIN)  # the newest checkpoint: 6
     assert_computes_as_megatron_core(hf_model(os.path.join(hf, "iter_0000006")), ref)
+
+
+def test_storage_written_from_the_memory_tier_exports_from_memory(tmp_path):
+    """PP2 with the memory tier every iteration: storage saves write from the tier's pages, and the export takes
+    the weights from there (no data file of the checkpoint is opened to read); each model is the tool's bytes."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "4"]
+    log, read = traced_torchrun(2, MODEL + train + [
+        "--pipeline-model-parallel-size", "2", "--save", save, "--save-interval", "2", "--async-ckpt",
+        "--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", str(tmp_path / "tier"),
+        "--save-hf", hf, "--save-hf-max-shard-size", SHARD], str(tmp_path / "opens"))
+    assert "published the Hugging Face model of iteration 4" in log, log[-3000:]
+    assert read == [], f"the job read checkpoint data back: {read}"
+    for it in (2, 4):
+        offline = str(tmp_path / f"offline_{it}")
+        convert("--from", "datastates", "--to", "hf", "--input", os.path.join(save, f"iter_{it:07d}"),
+                "--output", offline, "--max-shard-size", SHARD)
+        assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
+
+
+def test_weights_beyond_the_staging_budget_drop_the_export_and_the_last_is_read_back(tmp_path):
+    """A staging budget smaller than the model's weights: no save can keep them, so the exports of iterations 2
+    and 4 are dropped (a warning naming the model that stays newest, training goes on under --ckpt-on-failure
+    stop), and the run's last checkpoint, 6, is exported from storage: the tool's bytes."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
+    _, log = torchrun(1, MODEL + train + ["--save", save, "--save-interval", "2", "--async-ckpt",
+                                          "--ckpt-host-buffer-gb", "0.0002", "--save-hf", hf,
+                                          "--save-hf-max-shard-size", SHARD])
+    for it in (2, 4):
+        assert (f"the Hugging Face export of iteration {it} was dropped, training goes on: no weights were kept for "
+                f"it (rank 0: its ") in log, log[-3000:]
+    assert "MiB staging budget); there is no Hugging Face model yet" in log, log[-3000:]
+    assert "published the Hugging Face model of iteration 6" in log and "training done at iteration 6" in log
+    assert sorted(os.listdir(hf)) == ["iter_0000006", "latest"], os.listdir(hf)
+    offline = str(tmp_path / "offline")
+    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
+    assert_same_bytes(os.path.join(hf, "iter_0000006"), offline)
 
 
 def refusal(tmp_path, *flags: str) -> str:

@@ -36,8 +36,13 @@ NOT_MODEL = re.compile(r"(chained_\d+\.)?optimizer\.")
 log = logging.getLogger("tools.hf.export")
 
 
+def is_model_tensor(name: str) -> bool:
+    """Whether a saved global tensor is a model weight (not optimizer state, not a flattened range)."""
+    return not NOT_MODEL.match(name) and not name.endswith("|flat")
+
+
 def model_tensors(tensors: dict) -> set[str]:
-    return {n for n in tensors if not NOT_MODEL.match(n) and not n.endswith("|flat")}
+    return {n for n in tensors if is_model_tensor(n)}
 
 
 def _check_names(rules: list[Rule], present: set[str], where: str, arch: str) -> None:
@@ -121,6 +126,10 @@ class ExportPlan:
     def shards(self, max_shard_bytes: int) -> list[list[Planned]]:
         return plan_shards(self.planned, max_shard_bytes)
 
+    def units(self):
+        """(rule, unit index) of every megatron-core unit, in the order they are read and written."""
+        return _units(self.rules, self.geo)
+
     def close(self) -> None:
         self.source.close()
 
@@ -131,7 +140,13 @@ def plan_export(kind: str, path: str, *, tokenizer: str | None = None, init_dist
     anything is written."""
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise HFError(f"--tokenizer {tokenizer!r} is not a directory")
-    source = open_source(kind, path, STAGING_BYTES, init_distributed)
+    return plan_source(open_source(kind, path, STAGING_BYTES, init_distributed), tokenizer=tokenizer,
+                       drop_mtp=drop_mtp)
+
+
+def plan_source(source, *, tokenizer: str | None = None, drop_mtp: bool = False) -> ExportPlan:
+    """Plan the export of an open source (its `tensors`, saved `args()`, `read` of units, `close`): a checkpoint
+    read back (`open_source`), or the trainer's staged weights; closes it on a refusal."""
     try:
         tensors = source.tensors
         geo = geometry_from_args(source.args(), {n: s for n, (s, _) in tensors.items()}, source.path, drop_mtp)

@@ -71,10 +71,12 @@ class CheckpointFormat:
         """A reader of the common state for one process, before the distributed start (--use-checkpoint-args)."""
         return cls(None, None, None, None)
 
-    def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None) -> SaveHandle | Written:
+    def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None,
+             keep=None) -> SaveHandle | Written:
         """Save `state` as checkpoint `iteration` under --save: the engine's handle when the save goes on in
         the background, else `Written` once it is durable and published. `from_save`: the memory tier's save
-        of the same state, to write from (given only to a format that `writes_from_pages`)."""
+        of the same state, to write from (given only to a format that `writes_from_pages`); `keep`: the tensors
+        (by name) the save keeps past itself (`SaveHandle.kept`; given only under --save-hf, datastates only)."""
         nbytes = self.write(state, checkpoint_dir(self.args.save, iteration))
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
@@ -146,9 +148,9 @@ class DatastatesFormat(CheckpointFormat):
         return storage.exists(join_path(ckpt_dir, METADATA)) and \
             storage.exists(join_path(ckpt_dir, data_file(0)))
 
-    def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None) -> SaveHandle:
+    def save(self, state: dict, iteration: int, from_save: SaveHandle | None = None, keep=None) -> SaveHandle:
         return save_sharded(self.engine, state, checkpoint_dir(self.args.save, iteration),
-                            ownership=self.ownership, from_save=from_save)
+                            ownership=self.ownership, from_save=from_save, keep=keep)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
         return load_sharded(self.engine, template, ckpt_dir, self._exchange(ckpt_dir))

@@ -1,11 +1,15 @@
 """--save-hf: each published checkpoint (every --save-hf-interval-th, and the last) also as a transformers model.
 
-Behind the checkpoint: once it is published, every rank exports it on a thread of its own, through the offline
-tool's own plan and writer (`tools/hf/export.py`: the same architecture registry, mapping and safetensors
-writer), so a model published here is byte for byte what `convert_checkpoint.py --to hf` writes from that
-checkpoint with the same shard size. Rank k writes safetensors files k, k + world, ...; rank 0, once every rank
-reported through the store, writes the index and publishes. Under --save-hf (a file system path, s3:// or msc://;
-every byte goes through the engine's storage contract, `datastates.Storage`):
+Behind the checkpoint: the save keeps the model weights it staged (`CheckpointEngine.save(keep=)`), and once it
+is published every rank exports them on a thread of its own, through the offline tool's own plan and writer
+(`tools/hf/export.py`: the same architecture registry, mapping and safetensors writer), so a model published here
+is byte for byte what `convert_checkpoint.py --to hf` writes from that checkpoint with the same shard size. Rank k
+writes safetensors files k, k + world, ..., built from the pieces the ranks kept, passed over a gloo group of the
+export's own (`hf_staged`); rank 0, once every rank reported through the store, writes the index and publishes.
+A save whose weights do not fit in what is left of the staging budget (exports falling behind) keeps none: its
+export is dropped, never waited for, except the run's last checkpoint's, which is then read back from storage.
+Under --save-hf (a file system path, s3:// or msc://; every byte goes through the engine's storage contract,
+`datastates.Storage`):
 
     iter_0000100/           config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json, tokenizer
     latest                  `iter_0000100`: the newest complete model (replaced in one step, after the model)
@@ -35,6 +39,9 @@ import torch
 from datastates import (DELETING, PARTIAL, CheckpointError, Storage, checkpoint_dir, iteration_of, join_path,
                         normalize_path, storage_for, url_scheme)
 
+from .hf_staged import StagedSource
+from .state import saveable_args
+
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
@@ -45,9 +52,13 @@ INDEX = "model.safetensors.index.json"
 LEFTOVER_RE = re.compile(rf"^(iter_\d{{7,}}({re.escape(PARTIAL)}|{re.escape(DELETING)})(\.[\d.]+)?|{POINTER}\.tmp\.\d+)$")
 
 
+class ExportDropped(CheckpointError):
+    """An export left out because the save kept no weights for it (on at least one rank): not a failed save."""
+
+
 @dataclass(frozen=True)
 class Exported:
-    """An export that finished: `error` None when `path` was published."""
+    """An export that finished: `error` None when `path` was published (`ExportDropped` when it was left out)."""
     iteration: int
     path: str
     error: BaseException | None = None
@@ -96,10 +107,11 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
 
 class HFPublisher:
     """One rank's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order.
-    Every rank writes its share of the safetensors files (shard k on rank k mod world), reading only the units of
-    the checkpoint those hold (rank 0 also config.json and the tokenizer); each reports to rank 0 through the
-    torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand back, on rank 0, what
-    ended (the manager reports failures as failed saves)."""
+    Every rank writes its share of the safetensors files (shard k on rank k mod world) from the units those hold,
+    assembled from the weights the ranks kept (rank 0 also config.json and the tokenizer); each reports to rank 0
+    through the torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand
+    back, on rank 0, what ended (the manager reports failures as failed saves, drops as warnings). Collective at
+    construction (the export's gloo group)."""
 
     def __init__(self, args, rank: int = 0, world_size: int = 1, store=None):
         self.root = normalize_path(args.save_hf) if url_scheme(args.save_hf) else os.path.abspath(args.save_hf)
@@ -111,6 +123,10 @@ class HFPublisher:
         self.timeout_s = args.ckpt_publish_timeout_s
         self.rank, self.world_size = rank, world_size
         self.store = None if store is None else torch.distributed.PrefixStore("save_hf/", store)
+        self.args = args
+        # the pieces of the weights pass between ranks here, on the export thread, never on the training thread's group
+        self.group = None if world_size == 1 else torch.distributed.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         self.submitted: int | None = None  # the newest iteration queued
         if rank == 0:  # before any export of this job: a rank exports only a checkpoint published after this
             for path in clean_leftovers(self.storage, self.root):
@@ -124,15 +140,25 @@ class HFPublisher:
     def due(self, iteration: int) -> bool:
         return iteration % self.interval == 0
 
+    def keep(self, iteration: int, last: bool):
+        """What the save of `iteration` keeps for its export (`CheckpointEngine.save(keep=)`): the model weights
+        when it is due or the run's last, else nothing (None)."""
+        if not (self.due(iteration) or last):
+            return None
+        from tools.hf.export import MTP, is_model_tensor
+        return lambda name: is_model_tensor(name) and not name.startswith(MTP)
+
     def newest(self) -> str | None:
         """The model `latest` names (what an evaluation job takes now)."""
         name = read_pointer(self.storage, self.root)
         return join_path(self.root, name) if name else None
 
-    def submit(self, iteration: int, ckpt_dir: str) -> None:
-        """Export the published checkpoint `ckpt_dir` of `iteration` once those before it are exported."""
+    def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False) -> None:
+        """Export the published checkpoint `ckpt_dir` of `iteration` once those before it are exported, from the
+        weights its save `kept` (`SaveHandle.kept`, released once exported); the run's `last` is read back from
+        storage when a rank kept none, any other is then dropped."""
         self.submitted = iteration
-        self._queue.put((iteration, ckpt_dir))
+        self._queue.put((iteration, ckpt_dir, kept, last))
 
     def finished(self) -> list[Exported]:
         """The exports that ended since the last call (non-blocking)."""
@@ -149,7 +175,9 @@ class HFPublisher:
         """Drop what was not started, let the export under way finish (it is never left half-published)."""
         while True:
             try:
-                self._queue.get_nowait()
+                job = self._queue.get_nowait()
+                if job[2] is not None:
+                    job[2].release()
                 self._queue.task_done()
             except queue.Empty:
                 break
@@ -167,13 +195,16 @@ class HFPublisher:
             try:
                 if job is None:
                     return
-                iteration, ckpt_dir = job
+                iteration, ckpt_dir, kept, last = job
                 final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
                 try:
-                    self._export(ckpt_dir, final)
+                    self._export(ckpt_dir, final, kept, last)
                     error = None
                 except Exception as e:  # noqa: BLE001 (any failure is the save's, reported, never raised here)
                     error = e
+                finally:
+                    if kept is not None:
+                        kept.release()
                 now = time.perf_counter()
                 if self.rank == 0:  # the job's verdict
                     with self._lock:
@@ -181,16 +212,19 @@ class HFPublisher:
             finally:
                 self._queue.task_done()
 
-    def _export(self, ckpt_dir: str, final: str) -> None:
+    def _export(self, ckpt_dir: str, final: str, kept, last: bool) -> None:
         iteration = iteration_of(final)
         published = is_model(self.storage, final)  # the same answer on every rank: see _agree
         directory, shards, error = None, None, None
         if not published:
+            plan = self._plan(ckpt_dir, kept, last)  # agreed by every rank: the same plan, or the same error
             try:  # a file system's `.partial` directory, or an object store's final prefix itself
                 directory = self.storage.stage(final)
-                shards = self._write_share(ckpt_dir, directory)
+                shards = self._write_share(plan, directory)
             except Exception as e:  # noqa: BLE001 (reported to rank 0, which fails the export with it)
                 error = e
+            finally:
+                plan.close()
         try:
             self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
             if self.rank != 0:
@@ -215,21 +249,58 @@ class HFPublisher:
         except OSError as e:
             log.warning("--save-hf: cannot remove %s now (%s): the next start does", directory, e)
 
-    def _write_share(self, ckpt_dir: str, directory: str) -> list:
-        """This rank's safetensors files (and rank 0's config.json and tokenizer), through the offline tool's own
-        plan and writer: one mapping, the same bytes. The shards planned (rank 0 indexes them once all are written)."""
-        from tools.hf.export import plan_export, write_metadata, write_tensors
-        plan = plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
+    def _plan(self, ckpt_dir: str, kept, last: bool):
+        """The export's plan (tools/hf/export.py's), over the weights the ranks kept when every rank kept them; for
+        the run's `last` checkpoint otherwise over the checkpoint read back from storage; else ExportDropped. Every
+        rank reaches the same outcome (one gather of each rank's on the export's group)."""
+        from tools.hf.export import plan_export, plan_source
+        why = "its save was not due for an export" if kept is None else kept.why
+        plan, error = None, None
         try:
-            shards = plan.shards(self.max_shard_bytes)
-            mine = {k for k in range(len(shards)) if k % self.world_size == self.rank}
-            if mine:
-                write_tensors(plan, self.storage, directory, shards, mine)
-            if self.rank == 0:
-                write_metadata(plan, self.storage, directory)
-            return shards
-        finally:
+            if why is None:
+                plan = plan_source(StagedSource(ckpt_dir, kept, saveable_args(self.args), self.rank,
+                                                self.world_size, self.group), tokenizer=self.tokenizer, drop_mtp=True)
+        except Exception as e:  # noqa: BLE001 (every rank learns it below)
+            error = e
+        reports = self._gather((why, None if error is None else f"{type(error).__name__}: {error}"))
+        failed = {r: e for r, (_, e) in enumerate(reports) if e is not None}
+        missing = {r: w for r, (w, _) in enumerate(reports) if w is not None}
+        if (failed or missing) and plan is not None:
             plan.close()
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError("--save-hf: planning the export failed on rank(s) " + "; ".join(
+                f"{r}: {e}" for r, e in failed.items()))
+        if not missing:
+            return plan
+        said = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
+        if not last:
+            raise ExportDropped(f"no weights were kept for it ({said})")
+        log.info("--save-hf: the run's last checkpoint is exported from storage (%s)", said)
+        return plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
+
+    def _gather(self, report) -> list:
+        """Every rank's `report`, on every rank (the export's group)."""
+        if self.world_size == 1:
+            return [report]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, report, group=self.group)
+        return out
+
+    def _write_share(self, plan, directory: str) -> list:
+        """This rank's safetensors files (and rank 0's config.json and tokenizer), through the offline tool's own
+        writer: one mapping, the same bytes. The shards planned (rank 0 indexes them once all are written)."""
+        from tools.hf.export import write_metadata, write_tensors
+        shards = plan.shards(self.max_shard_bytes)
+        if isinstance(plan.source, StagedSource):
+            plan.source.start(plan, shards)  # every rank's sends, before any rank waits for a piece
+        mine = {k for k in range(len(shards)) if k % self.world_size == self.rank}
+        if mine:
+            write_tensors(plan, self.storage, directory, shards, mine)
+        if self.rank == 0:
+            write_metadata(plan, self.storage, directory)
+        return shards
 
     def _agree(self, iteration: int, error: BaseException | None) -> None:
         """Every rank reports its share to rank 0 through the store; rank 0 waits for all of them (at most

@@ -29,7 +29,7 @@ from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
 from .formats import Written, format_class
-from .hf_publish import Exported, HFPublisher
+from .hf_publish import ExportDropped, Exported, HFPublisher
 from .state import build_state, current_layout
 
 log = logging.getLogger(__name__)
@@ -129,9 +129,12 @@ class CheckpointManager:
                 self._memory_iteration != iteration:
             self._one_storage_save_on_pages()
             memory = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
+        # --save-hf: the save keeps the model weights it stages for the export (a due or the run's last checkpoint)
+        keep = None if self.hf is None else self.hf.keep(iteration, last=iteration >= self.args.train_iters)
         try:
             started = self.checkpoint_format.save(
-                state, iteration, from_save=memory if self.tier is None or self.tier.engine.codec is None else None)
+                state, iteration, from_save=memory if self.tier is None or self.tier.engine.codec is None else None,
+                keep=keep)
         except CheckpointError as e:  # refused at the call (storage unreachable): as a failure found later
             self._failed(iteration, e)
             return
@@ -220,8 +223,9 @@ class CheckpointManager:
         if handle.error is None:
             stall = outside + handle.stats.blocking_s
             self._record(iteration, handle.stats, stall, level)
-            if level == STORAGE and self.hf is not None and self.hf.due(iteration):
-                self.hf.submit(iteration, handle.path)
+            last = iteration >= self.args.train_iters
+            if level == STORAGE and self.hf is not None and (self.hf.due(iteration) or last):
+                self.hf.submit(iteration, handle.path, handle.kept, last)
         elif level == MEMORY:
             log.warning("rank %d: memory checkpoint of iteration %d failed: %s", self.rank, iteration, handle.error)
         else:
@@ -247,13 +251,14 @@ class CheckpointManager:
         return HFPublisher(self.args, self.rank, world, default_store() if world > 1 else None)
 
     def _last_export(self) -> None:
-        """The run's last published checkpoint is exported whatever --save-hf-interval says; every export waited
-        for (at the end of training, where the checkpoints are waited for too)."""
+        """The run's last published checkpoint is exported whatever --save-hf-interval says (read back from storage
+        when it was not known to be the last at its save: a stop by signal, time or --exit-interval); every export
+        waited for (at the end of training, where the checkpoints are waited for too)."""
         if self.hf is None:
             return
         published = [r["iteration"] for r in self.records if r["tier"] == STORAGE]
         if published and self.hf.submitted != published[-1]:
-            self.hf.submit(published[-1], checkpoint_dir(self.args.save, published[-1]))
+            self.hf.submit(published[-1], checkpoint_dir(self.args.save, published[-1]), last=True)
         for exported in self.hf.drain():
             self._exported(exported)
 
@@ -266,6 +271,11 @@ class CheckpointManager:
                      "call: %s | checkpoint's time to durable ms: %s", exported.iteration, exported.path,
                      exported.seconds * 1e3, f"{(exported.at - called) * 1e3:.2f}" if called is not None else "?",
                      f"{durable[-1]:.2f}" if durable else "?")
+        elif isinstance(exported.error, ExportDropped):  # exports fell behind: never a failed save
+            log.warning("rank %d: the Hugging Face export of iteration %d was dropped, training goes on: %s; %s",
+                        self.rank, exported.iteration, exported.error,
+                        f"the newest Hugging Face model is still {exported.newest}" if exported.newest else
+                        "there is no Hugging Face model yet")
         elif self.args.ckpt_on_failure == "stop":
             self.failures.append((exported.iteration, exported.error))
         else:

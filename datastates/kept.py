@@ -1,0 +1,86 @@
+"""Kept bytes: a save's staged bytes of chosen tensors, kept past the save for a consumer that reads them later
+(the trainer's Hugging Face export), so that it needs no second device-to-host copy and no read back from storage.
+
+`CheckpointEngine.save(..., keep=...)` names the global tensors to keep; the flusher copies each chosen chunk out of
+its staging slot (or the memory tier's pages), once the snapshot's copies into it landed and before the slot is
+written or reused, into the save's own buffer (`Kept`). What all saves keep at once is bounded (`KeepBudget`, the
+engine's staging budget): a save whose chosen tensors do not fit in what is left keeps nothing and says why. It
+never waits for room: a save that waited would hold the fence.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .schema import Item, dtype_from_name
+
+_ALIGN = 64  # every kept tensor starts aligned for any dtype's view
+
+
+class KeepBudget:
+    """The bytes every save's kept tensors may hold at once; taken without waiting, given back on release."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.used + nbytes > self.budget_bytes:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+
+class Kept:
+    """One save's kept tensors by item id, filled as the save stages them; complete once the save succeeded.
+
+    `why` is None when every chosen tensor is kept, else why none is (the budget was short). The consumer reads
+    `tensor(id)` (the item's dtype and local shape; the index names each rank's items) and calls `release`."""
+
+    def __init__(self, items: list[Item], budget: KeepBudget):
+        self._budget, self._views, self._items = budget, {}, {}
+        total = sum(-(-it.nbytes // _ALIGN) * _ALIGN for it in items)
+        self.nbytes = 0
+        self.why: str | None = None
+        if not budget.take(total):
+            self.why = (f"its {total / 2**20:.1f} MiB of tensors to keep do not fit in the "
+                        f"{(budget.budget_bytes - budget.used) / 2**20:.1f} MiB left of the "
+                        f"{budget.budget_bytes / 2**20:.1f} MiB staging budget")
+            return
+        self.nbytes = total
+        buffer, offset = torch.empty(total, dtype=torch.uint8), 0
+        for it in items:
+            self._views[it.id] = buffer[offset:offset + it.nbytes]
+            self._items[it.id] = it
+            offset += -(-it.nbytes // _ALIGN) * _ALIGN
+
+    def take(self, buffer: torch.Tensor, segments: list) -> None:
+        """The flusher's hand-over: the chunks of chosen items among a slot's (offset, length, item, chunk index)
+        segments, copied before the slot is written."""
+        for start, n, item, index in segments:
+            view = self._views.get(item.id)
+            if view is not None:
+                at = index * (item.chunk_bytes or item.nbytes)
+                view[at:at + n].copy_(buffer[start:start + n])
+
+    def ids(self) -> list[str]:
+        """The item ids kept (none once released, or when nothing fitted)."""
+        return list(self._views)
+
+    def tensor(self, item_id: str) -> torch.Tensor:
+        """A kept item's bytes as its tensor (valid until `release`)."""
+        it = self._items[item_id]
+        return self._views[item_id].view(dtype_from_name(it.dtype)).reshape(it.shape)
+
+    def release(self) -> None:
+        """Give the bytes back to the budget (once; later calls do nothing)."""
+        if self._views:
+            self._views, self._items = {}, {}
+            self._budget.give(self.nbytes)

@@ -285,24 +285,10 @@ def test_reshard_global_tensor_between_layouts(tmp_path):
     engines = [CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=1), rank=r,
                                 world_size=2, store=store)
                for r in range(2)]
-    from datastates.providers import ProviderRegistry, StateProvider, default_registry
+    from test_kept import REGISTRY, Piece as Shard  # a shard of a global tensor, named name@offset
 
-    class Shard:
-        def __init__(self, name, data, offset, shape):
-            self.name, self.data, self.offset, self.shape = name, data, offset, shape
-
-    class ShardProvider(StateProvider):
-        def accepts(self, value):
-            return isinstance(value, Shard)
-
-        def flatten(self, value, path, ctx):
-            return ctx.add_tensor(f"{value.name}@{value.offset}", value.data, scope="global", name=value.name,
-                                  global_shape=value.shape, global_offset=value.offset)
-
-    registry = ProviderRegistry(default_registry.providers)
-    registry.register(ShardProvider())
     for eng in engines:
-        eng.registry = registry
+        eng.registry = REGISTRY
     for r, eng in enumerate(engines):
         eng.save({"w": Shard("w", full[r * 32:(r + 1) * 32].clone(), (r * 32, 0), (64, 48))}, path)
     for eng in engines:

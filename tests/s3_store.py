@@ -153,6 +153,10 @@ class S3Store:
                 f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}", f"-s3.config={self.root / 's3.json'}",
                 f"-s3.localSocket={self.root / 's3.sock'}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-webdav=false", "-admin.ui=false", "-master.telemetry=false",  # no network here
+                # every bucket is a collection with volumes of its own, and by default the volume count is the free
+                # disk over a size picked from it (29 here): a suite's 30th bucket failed every PUT with
+                # InternalError ("no free volumes left"). Small volumes and a fixed ceiling, whatever the disk.
+                "-master.volumeSizeLimitMB=64", "-volume.max=2000",
                 # one master: after a restart it leads at once instead of waiting 10 s for a peer's vote
                 "-master.electionTimeout=300ms"]
 

@@ -10,8 +10,8 @@ each (blosc2 with nthreads=1). Ratios are properties of the data; the GB/s are o
         one pass; with --engine the tensors once, 2 iterations of a 0.05 s step
 
 With --engine, the engine itself instead: the checkpoint's tensors (tiled --tile times) saved and restored with
-compression off and on, to a local directory (fsync on) and to a local SeaweedFS (tests/s3_store.py): bytes
-stored, time to durable, restore time and the every-iteration loop ratio, best of --repeat, settings interleaved.
+compression off and on, to a local directory (fsync on), to the memory tier's storage (a /dev/shm directory,
+as `LocalTier` keeps a part) and to a local SeaweedFS (tests/s3_store.py): bytes stored (held, in the tier), time to durable, restore time and the every-iteration loop ratio, best of --repeat, settings interleaved.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import torch
 
 from datastates import CheckpointEngine, CheckpointReader, checkpoint_dir, data_file, join_path, storage_for
 from datastates.codecs import CODECS, group_bytes, ungroup_bytes  # the internal measured: the codecs themselves
+from datastates.storage import SharedMemoryStorage  # the memory tier's storage, as LocalTier makes it
 
 GB = 1e9
 
@@ -145,7 +146,7 @@ def loop_ratio(eng: CheckpointEngine, root: str, state: dict, first: int, iters:
 
 def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, step_s: float = 1.0) -> None:
     """Bytes, durable and restore seconds and the loop ratio with compression off and on, on a file system and
-    on SeaweedFS."""
+    in the memory tier's storage and on SeaweedFS."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from s3_store import S3Store
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -154,10 +155,11 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, 
     state = {f"{name}#{k}": reader.tensor(name) for name in reader.tensors() for k in range(tile)}
     raw = sum(t.numel() * t.element_size() for t in state.values())
     store, local = S3Store(), tempfile.mkdtemp(prefix="compression-", dir=os.environ.get("BENCH_DIR", "/tmp"))
+    memory = tempfile.mkdtemp(prefix="compression-", dir="/dev/shm")
     try:
         store.start()
         os.environ.update(store.env())
-        roots = {"file system": local, "SeaweedFS": f"s3://{store.create_bucket()}/run"}
+        roots = {"file system": local, "memory tier": memory, "SeaweedFS": f"s3://{store.create_bucket()}/run"}
         print(f"| storage | compress | stored MB (raw {raw / 1e6:.1f}) | ratio | durable s | restore s | "
               f"loop ratio ({iters} x {step_s:g} s) |")
         print("|---|---|---|---|---|---|---|")
@@ -165,7 +167,7 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, 
         for rep in range(repeat):
             for where, root in roots.items():
                 for compress in ("off", "bytegroup-zstd"):
-                    storage = storage_for(root)
+                    storage = SharedMemoryStorage() if root == memory else storage_for(root)
                     with CheckpointEngine(host_buffer_bytes=budget, storage=storage, compress=compress,
                                           keep_last=2) as eng:
                         ckpt = checkpoint_dir(root, 1 + rep)
@@ -187,6 +189,7 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, 
     finally:
         store.close()
         shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
 
 
 def main(argv=None) -> None:

@@ -14,6 +14,11 @@ its slots until it is placed): the readers read theirs through `Reads` (each chu
 read), every rank says whether its reads succeeded (one all-reduce: on a failure every rank raises, naming the
 rank and its cause), then each piece goes point-to-point to the ranks that need it, which place it into their
 targets with the load plan's copies. Every wait on another rank is bounded by `timeout_s`.
+
+A compressed item's pieces travel as stored: the reader reads and verifies the stored bytes and passes them as
+they are, and every rank that needs them checks each chunk's crc32c over those bytes and decodes them itself, so
+the exchange moves the stored sizes, not the raw ones. A rank then holds both a piece's stored and its raw
+bytes, which `rounds` counts against its staging.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, CheckpointTimeoutError
 from .load_plan import BoxRead
-from .load_reads import Reads, aligned_empty
+from .load_reads import Reads, aligned_empty, decode_passed
 from .schema import Item
 
 TensorRead = tuple[BoxRead, torch.Tensor]  # a read of the load plan and the target it fills
@@ -70,6 +75,7 @@ class Transfer(NamedTuple):
     nbytes: int
     reader: int
     members: tuple
+    stored: int | None = None  # a compressed item's piece: what it takes stored, the bytes passed (`stored_sizes`)
 
 
 def assign(members: list[Member]) -> list[Transfer]:
@@ -109,7 +115,8 @@ def rounds(transfers: list[Transfer], members: list[Member]) -> list[list[Transf
     current: list[Transfer] = []
     used: dict[int, int] = {}
     for t in transfers:
-        cost = {i: -(-t.nbytes // members[i].slot_bytes) for i in t.members}
+        cost = {i: -(-t.nbytes // members[i].slot_bytes) + -(-(t.stored or 0) // members[i].slot_bytes)
+                for i in t.members}
         if current and any(used.get(i, 0) + c > members[i].slots for i, c in cost.items()):
             out.append(current)
             current, used = [], {}
@@ -152,7 +159,7 @@ class Exchange:
         causes = [f"rank {m.rank}: {m.error}" for m in members if m.error]
         if causes:
             raise CheckpointError(f"the load failed on {len(causes)} rank(s): {'; '.join(causes)}") from error
-        transfers = assign(members)
+        transfers = stored_sizes(checkpoint, assign(members))
         shared: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
         for t in transfers:
             if self.me in t.members:
@@ -184,20 +191,22 @@ class Exchange:
         mine = [t for t in transfers if me in t.members]
         slots: list = []
         try:
-            staged = {t: _staged(checkpoint.pool, t.nbytes, slots) for t in mine
+            staged = {t: _staged(checkpoint.pool, _passed(t), slots) for t in mine
                       if t.reader == me or self.device is None}
             if error is None:
                 try:
                     with Reads(checkpoint) as reads:
                         for t in mine:
                             if t.reader == me:
-                                reads.read_chunks(t.rank, checkpoint.items(t.rank)[t.id], t.first, t.last, staged[t])
+                                reads.read_chunks(t.rank, checkpoint.items(t.rank)[t.id], t.first, t.last, staged[t],
+                                                  decode=False)
                 except CheckpointError as e:
                     error = e
             self._agree(error)
             wire = {t: self._wire(t, staged.get(t)) for t in mine}
             self._pass(plan, mine, wire, checkpoint.stats)
             try:
+                self._decode(checkpoint, plan, mine, wire, slots)
                 self._place(checkpoint.backend, plan, mine, wire)
             except Exception as e:  # noqa: BLE001 - e.g. an object that does not unpickle: the next agreement
                 error = e           # fails every rank at once, where raising here would leave them waiting
@@ -211,7 +220,7 @@ class Exchange:
         receiver's device buffer)."""
         if self.device is None:
             return staged
-        out = torch.empty(t.nbytes, dtype=torch.uint8, device=self.device)
+        out = torch.empty(_passed(t), dtype=torch.uint8, device=self.device)
         if staged is not None:
             out.copy_(staged)
         return out
@@ -223,12 +232,22 @@ class Exchange:
                 for i in t.members:
                     if i != plan.me:
                         ops.append(dist.P2POp(dist.isend, wire[t], plan.members[i].rank, self.group))
-                        stats.bytes_sent += t.nbytes
+                        stats.bytes_sent += _passed(t)
             else:
                 ops.append(dist.P2POp(dist.irecv, wire[t], plan.members[t.reader].rank, self.group))
-                stats.bytes_received += t.nbytes
+                stats.bytes_received += _passed(t)
         for work in dist.batch_isend_irecv(ops) if ops else ():
             self._wait(work, "passing checkpoint bytes between ranks")
+
+    def _decode(self, checkpoint, plan: Plan, mine: list[Transfer], wire: dict, slots: list) -> None:
+        """Each compressed piece's stored bytes, checked against the index here and decoded into host memory of
+        this round (`wire` then holds its raw bytes); the first bad chunk raises, naming it."""
+        for t in mine:
+            if t.stored is not None:
+                raw = _staged(checkpoint.pool, t.nbytes, slots)
+                decode_passed(checkpoint.items(t.rank)[t.id], t.first, t.last, wire[t].cpu(), raw,
+                              checkpoint.data_path(t.rank), plan.members[t.reader].rank)
+                wire[t] = raw
 
     def _place(self, backend, plan: Plan, mine: list[Transfer], wire: dict) -> None:
         """Copy each piece into this rank's targets (and unpickle objects); return once the copies landed."""
@@ -308,6 +327,20 @@ def _outside(span: tuple[int, int], shared) -> list[tuple[int, int]]:
     if at < span[1]:
         out.append((at, span[1]))
     return [(a, b) for a, b in out if a < b]
+
+
+def stored_sizes(checkpoint, transfers: list[Transfer]) -> list[Transfer]:
+    """Each transfer of a compressed item with the stored size of its chunks (from the index every rank holds)."""
+    out = []
+    for t in transfers:
+        item = checkpoint.items(t.rank)[t.id]
+        out.append(t if item.codec is None else t._replace(stored=sum(item.stored[t.first:t.last])))
+    return out
+
+
+def _passed(t: Transfer) -> int:
+    """The bytes a transfer moves between ranks: the stored ones of a compressed item's piece."""
+    return t.nbytes if t.stored is None else t.stored
 
 
 def _staged(pool, nbytes: int, slots: list) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from . import codecs
+from . import _native, codecs
 from .errors import CheckpointCorruptError, CheckpointError
 from .save_plan import ALIGN
 from .problems import Problems
@@ -51,10 +51,16 @@ def _fetch_decoded(done: Done, item: Item, first: int, stored: torch.Tensor, dst
     crcs = done()
     if crcs != item.crcs[first:first + len(crcs)]:
         return crcs, None  # not decoded: the checksum mismatch is the problem
+    return crcs, _decode(item, first, first + len(crcs), stored, dst)
+
+
+def _decode(item: Item, first: int, last: int, stored: torch.Tensor, dst: torch.Tensor) -> tuple | None:
+    """Decode the stored chunks [first, last) of a compressed item into `dst`; None, or (chunk, file offset,
+    stored size, why, error type) of the first chunk that does not decode."""
     raw, kept = item.chunks(), item.stored_chunks()
     base_raw, base_stored = raw[first][0], kept[first][0]
     out, src = dst.numpy(), stored.numpy()
-    for index in range(first, first + len(crcs)):
+    for index in range(first, last):
         (r, n), (s, m) = raw[index], kept[index]
         to, data = out[r - base_raw:r - base_raw + n], src[s - base_stored:s - base_stored + m]
         try:
@@ -63,10 +69,31 @@ def _fetch_decoded(done: Done, item: Item, first: int, stored: torch.Tensor, dst
             else:
                 codecs.codec(item.codec).decode(memoryview(data), to, item.element_size)
         except ValueError as e:
-            return crcs, (index, item.offset + s, m, f"does not decode to its {n} bytes: {e}", CheckpointCorruptError)
+            return index, item.offset + s, m, f"does not decode to its {n} bytes: {e}", CheckpointCorruptError
         except CheckpointError as e:  # the codec's library is missing
-            return crcs, (index, item.offset + s, m, f"cannot be decoded: {e}", CheckpointError)
-    return crcs, None
+            return index, item.offset + s, m, f"cannot be decoded: {e}", CheckpointError
+    return None
+
+
+def decode_passed(item: Item, first: int, last: int, stored: torch.Tensor, dst: torch.Tensor, path: str,
+                  sender: int) -> None:
+    """The stored chunks [first, last) of a compressed item that rank `sender` read from `path` and passed on
+    (`exchange`): each chunk's crc32c checked against the index here, where they are used, then decoded into
+    `dst`; the first bad chunk raises, named with the file, the item and the chunk."""
+    kept = item.stored_chunks()
+    base = kept[first][0]
+    for index in range(first, last):
+        s, m = kept[index]
+        crc = _native.crc32c_ptr(stored.data_ptr() + s - base, m)
+        if crc != item.crcs[index]:
+            raise CheckpointCorruptError(f"checksum mismatch in {path!r}: item {item.id!r} chunk {index} (file offset "
+                                         f"{item.offset + s}, passed by rank {sender}) has crc32c {crc:#010x}, the "
+                                         f"index says {item.crcs[index]:#010x}")
+    failure = _decode(item, first, last, stored, dst)
+    if failure is not None:
+        index, offset, m, why, error = failure
+        raise error(f"item {item.id!r} chunk {index} in {path!r} (file offset {offset}, {m} bytes stored, codec "
+                    f"{item.codec}, passed by rank {sender}) {why}")
 
 
 def _crcs_of(decoded: Future) -> list[int]:
@@ -154,11 +181,14 @@ class Reads:
         self.fresh = 0  # bytes of the buffers of their own, pending or held
 
     def read_chunks(self, rank: int, item: Item, first: int, last: int, dst: torch.Tensor, place=None,
-                    slot: Slot | None = None, fresh: int = 0) -> None:
+                    slot: Slot | None = None, fresh: int = 0, decode: bool = True) -> None:
         """Read chunks [first, last) of a stored item into the uint8 tensor `dst`, to be verified, then handed
-        to `place`. `dst` is `slot`'s memory, or `fresh` bytes of its own (see `buffer`)."""
+        to `place`. `dst` is `slot`'s memory, or `fresh` bytes of its own (see `buffer`). `decode=False`: a
+        compressed item's stored bytes land in `dst` as they are (to be passed on, `exchange`)."""
         try:
             chunks = item.chunks()[first:last]
+            if item.codec is not None and not decode:
+                chunks = item.stored_chunks()[first:last]
             start = chunks[0][0]
             nbytes = chunks[-1][0] + chunks[-1][1] - start
             if nbytes > dst.numel() * dst.element_size():
@@ -166,7 +196,7 @@ class Reads:
                                              f"bytes do not fit the {dst.numel() * dst.element_size()}-byte "
                                              f"destination")
             stored = decoded = None
-            if item.codec is not None:  # the stored bytes land in a buffer of their own, decoded into dst
+            if item.codec is not None and decode:  # the stored bytes land in a buffer of their own, decoded into dst
                 chunks = item.stored_chunks()[first:last]
                 start = chunks[0][0]
                 nbytes = chunks[-1][0] + chunks[-1][1] - start

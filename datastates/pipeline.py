@@ -157,7 +157,7 @@ class HeldSnapshot:
             return None
         if handle._lender is None:
             raise CheckpointError(f"save(from_save=...) needs a save to storage that lends its pages (the memory "
-                                  f"tier); {handle.path!r} is not one")
+                                  f"tier, uncompressed); {handle.path!r} is not one")
         return cls(*handle._lender)
 
     def release(self) -> None:
@@ -214,15 +214,16 @@ class SavePipeline:
             self.coordinator = Coordinator(self._store, self.rank, self.world_size)
         self._seq += 1
         job = Job(self._seq, handle, entries, plan, self.backend.begin(), t0, source)
-        # a save whose tensors are written from pages (the memory tier's) keeps their planned layout
-        job.codec = self.codec if source is None and not self.lends_pages else None
+        # a save whose tensors are written from another save's pages keeps their planned layout; a compressed
+        # save to the memory tier stages and encodes like any other, and lends no pages
+        job.codec = self.codec if source is None else None
         try:
             job.partial = self.publisher.prepare(handle.path)
         except OSError as e:
             if source is not None:
                 source.release()
             raise CheckpointError(f"cannot prepare checkpoint {handle.path!r} ({e.filename!r}): {e.strerror}") from e
-        handle._lender = (self.storage, job) if self.lends_pages else None
+        handle._lender = (self.storage, job) if self.lends_pages and job.codec is None else None
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == Kind.OBJECT and e.item.write]
         with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
@@ -320,7 +321,8 @@ class SavePipeline:
         """Run `copy_tensors()` and wait for the pickles: then nothing of this save reads the live state any
         more and the fence opens. Returns the pickled objects (none if the save failed)."""
         try:
-            job.data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region)
+            job.data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region,
+                                                packed=job.codec is not None)
             copy_tensors()
             self.backend.finish()
             pickled = [(e, f.result()) for e, f in job.objects]

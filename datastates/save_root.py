@@ -15,7 +15,7 @@ names a retired one); no rank removes a retired checkpoint's bytes before its re
 from __future__ import annotations
 
 from . import paths
-from .storage.base import DataSink, Storage
+from .storage.base import DataSink, PageLending, Storage
 
 LOOKS = 3  # rank 0 removes a retired directory the ranks are emptying after this many publications, whatever is left
 
@@ -35,8 +35,11 @@ class Publisher:
         """Every rank: the unpublished place of `final`, ready."""
         return self.storage.stage(final)
 
-    def open_data(self, partial: str, rank: int, nbytes: int) -> DataSink:
-        return self.storage.open_data(paths.join(partial, paths.data_file(rank)), nbytes)
+    def open_data(self, partial: str, rank: int, nbytes: int, packed: bool = False) -> DataSink:
+        """`packed`: a compressed save's data, written through the writers (never mapped pages to copy into)."""
+        path = paths.join(partial, paths.data_file(rank))
+        return self.storage.open_packed(path, nbytes) if packed and isinstance(self.storage, PageLending) \
+            else self.storage.open_data(path, nbytes)
 
     def write_manifest(self, partial: str, rank: int, doc: bytes) -> None:
         self.storage.write_bytes(paths.join(partial, paths.manifest_file(rank)), doc)

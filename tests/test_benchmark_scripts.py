@@ -160,8 +160,9 @@ def test_compression(read_once_out, tmp_path, capsys):
 @slow
 def test_compression_engine(read_once_out):
     out = run("compression", read_once_out[0] / "w2" / "iter_0000001", "--quick", "--engine")
-    rows = {(r[0], r[1]): r for r in table_rows(out, "file system") + table_rows(out, "SeaweedFS")}
-    assert set(rows) == {(s, c) for s in ("file system", "SeaweedFS") for c in ("off", "bytegroup-zstd")}, out
+    levels = ("file system", "memory tier", "SeaweedFS")
+    rows = {(r[0], r[1]): r for level in levels for r in table_rows(out, level)}
+    assert set(rows) == {(s, c) for s in levels for c in ("off", "bytegroup-zstd")}, out
     for (_, compress), r in rows.items():
         assert (float(r[3]) > 1.05) == (compress != "off"), r  # stored fewer bytes only when compressed
         assert all(float(x) > 0 for x in r[4:]), r

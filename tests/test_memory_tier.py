@@ -7,6 +7,7 @@ node's memory gone (recovered from the other node's replicas), and with one memo
 storage at 5). Every restart's losses equal those of an uninterrupted run.
 """
 import os
+import re
 import shutil
 
 import pytest
@@ -21,8 +22,8 @@ FLAGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
 ENV = {"DATASTATES_JOB_ID": "memtier-test", "DATASTATES_RANKS_PER_NODE": "2"}
 
 
-def _flags(root):
-    return FLAGS + ["--save", str(root / "ck"), "--load", str(root / "ck"), "--save-interval", "5", "--async-ckpt",
+def _flags(root, compress="off"):
+    return FLAGS + ["--ckpt-compress", compress, "--save", str(root / "ck"), "--load", str(root / "ck"), "--save-interval", "5", "--async-ckpt",
                     "--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", str(root / "mem"),
                     "--replication", "--replication-factor", "2"]
 
@@ -36,9 +37,10 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory, reference):
+def killed(tmp_path_factory, reference, request):
+    """The killed job's directory; `request.param` (indirect): its --ckpt-compress, "off" unless given."""
     root = tmp_path_factory.mktemp("killed")
-    rc, log = torchrun(4, _flags(root), env=dict(ENV, FAULT_KILL_JOB_AFTER_LOCAL="8"), faults=True, check=False)
+    rc, log = torchrun(4, _flags(root, getattr(request, "param", "off")), env=dict(ENV, FAULT_KILL_JOB_AFTER_LOCAL="8"), faults=True, check=False)
     assert rc != 0 and log.count("FAULT-KILL-JOB") == 4, log[-4000:]
     assert losses(log) == {i: reference[i] for i in range(1, 9)}
     assert tracker.read_latest(str(root / "ck")) == 5
@@ -49,17 +51,27 @@ def killed(tmp_path_factory, reference):
     return root
 
 
-def _restart(killed, tmp_path, change=None, env=ENV):
+def _restart(killed, tmp_path, change=None, env=ENV, compress="off"):
     shutil.copytree(killed / "ck", tmp_path / "ck")
     shutil.copytree(killed / "mem", tmp_path / "mem")
     if change is not None:
         change(tmp_path / "mem" / ENV["DATASTATES_JOB_ID"])
-    _, log = torchrun(4, _flags(tmp_path), env=env)
+    _, log = torchrun(4, _flags(tmp_path, compress), env=env)
     return log
 
 
-def test_restart_resumes_from_memory(killed, tmp_path, reference):
-    log = _restart(killed, tmp_path)
+COMPRESS = pytest.mark.parametrize("killed, compress", [("off", "off"), ("bytegroup-zstd", "bytegroup-zstd")],
+                                   indirect=["killed"], ids=["raw", "compressed"])
+
+
+@COMPRESS
+def test_restart_resumes_from_memory(killed, tmp_path, reference, compress):
+    if compress != "off":  # the tier held its parts compressed
+        part = killed / "mem" / ENV["DATASTATES_JOB_ID"] / "node_00000" / "rank_00000" / "iter_0000008"
+        items = read_index(str(part)).part(0).items.values()
+        assert {it.codec for it in items if it.kind.value == "tensor" and it.nbytes} == {compress}
+        assert sum(it.stored_bytes for it in items) < sum(it.nbytes for it in items)
+    log = _restart(killed, tmp_path, compress=compress)
     assert "loaded checkpoint from the memory tier (datastates) at iteration 8" in log, log[-3000:]
     assert losses(log) == {9: reference[9], 10: reference[10]}
     assert not (tmp_path / "mem" / ENV["DATASTATES_JOB_ID"]).exists()  # the finished job's tier is gone
@@ -73,14 +85,18 @@ def test_lost_node_is_recovered_from_replicas(killed, tmp_path, reference):
     assert losses(log) == {9: reference[9], 10: reference[10]}
 
 
-def test_corrupt_memory_copy_falls_back_to_storage(killed, tmp_path, reference):
+@COMPRESS
+def test_corrupt_memory_copy_falls_back_to_storage(killed, tmp_path, reference, compress):
     def corrupt(job):
         data = job / "node_00000" / "rank_00001" / "iter_0000008" / "rank_00000.data"
         raw = bytearray(data.read_bytes())
         raw[100] ^= 0xFF
         data.write_bytes(bytes(raw))
-    log = _restart(killed, tmp_path, corrupt)
+    log = _restart(killed, tmp_path, corrupt, compress=compress)
     assert "memory checkpoint of iteration 8 failed verification" in log, log[-3000:]
+    # refused by name: the part's data file, the item and the chunk whose stored bytes do not match their crc
+    assert re.search(r"checksum mismatch in '[^']*/node_00000/rank_00001/iter_0000008/rank_00000\.data': item "
+                     r"'[^']+' chunk 0", log), log[-3000:]
     assert "at iteration 5" in log and "from the memory tier" not in log
     assert losses(log) == {i: reference[i] for i in range(6, 11)}
 
@@ -150,9 +166,9 @@ def test_node_detection_from_torchrun_and_slurm(real_nodes):
 WORLD = 4
 
 
-def _tier_rank(rank, base, store, env, jump, lost_node, results):
-    """One rank of a 4-rank gloo world (forked): its memory part of iteration 3 saved and replicated by its
-    LocalTier, nodes as `env` says; then, after `lost_node`'s directory is deleted, a restart of the tier that
+def _tier_rank(rank, base, store, env, jump, lost_node, compress, results):
+    """One rank of a 4-rank gloo world (forked): its memory part of iteration 3 saved (with `compress`) and
+    replicated by its LocalTier, nodes as `env` says; then, after `lost_node`'s directory is deleted, a restart of the tier that
     must find and load this rank's part. Prints and exits 1 on any error."""
     import datetime
     import logging
@@ -172,7 +188,7 @@ def _tier_rank(rank, base, store, env, jump, lost_node, results):
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         kw = dict(replication_factor=2, replication_jump=jump, timeout_s=60, host_buffer_bytes=1 << 20,
-                  writer_threads=1)
+                  writer_threads=1, compress=compress)
         tier = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
         handle = tier.engine.save({"w": torch.full((100,), float(rank)), "rank": rank}, tier.path(3))
         tier.replicate(3, handle)
@@ -196,12 +212,13 @@ def _tier_rank(rank, base, store, env, jump, lost_node, results):
         os._exit(1)
 
 
-def _run_tier_world(tmp_path, env, jump, lost_node):
+def _run_tier_world(tmp_path, env, jump, lost_node, compress="off"):
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     base = str(tmp_path / "mem")
-    procs = [ctx.Process(target=_tier_rank, args=(r, base, str(tmp_path / "store"), env, jump, lost_node, results))
+    procs = [ctx.Process(target=_tier_rank, args=(r, base, str(tmp_path / "store"), env, jump, lost_node, compress,
+                                                         results))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -222,16 +239,18 @@ def _held(job):
             for node in os.listdir(job) if node.startswith("node_")}
 
 
-@pytest.mark.parametrize("env, jump, cliques_", [
+@pytest.mark.parametrize("env, jump, cliques_, compress", [
     # torchrun on 4 nodes of one rank each, a replication jump of 2 (the default would be 1, the ranks per node)
-    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]]),
+    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]], "off"),
     # ranks started by Slurm (srun): SLURM_NODEID names the node, the default jump (ranks per node, 1)
-    ({"LOCAL_WORLD_SIZE": "1", "SLURM_NODEID": "{rank}"}, None, [[0, 1], [2, 3]]),
-], ids=["torchrun-jump2", "slurm-default-jump"])
-def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_):
+    ({"LOCAL_WORLD_SIZE": "1", "SLURM_NODEID": "{rank}"}, None, [[0, 1], [2, 3]], "off"),
+    # the same as the first, the parts compressed: replicas and the recovery travel as stored
+    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]], "bytegroup-zstd"),
+], ids=["torchrun-jump2", "slurm-default-jump", "torchrun-jump2-compressed"])
+def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_, compress):
     """Nodes from the launcher's environment, not simulated: each node holds its rank's part and the part of
     its clique peer (jump apart), byte for byte the same; a node lost entirely is recovered from its peer."""
-    got = _run_tier_world(tmp_path, env, jump, lost_node=1)
+    got = _run_tier_world(tmp_path, env, jump, lost_node=1, compress=compress)
     job = tmp_path / "mem" / "job"
     peer = {a: b for clique in cliques_ for a, b in (clique, clique[::-1])}
     assert got["saved"] == {n: sorted({n, peer[n]}) for n in range(WORLD)}
@@ -250,6 +269,12 @@ def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_):
         assert (replica / "metadata.json").read_bytes() == index
         size = read_index(str(original)).part(0).data_bytes
         assert (replica / "rank_00000.data").read_bytes()[:size] == (original / "rank_00000.data").read_bytes()[:size]
+    if compress != "off":  # held compressed: the file is the stored bytes, smaller than the 400 raw of `w`
+        for rank in range(WORLD):
+            part = job / f"node_{rank:05d}" / f"rank_{rank:05d}" / "iter_0000003"
+            w = read_index(str(part)).part(0).items["w"]
+            assert w.codec == compress and w.stored_bytes < w.nbytes == 400
+            assert (part / "rank_00000.data").stat().st_size == read_index(str(part)).part(0).data_bytes
 
 
 def test_a_clique_on_one_node_is_warned_and_replicates_nothing(tmp_path):

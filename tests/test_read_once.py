@@ -182,6 +182,8 @@ def _scenarios(rank, root):
     assert _same(loaded, _state(rank, 1, cuts))
     assert totals(nbytes) == _unique_bytes(eng, path)  # each saved chunk once, whatever cuts it
 
+    _compressed_exchange(rank, root, exchange, totals)
+
     # a damaged chunk that one rank reads for all: every rank fails at once, naming it
     if rank == 0:
         checkpoint = eng.checkpoint(path)
@@ -207,6 +209,46 @@ def _scenarios(rank, root):
     eng.wait()
     message = _fails_everywhere(eng, path, rank, _state(rank, 1, fill=False), exchange)
     assert f"failed on 1 rank(s): rank {WORLD - 1}: " in message and "refusing to unpickle" in message, message
+    eng.close()
+
+
+def _compressed_exchange(rank, root, exchange, totals):
+    """A compressed checkpoint (DP4: every tensor but `opt` wanted by all four ranks): the pieces pass between
+    ranks as stored, so the bytes received, summed over the ranks, are 3 x the stored sizes of what is shared
+    (fewer than the raw ones), each byte is still read once, and every rank decodes what it got bit-exact; a
+    damaged compressed chunk that one rank reads for the others fails every rank, naming the chunk."""
+    from datastates import CheckpointEngine, PosixOptions, paths
+    from datastates import format as fmt
+    path = paths.checkpoint_dir(root, 5)
+    eng = CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2), registry=_registry(),
+                           publish_timeout_s=60, compress="bytegroup-zstd")
+    eng.save(_state(rank, 1), path)
+    eng.wait()
+    checkpoint = eng.checkpoint(path)
+    written = [(r, it) for r in range(WORLD) for it in checkpoint.items(r).values()
+               if it.write and it.id != fmt.SKELETON_ID]
+    shared = [it for _, it in written if it.name != "opt"]
+    assert {it.codec for it in shared if it.kind.value == "tensor"} == {"bytegroup-zstd"}
+    stored = sum(it.stored_bytes for it in shared)
+    assert stored < sum(it.nbytes for it in shared)
+    before = dataclasses.replace(checkpoint.stats)
+    loaded, nbytes, _ = _load(eng, path, rank, _state(rank, 1, fill=False), exchange)
+    assert _same(loaded, _state(rank, 1))
+    received = checkpoint.stats.bytes_received - before.bytes_received
+    sent = checkpoint.stats.bytes_sent - before.bytes_sent
+    assert totals(received) == totals(sent) == 3 * stored, (totals(received), totals(sent), stored)
+    assert totals(nbytes) == sum(it.stored_bytes for _, it in written)  # each stored byte read once
+
+    if rank == 0:  # the first chunk of layer 1, which one rank reads and passes to the three others
+        writer, layer = next((r, it) for r, it in written if it.name == "l1")
+        with open(os.path.join(path, paths.data_file(writer)), "r+b") as f:
+            f.seek(layer.offset + 4)
+            f.write(b"\x00" * 8)
+    dist.barrier()
+    eng.close()
+    eng = CheckpointEngine(host_buffer_bytes=64 << 10, storage=PosixOptions(writer_threads=2), registry=_registry())
+    message = _fails_everywhere(eng, path, rank, _state(rank, 1, fill=False), exchange)
+    assert "failed on 1 rank(s): rank " in message and "item 'l1@(0, 0)' chunk 0" in message, message
     eng.close()
 
 

@@ -93,6 +93,10 @@ class SharedMemoryStorage(PosixStorage):
             self._live[partial] = data
         return data
 
+    def open_packed(self, path, nbytes):
+        """A compressed save holds only its stored bytes: a plain file of the memory file system, no pages."""
+        return super().open_data(path, nbytes)
+
     def data_of(self, checkpoint: str) -> MappedSink | None:
         """The mapped data of a checkpoint this storage wrote and still holds."""
         with self._lock:

@@ -91,7 +91,8 @@ class CheckpointManager:
                          list(current_layout()), keep=2, replication_factor=factor,
                          replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
                          host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
-                         writer_threads=args.ckpt_writer_threads, registry=make_registry(self_contained=True))
+                         writer_threads=args.ckpt_writer_threads, registry=make_registry(self_contained=True),
+                         compress=args.ckpt_compress)
 
     def _engines(self):
         """(level, engine) of each level that saves through an engine, storage first."""
@@ -122,7 +123,8 @@ class CheckpointManager:
         self.agree_on_failures(iteration)
         memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
         # (unless the tier saved this iteration already, e.g. the last one: a second memory save of it would
-        # collide with the first, so storage then copies on its own)
+        # collide with the first, so storage then copies on its own; nor when the tier compresses: its bytes
+        # are packed, not the planned layout, so storage copies on its own then too)
         if self.tier is not None and self.checkpoint_format.writes_from_pages and \
                 self._memory_iteration != iteration:
             self._one_storage_save_on_pages()
@@ -130,7 +132,9 @@ class CheckpointManager:
         # --save-hf: the save keeps the model weights it stages for the export (a due or the run's last checkpoint)
         keep = None if self.hf is None else self.hf.keep(iteration, last=iteration >= self.args.train_iters)
         try:
-            started = self.checkpoint_format.save(state, iteration, from_save=memory, keep=keep)
+            started = self.checkpoint_format.save(
+                state, iteration, from_save=memory if self.tier is None or self.tier.engine.codec is None else None,
+                keep=keep)
         except CheckpointError as e:  # refused at the call (storage unreachable): as a failure found later
             self._failed(iteration, e)
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,16 @@ def _decoders() -> ThreadPoolExecutor:
         if _decoder_pool is None:
             _decoder_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="ds-decode")
         return _decoder_pool
+
+
+def _forget_decoders() -> None:
+    """In a forked child: the parent's pool came along without its threads (work sent to it would wait forever),
+    and its lock in whatever state a parent thread left it. The child starts its own on its first decode."""
+    global _decoder_pool, _decoder_lock
+    _decoder_pool, _decoder_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_decoders)
 
 
 def _fetch_decoded(done: Done, item: Item, first: int, stored: torch.Tensor, dst: torch.Tensor) -> tuple:

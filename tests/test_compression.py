@@ -358,3 +358,29 @@ def test_auto_compresses_on_an_object_store_and_the_checkpoint_loads(s3_server, 
     assert size < 0.9 * (1_200_000 + 1_200_000)
     audit = audit_checkpoint(path, verify=True)
     assert not audit.problems, audit.problems.summary()
+
+
+def test_a_process_forked_after_a_compressed_load_loads_compressed_checkpoints(tmp_path):
+    """The decoders are a pool the whole process shares: a child forked after the parent's first compressed load
+    (a test runner's ranks, a data loader's workers) inherits the pool without its threads. It must start its own
+    rather than wait on decodes that never run (a hang CI met in the memory tier's compressed tests)."""
+    import multiprocessing
+    want = {"w": tensors(torch.bfloat16, 50_000, 3), "step": 7}
+    path = str(tmp_path / "iter_0000001")
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(fsync=False), compress="zstd") as eng:
+        eng.save(want, path).wait()
+        assert as_bytes(eng.load(path)["w"]) == as_bytes(want["w"])  # the parent's pool now runs
+
+    def child(results):
+        with CheckpointEngine(host_buffer_bytes=256 << 10, storage=PosixOptions(fsync=False)) as eng:
+            results.put(as_bytes(eng.load(path)["w"]) == as_bytes(want["w"]))
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    proc = ctx.Process(target=child, args=(results,))
+    proc.start()
+    proc.join(60)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == 0 and results.get(timeout=5) is True

@@ -12,6 +12,9 @@ each (blosc2 with nthreads=1). Ratios are properties of the data; the GB/s are o
 With --engine, the engine itself instead: the checkpoint's tensors (tiled --tile times) saved and restored with
 compression off and on, to a local directory (fsync on), to the memory tier's storage (a /dev/shm directory,
 as `LocalTier` keeps a part) and to a local SeaweedFS (tests/s3_store.py): bytes stored (held, in the tier), time to durable, restore time and the every-iteration loop ratio, best of --repeat, settings interleaved.
+--link-mbps N adds the same SeaweedFS behind a link of N MB/s (tests/s3_faults.py's proxy paces every body both
+ways): an object store whose network, not its servers, sets the pace, as a node's link to S3 does. --storages
+SeaweedFS,link runs only those rows.
 """
 from __future__ import annotations
 
@@ -144,10 +147,12 @@ def loop_ratio(eng: CheckpointEngine, root: str, state: dict, first: int, iters:
     return (time.perf_counter() - t0) / (iters * step_s)
 
 
-def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, step_s: float = 1.0) -> None:
+def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, step_s: float = 1.0,
+                link_mbps: float | None = None, storages: str | None = None) -> None:
     """Bytes, durable and restore seconds and the loop ratio with compression off and on, on a file system and
-    in the memory tier's storage and on SeaweedFS."""
+    in the memory tier's storage and on SeaweedFS (and behind a `link_mbps` link)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3_faults import FaultProxy
     from s3_store import S3Store
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import evict_tree
@@ -159,7 +164,13 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, 
     try:
         store.start()
         os.environ.update(store.env())
+        endpoints = {"SeaweedFS": store.endpoint}
         roots = {"file system": local, "memory tier": memory, "SeaweedFS": f"s3://{store.create_bucket()}/run"}
+        if link_mbps:
+            link = f"link of {link_mbps:g} MB/s to SeaweedFS"
+            endpoints[link] = FaultProxy(store.endpoint, link_bytes_per_s=link_mbps * 1e6).url
+            roots[link] = f"s3://{store.create_bucket()}/run"
+        roots = {k: v for k, v in roots.items() if not storages or any(k.startswith(s) for s in storages.split(","))}
         print(f"| storage | compress | stored MB (raw {raw / 1e6:.1f}) | ratio | durable s | restore s | "
               f"loop ratio ({iters} x {step_s:g} s) |")
         print("|---|---|---|---|---|---|---|")
@@ -167,6 +178,7 @@ def engine_rows(path: str, tile: int, repeat: int, budget: int, iters: int = 4, 
         for rep in range(repeat):
             for where, root in roots.items():
                 for compress in ("off", "bytegroup-zstd"):
+                    os.environ["AWS_ENDPOINT_URL"] = endpoints.get(where, store.endpoint)
                     storage = SharedMemoryStorage() if root == memory else storage_for(root)
                     with CheckpointEngine(host_buffer_bytes=budget, storage=storage, compress=compress,
                                           keep_last=2) as eng:
@@ -202,6 +214,9 @@ def main(argv=None) -> None:
     p.add_argument("--engine", action="store_true", help="the engine's save and restore, off and on (see above)")
     p.add_argument("--tile", type=int, default=5)
     p.add_argument("--budget-mb", type=int, default=1024)
+    p.add_argument("--link-mbps", type=float, help="with --engine: also SeaweedFS behind a link of this bandwidth")
+    p.add_argument("--storages", help="with --engine: the rows whose storage begins with one of these, "
+                   "comma-separated (\"file system\", \"memory tier\", \"SeaweedFS\", \"link\")")
     p.add_argument("--quick", action="store_true", help="seconds: 1 MB chunks, one pass; with --engine the tensors "
                    "once, a 64 MB budget, 2 iterations of a 0.05 s step")
     a = p.parse_args(argv)
@@ -209,7 +224,8 @@ def main(argv=None) -> None:
     if a.quick:
         a.chunk_mb, a.repeat, a.tile, a.budget_mb, loop = 1, 1, 1, 64, {"iters": 2, "step_s": 0.05}
     if a.engine:
-        return engine_rows(a.checkpoint, a.tile, a.repeat, a.budget_mb << 20, **loop)
+        return engine_rows(a.checkpoint, a.tile, a.repeat, a.budget_mb << 20, link_mbps=a.link_mbps,
+                           storages=a.storages, **loop)
     torch.set_num_threads(1)
     kinds = load_kinds(a.checkpoint, a.chunk_mb << 20)
     kinds["all"] = [c for k in list(kinds) for c in kinds[k]]

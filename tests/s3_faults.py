@@ -6,6 +6,8 @@ a body) with a real store behind them: the project never mocks S3.
     proxy.inject("UploadPart", "slow_down", times=2)
     ...
     proxy.requests                              # (kind, target, Range, fault) of every request, faulted or not
+    FaultProxy(s3_server.endpoint, link_bytes_per_s=100e6)   # and every body paced to a 100 MB/s link, shared
+
 
 It parses just enough HTTP/1.1 for boto3 and SeaweedFS: a head and a Content-Length body each way (both send one
 for every request and response here; anything else is refused, not guessed at), on keep-alive connections.
@@ -64,12 +66,13 @@ def parse_head(head: bytes) -> tuple[list[str], dict]:
     return first.split(" ", 2), headers
 
 
-def copy(reader, sock, n: int) -> None:
-    """`n` bytes from `reader` to `sock`."""
+def copy(reader, sock, n: int, pace=lambda n: None) -> None:
+    """`n` bytes from `reader` to `sock`, each piece `pace`d first."""
     while n:
         chunk = reader.read(min(n, 1 << 16))
         if not chunk:
             raise ConnectionError("the connection ended inside a body")
+        pace(len(chunk))
         sock.sendall(chunk)
         n -= len(chunk)
 
@@ -91,9 +94,11 @@ def unacknowledged(sock) -> int:
 
 class FaultProxy:
     """Forwards every connection on 127.0.0.1:<free port> to `upstream` (one upstream connection per client
-    connection), failing the requests that `inject` names. Serves on daemon threads until `close`."""
+    connection), failing the requests that `inject` names. Serves on daemon threads until `close`.
+    `link_bytes_per_s`: the bodies of every connection, both ways, share a link of that bandwidth (a node's network
+    to an object store, where the store itself is faster: benchmarks/compression.py --link-mbps)."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, link_bytes_per_s: float | None = None):
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -102,6 +107,7 @@ class FaultProxy:
         self.requests: list[tuple[str, str, str | None, str | None]] = []
         self.lock = threading.Lock()
         self.sockets: set[socket.socket] = set()
+        self.link_bytes_per_s, self.link_free_at = link_bytes_per_s, 0.0
         threading.Thread(target=self._accept, daemon=True, name="fault-proxy").start()
 
     def inject(self, kind: str, fault: str, times: int = 1, after: int = 0) -> None:
@@ -136,6 +142,16 @@ class FaultProxy:
                 return
             threading.Thread(target=self._serve, args=(client,), daemon=True, name="fault-proxy-conn").start()
 
+    def _pace(self, n: int) -> None:
+        """Wait for `n` bytes' turn on the link: each body piece reserves the link's next n/bandwidth seconds."""
+        if self.link_bytes_per_s is None:
+            return
+        with self.lock:
+            now = time.monotonic()
+            self.link_free_at = max(self.link_free_at, now) + n / self.link_bytes_per_s
+            wait = self.link_free_at - now
+        time.sleep(wait)
+
     def _fault(self, kind: str, target: str, headers: dict) -> dict | None:
         """Log the request and take the first rule that matches it, if any."""
         with self.lock:
@@ -168,20 +184,22 @@ class FaultProxy:
                     return
                 if expects:
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                body = reader.read(int(headers.get("content-length", 0)))
-                if fault == "slow_down":
+                length = int(headers.get("content-length", 0))
+                if fault in ("slow_down", "reset"):
+                    reader.read(length)
+                    if fault == "reset":
+                        arm_reset(client)  # closed below
+                        return
                     client.sendall(self._slow_down(close=False))
                     continue
-                if fault == "reset":
-                    arm_reset(client)  # closed below
-                    return
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
                     up_reader = upstream.makefile("rb")
                 if expects:  # answered here already: the store gets the body at once
                     head = b"".join(line for line in head.splitlines(keepends=True)
                                     if not line.lower().startswith(b"expect:"))
-                upstream.sendall(head + body)
+                upstream.sendall(head)
+                copy(reader, upstream, length, self._pace)  # cut through: the store takes it as the link passes it
                 if not self._relay(up_reader, client, method, rule["after"] if fault == "reset_body" else None):
                     return
         except OSError:  # either side went away (or was reset here): the connection is over
@@ -219,5 +237,5 @@ class FaultProxy:
             copy(up_reader, client, reset_after)
             arm_reset(client)  # the caller closes it
             return False
-        copy(up_reader, client, n)
+        copy(up_reader, client, n, self._pace)
         return keep

@@ -159,8 +159,8 @@ def test_compression(read_once_out, tmp_path, capsys):
 
 @slow
 def test_compression_engine(read_once_out):
-    out = run("compression", read_once_out[0] / "w2" / "iter_0000001", "--quick", "--engine")
-    levels = ("file system", "memory tier", "SeaweedFS")
+    out = run("compression", read_once_out[0] / "w2" / "iter_0000001", "--quick", "--engine", "--link-mbps", "400")
+    levels = ("file system", "memory tier", "SeaweedFS", "link of 400 MB/s to SeaweedFS")
     rows = {(r[0], r[1]): r for level in levels for r in table_rows(out, level)}
     assert set(rows) == {(s, c) for s in levels for c in ("off", "bytegroup-zstd")}, out
     for (_, compress), r in rows.items():

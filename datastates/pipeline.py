@@ -183,7 +183,7 @@ class SavePipeline:
         self.codec = codec
         self._encoder = None if codec is None else ThreadPoolExecutor(
             encode_threads, thread_name_prefix="ds-encode", initializer=_lower_priority)
-        self._encode_ahead = encode_threads
+        self._encode_ahead = self._encode_threads = encode_threads
         self.keep_last, self.publish_timeout_s = keep_last, publish_timeout_s
         self._store = store
         self.coordinator: Coordinator | None = None
@@ -377,7 +377,7 @@ class SavePipeline:
         """Submit each slot in order. A compressed save's slots are first encoded on the encoder threads, up to
         `_encode_ahead` at once, and written back to back in the same order (`_write_encoded`)."""
         flush_q, complete_q = self._queues["flush"], self._queues["complete"]
-        encoding: collections.deque = collections.deque()  # (slot, future of its encoded segments), in order
+        encoding: collections.deque = collections.deque()  # (slot, futures of its encoded segments), in order
         while True:
             if encoding:
                 try:
@@ -407,8 +407,8 @@ class SavePipeline:
                 if slot.job.handle.kept is not None:  # before the slot is encoded, written and reused
                     slot.job.handle.kept.take(slot.buffer, slot.segments)
                 if slot.job.codec is not None:
-                    encoding.append((slot, self._encoder.submit(_encode, slot.job.codec, slot.buffer,
-                                                                slot.segments)))
+                    encoding.append((slot, [self._encoder.submit(_encode, slot.job.codec, slot.buffer, run)
+                                            for run in _runs(slot.segments, self._encode_threads)]))
                     while len(encoding) > self._encode_ahead:
                         complete_q.put(self._write_encoded(*encoding.popleft()))
                     continue
@@ -421,7 +421,7 @@ class SavePipeline:
             complete_q.put(self._write_encoded(*encoding.popleft()))
         complete_q.put(STOP)
 
-    def _write_encoded(self, slot, encoded: Future) -> tuple:
+    def _write_encoded(self, slot, encoded: list[Future]) -> tuple:
         """Pack a slot's stored chunks (encoded, or raw where the codec did not make them smaller) to its front,
         record each tensor chunk's codec and stored size and each item's offset, and submit the packed bytes
         at the job's next position: the chunks of a compressed save lie back to back."""
@@ -429,7 +429,7 @@ class SavePipeline:
         if job.failed:
             return slot, None
         try:
-            stored = encoded.result()
+            stored = [data for run in encoded for data in run.result()]
             out, pos, segments = slot.buffer.numpy(), 0, []
             for (start, n, item, index), data in zip(slot.segments, stored):
                 m = n if data is None else len(data)
@@ -551,8 +551,22 @@ class SavePipeline:
         handle._done.set()
 
 
+def _runs(segments: list, n: int) -> list[list]:
+    """A slot's segments cut, in order, into at most `n` runs of about equal bytes, one encoder job each: every
+    encoder thread works on the slot at once, so its bytes reach storage n times sooner (on a link-bound object
+    store the first slot's encoding was most of what a compressed save added before its first byte went up)."""
+    total, runs, run, done = sum(seg[1] for seg in segments) or 1, [], [], 0
+    for seg in segments:
+        run.append(seg)
+        done += seg[1]
+        if done * n >= total * (len(runs) + 1):
+            runs.append(run)
+            run = []
+    return runs + [run] if run else runs
+
+
 def _encode(codec: Codec, buffer: torch.Tensor, segments: list) -> list[bytes | None]:
-    """Each segment of a slot encoded (tensor chunks), or None where it is stored raw (objects, and chunks the
+    """Each segment of a run of a slot's segments encoded (tensor chunks), or None where it is stored raw (objects, and chunks the
     codec does not make smaller); on an encoder thread."""
     raw = buffer.numpy()
     out = []

@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import pickle
 from collections import defaultdict
+from concurrent import futures
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, CheckpointTimeoutError
 from .load_plan import BoxRead
-from .load_reads import Reads, aligned_empty, decode_passed
+from .load_reads import Reads, aligned_empty, decode_passed, decoders
 from .schema import Item
 
 TensorRead = tuple[BoxRead, torch.Tensor]  # a read of the load plan and the target it fills
@@ -241,13 +242,19 @@ class Exchange:
 
     def _decode(self, checkpoint, plan: Plan, mine: list[Transfer], wire: dict, slots: list) -> None:
         """Each compressed piece's stored bytes, checked against the index here and decoded into host memory of
-        this round (`wire` then holds its raw bytes); the first bad chunk raises, naming it."""
+        this round (`wire` then holds its raw bytes), on the process's decoder threads; once every piece is done
+        (none still writes into this round's memory), the first bad chunk raises, naming it."""
+        jobs = []
         for t in mine:
             if t.stored is not None:
                 raw = _staged(checkpoint.pool, t.nbytes, slots)
-                decode_passed(checkpoint.items(t.rank)[t.id], t.first, t.last, wire[t].cpu(), raw,
-                              checkpoint.data_path(t.rank), plan.members[t.reader].rank)
-                wire[t] = raw
+                jobs.append((t, raw, decoders().submit(
+                    decode_passed, checkpoint.items(t.rank)[t.id], t.first, t.last, wire[t].cpu(), raw,
+                    checkpoint.data_path(t.rank), plan.members[t.reader].rank)))
+        futures.wait([job for _, _, job in jobs])
+        for t, raw, job in jobs:
+            job.result()
+            wire[t] = raw
 
     def _place(self, backend, plan: Plan, mine: list[Transfer], wire: dict) -> None:
         """Copy each piece into this rank's targets (and unpickle objects); return once the copies landed."""

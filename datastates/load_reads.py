@@ -37,7 +37,8 @@ _decoder_pool: ThreadPoolExecutor | None = None
 _decoder_lock = threading.Lock()
 
 
-def _decoders() -> ThreadPoolExecutor:
+def decoders() -> ThreadPoolExecutor:
+    """The process's decoder threads (loads and the read-once exchange share them)."""
     global _decoder_pool
     with _decoder_lock:
         if _decoder_pool is None:
@@ -216,7 +217,7 @@ class Reads:
             source = self.reader.data_source(rank, self.problems)
             done = source.submit(dst if stored is None else stored, nbytes, item.offset + start, segments)
             if stored is not None:
-                decoded = _decoders().submit(_fetch_decoded, done, item, first, stored, dst)
+                decoded = decoders().submit(_fetch_decoded, done, item, first, stored, dst)
                 done = functools.partial(_crcs_of, decoded)
             self.reader.stats.bytes_read += nbytes
             self.reader.stats.requests += 1

@@ -153,12 +153,15 @@ class HFPublisher:
         name = read_pointer(self.storage, self.root)
         return join_path(self.root, name) if name else None
 
-    def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False) -> None:
-        """Export the published checkpoint `ckpt_dir` of `iteration` once those before it are exported, from the
-        weights its save `kept` (`SaveHandle.kept`, released once exported); the run's `last` is read back from
-        storage when a rank kept none, any other is then dropped."""
+    def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False, saved=None) -> None:
+        """Export the checkpoint `ckpt_dir` of `iteration` once those before it are exported and its save `saved`
+        (a `SaveHandle`; None: published already) is published, from the weights the save `kept`
+        (`SaveHandle.kept`, released once exported); the run's `last` is read back from storage when a rank kept
+        none, any other is then dropped. A save that fails is not exported (the manager reports the failure).
+        The export thread waits for the save itself, so the export starts as soon as it is published, whatever
+        the training thread does; every rank submits at its save calls, in the same order."""
         self.submitted = iteration
-        self._queue.put((iteration, ckpt_dir, kept, last))
+        self._queue.put((iteration, ckpt_dir, kept, last, saved))
 
     def finished(self) -> list[Exported]:
         """The exports that ended since the last call (non-blocking)."""
@@ -195,7 +198,11 @@ class HFPublisher:
             try:
                 if job is None:
                     return
-                iteration, ckpt_dir, kept, last = job
+                iteration, ckpt_dir, kept, last, saved = job
+                if saved is not None:
+                    saved.join()  # published, or failed: the engine then gave its kept weights back
+                    if saved.error is not None:  # the manager reports the failed save
+                        continue
                 final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
                 try:
                     self._export(ckpt_dir, final, kept, last)

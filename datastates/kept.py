@@ -74,10 +74,6 @@ class Kept:
         """The item ids kept (none once released, or when nothing fitted)."""
         return list(self._views)
 
-    def items(self) -> list[Item]:
-        """The items kept, as the save planned them (their names, dtypes and global boxes; none once released)."""
-        return list(self._items.values())
-
     def tensor(self, item_id: str) -> torch.Tensor:
         """A kept item's bytes as its tensor (valid until `release`)."""
         it = self._items[item_id]

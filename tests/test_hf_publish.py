@@ -246,23 +246,3 @@ def test_a_failed_export_warns_and_training_goes_on(tmp_path):
     assert sorted(os.listdir(hf)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
     assert open(os.path.join(hf, "latest")).read() == "iter_0000006\n"
     assert os.path.isfile(os.path.join(hf, "iter_0000004"))  # the file is as it was; no .partial left
-
-
-def test_ckpt_keep_last_1_retires_checkpoints_whose_export_is_still_to_come(tmp_path):
-    """--ckpt-keep-last 1 and a model at every save: each checkpoint is retired as soon as the next one is
-    published, often before its own export starts (the exports queue behind each other); the export reads no file
-    of the checkpoint, so every model is still published, and each is the tool's bytes of the checkpoint of its
-    iteration (from a second run of the same job keeping every checkpoint: the same seed, the same weights)."""
-    save, kept_all, hf = str(tmp_path / "ckpt"), str(tmp_path / "ckpt_all"), str(tmp_path / "hf")
-    job = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
-        "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt"]
-    _, log = torchrun(2, job + ["--save", save, "--ckpt-keep-last", "1", "--save-hf", hf,
-                                "--save-hf-max-shard-size", SHARD])
-    assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"], os.listdir(save)
-    assert sorted(os.listdir(hf)) == [f"iter_000000{it}" for it in (1, 2, 3, 4)] + ["latest"], log[-3000:]
-    torchrun(2, job + ["--save", kept_all])
-    for it in (1, 2, 3, 4):
-        offline = str(tmp_path / f"offline_{it}")
-        convert("--from", "datastates", "--to", "hf", "--input", os.path.join(kept_all, f"iter_{it:07d}"),
-                "--output", offline, "--max-shard-size", SHARD)
-        assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)

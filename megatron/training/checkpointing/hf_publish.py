@@ -39,7 +39,7 @@ import torch
 from datastates import (DELETING, PARTIAL, CheckpointError, Storage, checkpoint_dir, iteration_of, join_path,
                         normalize_path, storage_for, url_scheme)
 
-from .hf_staged import StagedSource, layout
+from .hf_staged import StagedSource
 from .state import saveable_args
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
 
 
 class HFPublisher:
-    """One rank's exporter: `submit` queues a save, a thread exports each once published, one at a time, in order.
+    """One rank's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order.
     Every rank writes its share of the safetensors files (shard k on rank k mod world) from the units those hold,
     assembled from the weights the ranks kept (rank 0 also config.json and the tokenizer); each reports to rank 0
     through the torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand
@@ -153,15 +153,12 @@ class HFPublisher:
         name = read_pointer(self.storage, self.root)
         return join_path(self.root, name) if name else None
 
-    def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False, saved=None) -> None:
-        """Export the checkpoint `ckpt_dir` of `iteration` once those before it are exported and its save `saved`
-        (a `SaveHandle`; None: published already) is published, from the weights the save `kept`
-        (`SaveHandle.kept`, released once exported); the run's `last` is read back from storage when a rank kept
-        none, any other is then dropped. A save that fails is not exported (the manager reports the failure).
-        The export thread waits for the save itself, so the export starts as soon as it is published, whatever
-        the training thread does; every rank submits at its save calls, in the same order."""
+    def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False) -> None:
+        """Export the published checkpoint `ckpt_dir` of `iteration` once those before it are exported, from the
+        weights its save `kept` (`SaveHandle.kept`, released once exported); the run's `last` is read back from
+        storage when a rank kept none, any other is then dropped."""
         self.submitted = iteration
-        self._queue.put((iteration, ckpt_dir, kept, last, saved))
+        self._queue.put((iteration, ckpt_dir, kept, last))
 
     def finished(self) -> list[Exported]:
         """The exports that ended since the last call (non-blocking)."""
@@ -198,11 +195,7 @@ class HFPublisher:
             try:
                 if job is None:
                     return
-                iteration, ckpt_dir, kept, last, saved = job
-                if saved is not None:
-                    saved.join()  # published, or failed: the engine then gave its kept weights back
-                    if saved.error is not None:  # the manager reports the failed save
-                        continue
+                iteration, ckpt_dir, kept, last = job
                 final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
                 try:
                     self._export(ckpt_dir, final, kept, last)
@@ -259,35 +252,33 @@ class HFPublisher:
     def _plan(self, ckpt_dir: str, kept, last: bool):
         """The export's plan (tools/hf/export.py's), over the weights the ranks kept when every rank kept them; for
         the run's `last` checkpoint otherwise over the checkpoint read back from storage; else ExportDropped. Every
-        rank reaches the same outcome (two gathers on the export's group: what each rank kept, where, or why not;
-        then whether its plan failed). The staged plan reads no file of the checkpoint."""
+        rank reaches the same outcome (one gather of each rank's on the export's group)."""
         from tools.hf.export import plan_export, plan_source
         why = "its save was not due for an export" if kept is None else kept.why
-        reports = self._gather((why, layout(kept, self.rank) if why is None else None))
-        missing = {r: w for r, (w, _) in enumerate(reports) if w is not None}
-        if missing:
-            said = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
-            if not last:
-                raise ExportDropped(f"no weights were kept for it ({said})")
-            log.info("--save-hf: the run's last checkpoint is exported from storage (%s)", said)
-            return plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
         plan, error = None, None
         try:
-            pieces = [shard for _, shards in reports for shard in shards]
-            plan = plan_source(StagedSource(ckpt_dir, kept, pieces, saveable_args(self.args), self.rank,
-                                            self.world_size, self.group), tokenizer=self.tokenizer, drop_mtp=True)
+            if why is None:
+                plan = plan_source(StagedSource(ckpt_dir, kept, saveable_args(self.args), self.rank,
+                                                self.world_size, self.group), tokenizer=self.tokenizer, drop_mtp=True)
         except Exception as e:  # noqa: BLE001 (every rank learns it below)
             error = e
-        failed = {r: e for r, e in enumerate(self._gather(None if error is None else f"{type(error).__name__}: "
-                                                          f"{error}")) if e is not None}
-        if failed and plan is not None:
+        reports = self._gather((why, None if error is None else f"{type(error).__name__}: {error}"))
+        failed = {r: e for r, (_, e) in enumerate(reports) if e is not None}
+        missing = {r: w for r, (w, _) in enumerate(reports) if w is not None}
+        if (failed or missing) and plan is not None:
             plan.close()
         if error is not None:
             raise error
         if failed:
             raise CheckpointError("--save-hf: planning the export failed on rank(s) " + "; ".join(
                 f"{r}: {e}" for r, e in failed.items()))
-        return plan
+        if not missing:
+            return plan
+        said = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
+        if not last:
+            raise ExportDropped(f"no weights were kept for it ({said})")
+        log.info("--save-hf: the run's last checkpoint is exported from storage (%s)", said)
+        return plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
 
     def _gather(self, report) -> list:
         """Every rank's `report`, on every rank (the export's group)."""

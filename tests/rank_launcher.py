@@ -172,7 +172,10 @@ def serve() -> None:
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
-    reaped: dict[int, int] = {}
+    # job pid -> its exit status, None while it runs. Only this session's jobs are kept, each from its spawn:
+    # pids wrap (pid_max is 32768 here), and a status kept from an earlier process of the same pid would
+    # answer a wait for a job not yet started (exit 0, empty log).
+    jobs: dict[int, int | None] = {}
 
     def reap() -> None:
         while True:
@@ -182,7 +185,8 @@ def serve() -> None:
                 return
             if not done:
                 return
-            reaped[done] = _status(st)
+            if done in jobs:  # else an orphaned rank, reaped as subreaper
+                jobs[done] = _status(st)
 
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -190,15 +194,16 @@ def serve() -> None:
             pid = os.fork()
             if pid == 0:
                 _job(cmd)
+            jobs[pid] = None
             reply = {"pid": pid}
         elif cmd["op"] == "wait":
             deadline = time.monotonic() + cmd["timeout"]
             job = cmd["pid"]  # also its process group (the job called setsid)
             reap()
-            while (job not in reaped or _running(job)) and time.monotonic() < deadline:
+            while (jobs[job] is None or _running(job)) and time.monotonic() < deadline:
                 time.sleep(0.02)
                 reap()
-            reply = {"status": reaped.get(job) if not _running(job) else None}
+            reply = {"status": None if _running(job) else jobs[job]}
         elif cmd["op"] == "kill":
             try:
                 os.killpg(cmd["pid"], signal.SIGKILL)

@@ -17,12 +17,10 @@ use real torchrun (megatron_helpers.torchrun_command).
 
 Protocol on the launcher's stdin/stdout: one JSON object per line, {"op": "spawn", ...} -> {"pid": P},
 {"op": "wait", "pid": P, "timeout": T} -> {"status": code, or -signal, or null while running},
-{"op": "dump", "pid": P} -> {} (SIGUSR1 to the job's process group: every thread's stack into its log),
 {"op": "kill", "pid": P} -> {} (SIGKILL to the job's whole process group).
 """
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import signal
@@ -37,8 +35,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
 # Rank processes get SIGTERM, then SIGKILL after this long, once a rank of their job has failed (torchrun: 30 s).
 STOP_GRACE_S = 10.0
-# A timed-out job's stacks (SIGUSR1, faulthandler) have this long to reach its log before it is killed.
-DUMP_WAIT_S = 2.0
 
 
 def environment(env: dict | None = None) -> dict:
@@ -86,9 +82,6 @@ def _job(cmd: dict) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    # SIGUSR1 (the "dump" op, sent before a timed-out job is killed): every thread's stack into the log, from
-    # the job process and from each rank (forked after this, they inherit it)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.clear()
     os.environ.update(cmd["env"])
     os.chdir(cmd["cwd"])
@@ -211,12 +204,6 @@ def serve() -> None:
                 time.sleep(0.02)
                 reap()
             reply = {"status": None if _running(job) else jobs[job]}
-        elif cmd["op"] == "dump":
-            try:
-                os.killpg(cmd["pid"], signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-            reply = {}
         elif cmd["op"] == "kill":
             try:
                 os.killpg(cmd["pid"], signal.SIGKILL)
@@ -280,9 +267,7 @@ class Launcher(LineServer):
             pid = self._call(op="spawn", nproc=nproc, script=script, args=list(args), env=env, cwd=cwd,
                              log=log.name)["pid"]
             status = self._call(op="wait", pid=pid, timeout=timeout)["status"]
-            if status is None:  # where every thread of the job was, then the kill
-                self._call(op="dump", pid=pid)
-                time.sleep(DUMP_WAIT_S)
+            if status is None:
                 self._call(op="kill", pid=pid)
                 self._call(op="wait", pid=pid, timeout=30)
                 raise subprocess.TimeoutExpired([script, *args], timeout, output=log.read())

@@ -18,9 +18,14 @@ use real torchrun (megatron_helpers.torchrun_command).
 Protocol on the launcher's stdin/stdout: one JSON object per line, {"op": "spawn", ...} -> {"pid": P},
 {"op": "wait", "pid": P, "timeout": T} -> {"status": code, or -signal, or null while running},
 {"op": "kill", "pid": P} -> {} (SIGKILL to the job's whole process group).
+
+A job that runs past its timeout is first sent DUMP_SIGNAL: every process of it (the job process and each rank)
+writes every thread's Python stack into the job's log (faulthandler), which the TimeoutExpired raised shows, so
+a hang seen once (in CI) says where each rank waited.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -35,6 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
 # Rank processes get SIGTERM, then SIGKILL after this long, once a rank of their job has failed (torchrun: 30 s).
 STOP_GRACE_S = 10.0
+DUMP_SIGNAL = signal.SIGUSR1  # a job past its timeout: every thread's stack into its log (the trainer leaves it be)
+DUMP_SETTLE_S, DUMP_MAX_S = 1.0, 10.0  # a process's dump is in once the log has not grown for this long
+LOG_TAIL = 60000  # characters of a timed-out job's log in the exception's message: the dumps, and what came before
 
 
 def environment(env: dict | None = None) -> dict:
@@ -63,6 +71,7 @@ def _rank(script: str, args: list[str], env: dict, port_pipe: int) -> None:
     if not port:  # the job failed before it had a store
         os._exit(1)
     os.environ.update(env, MASTER_PORT=port)
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)  # into the job's log (this process's stderr)
     _script(script, args)
 
 
@@ -82,6 +91,7 @@ def _job(cmd: dict) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
     os.environ.clear()
     os.environ.update(cmd["env"])
     os.chdir(cmd["cwd"])
@@ -106,6 +116,7 @@ def _job(cmd: dict) -> None:
         os.close(r)
         ranks[pid] = rank
         pipes.append(w)
+    signal.signal(DUMP_SIGNAL, lambda *_: _dump_job(ranks))
     code = 1
     try:
         import torch.distributed as dist
@@ -121,6 +132,12 @@ def _job(cmd: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _dump_job(ranks: dict[int, int]) -> None:
+    """The job process's answer to DUMP_SIGNAL: which rank each pid still running is, and its own stack."""
+    print(f"[rank_launcher] the job process; its ranks still running, by pid: {ranks}", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(all_threads=True)
 
 
 def _supervise(ranks: dict[int, int]) -> int:
@@ -244,6 +261,47 @@ class LineServer:
             self.proc.kill()
 
 
+class JobTimedOut(subprocess.TimeoutExpired):
+    """A job killed past its timeout; its message ends with the job's log, every process's stacks last."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; the end of its log (each process's threads last):\n{self.output[-LOG_TAIL:]}"
+
+
+def _group(group: int) -> list[int]:
+    """The pids of process group `group`, the job process (its leader) first."""
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        except (OSError, IndexError):
+            continue
+        if name.isdigit() and int(fields[2]) == group:
+            pids.append(int(name))
+    return sorted(pids, key=lambda p: (p != group, p))
+
+
+def _dump_stacks(group: int, log: str) -> None:
+    """Each process of the job in turn writes its threads' stacks into the job's log (DUMP_SIGNAL), under a line
+    naming its pid (the job process, first, names its ranks' pids): one at a time, each once the log stopped
+    growing."""
+    for pid in _group(group):
+        with open(log, "a") as f:
+            f.write(f"\n[rank_launcher] past the timeout: the threads of pid {pid}"
+                    f"{' (the job process)' if pid == group else ''}:\n")
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            continue
+        size, still, deadline = -1, time.monotonic(), time.monotonic() + DUMP_MAX_S
+        while time.monotonic() < deadline and time.monotonic() - still < DUMP_SETTLE_S:
+            now = os.path.getsize(log)
+            if now != size:
+                size, still = now, time.monotonic()
+            time.sleep(0.1)
+
+
 class Launcher(LineServer):
     """The test side: one launcher process per interpreter, started on first use."""
     _started: dict[str, "Launcher"] = {}
@@ -262,15 +320,17 @@ class Launcher(LineServer):
             timeout: float) -> tuple[int, str]:
         """Run `script` on `nproc` ranks (None: as one plain process) with environment `env`; (exit code, the
         output, the ranks' interleaved).
-        Raises subprocess.TimeoutExpired (after killing the job) past `timeout` seconds."""
+        Raises JobTimedOut, a subprocess.TimeoutExpired (after dumping every process's stacks into the log and
+        killing the job), past `timeout` seconds."""
         with tempfile.NamedTemporaryFile("r", prefix="rank_launcher_", suffix=".log") as log:
             pid = self._call(op="spawn", nproc=nproc, script=script, args=list(args), env=env, cwd=cwd,
                              log=log.name)["pid"]
             status = self._call(op="wait", pid=pid, timeout=timeout)["status"]
             if status is None:
+                _dump_stacks(pid, log.name)
                 self._call(op="kill", pid=pid)
                 self._call(op="wait", pid=pid, timeout=30)
-                raise subprocess.TimeoutExpired([script, *args], timeout, output=log.read())
+                raise JobTimedOut([script, *args], timeout, output=log.read())
             return status, log.read()
 
 

@@ -1,6 +1,8 @@
-"""The test launcher itself: a wait answers for the job it names, also once pids have wrapped."""
+"""The test launcher itself: a wait answers for the job it names, also once pids have wrapped; a job past its
+timeout says where each of its processes was."""
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -45,3 +47,16 @@ def test_a_job_given_the_pid_of_an_earlier_one_is_waited_for(tmp_path):
             break
     else:
         pytest.fail(f"only {reused} of 60 jobs got the pid of the job before")
+
+
+def test_a_job_past_its_timeout_shows_every_rank_s_stacks(tmp_path):
+    """A hang seen once in CI must say where it waited: the TimeoutExpired of a job killed past its timeout
+    carries, and says, every thread's Python stack of each rank and of the job process."""
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\n\n\ndef stuck_in_rank():\n    time.sleep(3600)\n\n\nstuck_in_rank()\n")
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        Launcher.for_python(sys.executable).run(2, str(script), [], environment(), ROOT, timeout=15)
+    out = e.value.output
+    assert out.count("in stuck_in_rank") == 2, out  # faulthandler's frame line, one per rank
+    assert "in _supervise" in out, out  # the job process, waiting for its ranks
+    assert "in stuck_in_rank" in str(e.value)  # what pytest shows of it

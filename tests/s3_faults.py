@@ -239,3 +239,10 @@ class FaultProxy:
             return False
         copy(up_reader, client, n, self._pace)
         return keep
+
+
+if __name__ == "__main__":  # python tests/s3_faults.py UPSTREAM LINK_MB_PER_S: a link in a process of its own
+    import sys
+    proxy = FaultProxy(sys.argv[1], link_bytes_per_s=float(sys.argv[2]) * 1e6)
+    print(proxy.url, flush=True)
+    sys.stdin.read()  # serves until the caller closes the pipe (or exits)

@@ -71,7 +71,6 @@ def _rank(script: str, args: list[str], env: dict, port_pipe: int) -> None:
     if not port:  # the job failed before it had a store
         os._exit(1)
     os.environ.update(env, MASTER_PORT=port)
-    faulthandler.register(DUMP_SIGNAL, all_threads=True)  # into the job's log (this process's stderr)
     _script(script, args)
 
 
@@ -91,6 +90,8 @@ def _job(cmd: dict) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    # into the job's log: a job of no ranks, and each rank (forked below, it keeps the handler); the job process
+    # itself answers with _dump_job once its ranks are forked
     faulthandler.register(DUMP_SIGNAL, all_threads=True)
     os.environ.clear()
     os.environ.update(cmd["env"])

@@ -39,7 +39,8 @@ class KeepBudget:
 
 
 class Kept:
-    """One save's kept tensors by item id, filled as the save stages them; complete once the save succeeded.
+    """One save's kept tensors by item id, filled as the save stages them: complete once every chosen byte was
+    taken (`wait_filled`), which is before the save is durable, as the flusher takes each chunk before writing it.
 
     `why` is None when every chosen tensor is kept, else why none is (the budget was short). The consumer reads
     `tensor(id)` (the item's dtype and local shape; the index names each rank's items) and calls `release`."""
@@ -49,11 +50,17 @@ class Kept:
         total = sum(-(-it.nbytes // _ALIGN) * _ALIGN for it in items)
         self.nbytes = 0
         self.why: str | None = None
+        self._left = 0  # the chosen bytes not yet taken
+        self._settled = threading.Event()  # every chosen byte taken, or the bytes given back first
         if not budget.take(total):
             self.why = (f"its {total / 2**20:.1f} MiB of tensors to keep do not fit in the "
                         f"{(budget.budget_bytes - budget.used) / 2**20:.1f} MiB left of the "
                         f"{budget.budget_bytes / 2**20:.1f} MiB staging budget")
+            self._settled.set()
             return
+        self._left = sum(it.nbytes for it in items)
+        if not self._left:
+            self._settled.set()
         self.nbytes = total
         buffer, offset = torch.empty(total, dtype=torch.uint8), 0
         for it in items:
@@ -69,10 +76,27 @@ class Kept:
             if view is not None:
                 at = index * (item.chunk_bytes or item.nbytes)
                 view[at:at + n].copy_(buffer[start:start + n])
+                self._left -= n
+                if not self._left:
+                    self._settled.set()
+
+    def wait_filled(self, timeout: float | None = None) -> bool:
+        """Wait until every chosen byte is kept (True), or until the save ended or gave the bytes back before that,
+        or nothing was kept (`why`) (False); False too on timeout."""
+        self._settled.wait(timeout)
+        return self.why is None and not self._left and bool(self._views or not self.nbytes)
+
+    def save_ended(self) -> None:
+        """The save is over (the engine's call): nothing more is taken, so a waiter for the rest wakes."""
+        self._settled.set()
 
     def ids(self) -> list[str]:
         """The item ids kept (none once released, or when nothing fitted)."""
         return list(self._views)
+
+    def items(self) -> list[Item]:
+        """The items kept, as the save planned them (their names, dtypes and global boxes; none once released)."""
+        return list(self._items.values())
 
     def tensor(self, item_id: str) -> torch.Tensor:
         """A kept item's bytes as its tensor (valid until `release`)."""
@@ -84,3 +108,4 @@ class Kept:
         if self._views:
             self._views, self._items = {}, {}
             self._budget.give(self.nbytes)
+        self._settled.set()

@@ -544,8 +544,10 @@ class SavePipeline:
             self._jobs.pop(handle, None)
         if job.source is not None:
             job.source.release()
-        if job.failed and handle.kept is not None:  # a failed save has no consumer
-            handle.kept.release()
+        if handle.kept is not None:
+            handle.kept.save_ended()
+            if job.failed:  # a failed save has no consumer
+                handle.kept.release()
         handle.stats.durable_s = time.perf_counter() - job.t0
         handle.stats.throughput_gbps = job.size / handle.stats.durable_s / 1e9
         handle._done.set()

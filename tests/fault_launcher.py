@@ -8,6 +8,8 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_KILL_AFTER_SAVE=<it>       once the earlier saves are done, SIGKILL this process right after the save
                                      call of <it> returns (prints FAULT-KILL first)
     FAULT_FAIL_SAVE=<rank>:<it>      on that rank only, the save of <it> fails (an unpicklable object)
+    FAULT_FAIL_CLOSE=<rank>:<it>:<s> on that rank only, the save of <it> fails when its data file is closed (every
+                                     byte written), after <s> seconds: an OSError (EIO)
     FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
                                      SIGKILL the whole job: the launcher (torchrun) and every worker
     FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the earlier saves are published (the tracker names the last)
@@ -29,6 +31,7 @@ forward/backward done), where the memory save of <it>-1 may still be copying:
 An s3:// data object of an iteration these two name goes up in 256 KiB parts, so that a tiny model's upload is a
 multipart upload with parts in flight (one that completes would break S3's 5 MiB minimum part).
 """
+import errno
 import os
 import runpy
 import signal
@@ -42,6 +45,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from datastates import CheckpointEngine, paths  # noqa: E402
 from datastates.memory_tier import LocalTier  # noqa: E402
 from datastates.storage.s3 import MultipartSink  # noqa: E402
+from datastates.storage.posix import FileSink  # noqa: E402
 from megatron.training.checkpointing import CheckpointManager  # noqa: E402
 
 
@@ -156,6 +160,21 @@ def sink_close(self, nbytes):
     return _sink_close(self, nbytes)
 
 
+_file_close = FileSink.close
+
+
+def file_close(self, nbytes):
+    fail = os.environ.get("FAULT_FAIL_CLOSE")
+    if fail:
+        rank, it, seconds = fail.split(":")
+        checkpoint = os.path.dirname(self.path).removesuffix(paths.PARTIAL)
+        if self.path.endswith(".data") and (int(rank), int(it)) == (int(os.environ["RANK"]),
+                                                                     paths.iteration_of(checkpoint)):
+            time.sleep(float(seconds))
+            raise OSError(errno.EIO, f"injected failure closing {self.path}")
+    return _file_close(self, nbytes)
+
+
 def _step_fault(name: str, rank: int, iteration: int) -> bool:
     value = os.environ.get(name)
     if not value:
@@ -193,6 +212,7 @@ if __name__ == "__main__":
     CheckpointEngine.save = save
     LocalTier.replicate = replicate
     MultipartSink.__init__, MultipartSink.close = sink_init, sink_close
+    FileSink.close = file_close
 
     script = os.path.join(os.path.dirname(HERE), "pretrain_gpt.py")
     sys.argv = [script] + sys.argv[1:]

@@ -246,3 +246,43 @@ def test_a_failed_export_warns_and_training_goes_on(tmp_path):
     assert sorted(os.listdir(hf)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
     assert open(os.path.join(hf, "latest")).read() == "iter_0000006\n"
     assert os.path.isfile(os.path.join(hf, "iter_0000004"))  # the file is as it was; no .partial left
+
+
+def test_ckpt_keep_last_1_retires_checkpoints_whose_export_is_still_to_come(tmp_path):
+    """--ckpt-keep-last 1 and a model at every save: each checkpoint is retired as soon as the next one is
+    published, often before its own export starts (the exports queue behind each other); the export reads no file
+    of the checkpoint, so every model is still published, and each is the tool's bytes of the checkpoint of its
+    iteration (from a second run of the same job keeping every checkpoint: the same seed, the same weights)."""
+    save, kept_all, hf = str(tmp_path / "ckpt"), str(tmp_path / "ckpt_all"), str(tmp_path / "hf")
+    job = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
+        "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt"]
+    _, log = torchrun(2, job + ["--save", save, "--ckpt-keep-last", "1", "--save-hf", hf,
+                                "--save-hf-max-shard-size", SHARD])
+    assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"], os.listdir(save)
+    assert sorted(os.listdir(hf)) == [f"iter_000000{it}" for it in (1, 2, 3, 4)] + ["latest"], log[-3000:]
+    torchrun(2, job + ["--save", kept_all])
+    for it in (1, 2, 3, 4):
+        offline = str(tmp_path / f"offline_{it}")
+        convert("--from", "datastates", "--to", "hf", "--input", os.path.join(kept_all, f"iter_{it:07d}"),
+                "--output", offline, "--max-shard-size", SHARD)
+        assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
+
+
+def test_a_checkpoint_that_fails_after_its_model_files_were_written_publishes_no_model(tmp_path):
+    """The export writes its files while the checkpoint is written, and publishes only once it is: rank 1's save
+    of iteration 2 fails when its data file is closed, 2 s after every byte of it (its kept weights too) was
+    written, so the model's files are written by then. They are removed, no model of iteration 2 is ever named,
+    nothing is reported for its export (the save's failure is, under --ckpt-on-failure warn), and the next
+    checkpoints' models are published as usual."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    job = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
+        "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt",
+        "--ckpt-on-failure", "warn", "--save", save, "--save-hf", hf, "--save-hf-max-shard-size", SHARD]
+    _, log = torchrun(2, job, faults=True, env={"FAULT_FAIL_CLOSE": "1:2:2"})
+    assert "checkpoint of iteration 2 failed, training goes on" in log, log[-4000:]
+    assert "injected failure closing" in log, log[-4000:]
+    assert "the checkpoint of iteration 2 failed: the model files written beside it are removed" in log, log[-4000:]
+    assert "Hugging Face export of iteration 2" not in log, log[-4000:]
+    assert sorted(os.listdir(hf)) == ["iter_0000001", "iter_0000003", "iter_0000004", "latest"], log[-3000:]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000004\n"
+    assert not os.path.exists(os.path.join(save, "iter_0000002"))

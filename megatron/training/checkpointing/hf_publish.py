@@ -1,12 +1,13 @@
 """--save-hf: each published checkpoint (every --save-hf-interval-th, and the last) also as a transformers model.
 
-Behind the checkpoint: the save keeps the model weights it staged (`CheckpointEngine.save(keep=)`), and once it
-is published every rank exports them on a thread of its own, through the offline tool's own plan and writer
-(`tools/hf/export.py`: the same architecture registry, mapping and safetensors writer), so a model published here
-is byte for byte what `convert_checkpoint.py --to hf` writes from that checkpoint with the same shard size. Rank k
-writes safetensors files k, k + world, ..., built from the pieces the ranks kept, passed over a gloo group of the
-export's own (`hf_staged`); rank 0, once every rank reported through the store, writes the index and publishes.
-A save whose weights do not fit in what is left of the staging budget (exports falling behind) keeps none: its
+Beside the checkpoint: the save keeps the model weights it staged (`CheckpointEngine.save(keep=)`), and once they
+are kept (before the checkpoint is durable) every rank writes them on a thread of its own, through the offline
+tool's own plan and writer (`tools/hf/export.py`: the same architecture registry, mapping and safetensors
+writer), so a model published here is byte for byte what `convert_checkpoint.py --to hf` writes from that
+checkpoint with the same shard size. Rank k writes safetensors files k, k + world, ..., built from the pieces the
+ranks kept, passed over a gloo group of the export's own (`hf_staged`); rank 0, once every rank reported through
+the store and the checkpoint is published, writes the index and publishes (a failed save's files are removed). A
+save whose weights do not fit in what is left of the staging budget (exports falling behind) keeps none: its
 export is dropped, never waited for, except the run's last checkpoint's, which is then read back from storage.
 Under --save-hf (a file system path, s3:// or msc://; every byte goes through the engine's storage contract,
 `datastates.Storage`):
@@ -39,7 +40,7 @@ import torch
 from datastates import (DELETING, PARTIAL, CheckpointError, Storage, checkpoint_dir, iteration_of, join_path,
                         normalize_path, storage_for, url_scheme)
 
-from .hf_staged import StagedSource
+from .hf_staged import StagedSource, layout
 from .state import saveable_args
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ INDEX = "model.safetensors.index.json"
 # a model being written on a file system (under the checkpoints' own PARTIAL suffix) or retired (DELETING, with the
 # storage's own suffix after it), and the pointer's temporary
 LEFTOVER_RE = re.compile(rf"^(iter_\d{{7,}}({re.escape(PARTIAL)}|{re.escape(DELETING)})(\.[\d.]+)?|{POINTER}\.tmp\.\d+)$")
+
+
+class _SaveFailed(Exception):
+    """The save an export was writing from failed: the export is left out unreported (the save is reported)."""
 
 
 class ExportDropped(CheckpointError):
@@ -106,7 +111,7 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
 
 
 class HFPublisher:
-    """One rank's exporter: `submit` queues a published checkpoint, a thread exports them one at a time, in order.
+    """One rank's exporter: `submit` queues a save, a thread exports each once published, one at a time, in order.
     Every rank writes its share of the safetensors files (shard k on rank k mod world) from the units those hold,
     assembled from the weights the ranks kept (rank 0 also config.json and the tokenizer); each reports to rank 0
     through the torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand
@@ -153,12 +158,15 @@ class HFPublisher:
         name = read_pointer(self.storage, self.root)
         return join_path(self.root, name) if name else None
 
-    def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False) -> None:
-        """Export the published checkpoint `ckpt_dir` of `iteration` once those before it are exported, from the
-        weights its save `kept` (`SaveHandle.kept`, released once exported); the run's `last` is read back from
-        storage when a rank kept none, any other is then dropped."""
+    def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False, saved=None) -> None:
+        """Export the checkpoint `ckpt_dir` of `iteration` once those before it are exported and its save `saved`
+        (a `SaveHandle`; None: published already) is published, from the weights the save `kept`
+        (`SaveHandle.kept`, released once exported); the run's `last` is read back from storage when a rank kept
+        none, any other is then dropped. A save that fails is not exported (the manager reports the failure).
+        The export thread waits for the save itself, so the export starts as soon as it is published, whatever
+        the training thread does; every rank submits at its save calls, in the same order."""
         self.submitted = iteration
-        self._queue.put((iteration, ckpt_dir, kept, last))
+        self._queue.put((iteration, ckpt_dir, kept, last, saved))
 
     def finished(self) -> list[Exported]:
         """The exports that ended since the last call (non-blocking)."""
@@ -195,11 +203,13 @@ class HFPublisher:
             try:
                 if job is None:
                     return
-                iteration, ckpt_dir, kept, last = job
+                iteration, ckpt_dir, kept, last, saved = job
                 final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
                 try:
-                    self._export(ckpt_dir, final, kept, last)
+                    self._export(ckpt_dir, final, kept, last, saved)
                     error = None
+                except _SaveFailed:  # the manager reports the failed save; nothing of its export is left
+                    continue
                 except Exception as e:  # noqa: BLE001 (any failure is the save's, reported, never raised here)
                     error = e
                 finally:
@@ -212,34 +222,68 @@ class HFPublisher:
             finally:
                 self._queue.task_done()
 
-    def _export(self, ckpt_dir: str, final: str, kept, last: bool) -> None:
+    def _export(self, ckpt_dir: str, final: str, kept, last: bool, saved) -> None:
+        """The files are written as soon as every rank's kept weights are complete, while the checkpoint itself is
+        still being written; the model is published (index, rename, `latest`) once the checkpoint is."""
         iteration = iteration_of(final)
-        published = is_model(self.storage, final)  # the same answer on every rank: see _agree
-        directory, shards, error = None, None, None
-        if not published:
-            plan = self._plan(ckpt_dir, kept, last)  # agreed by every rank: the same plan, or the same error
-            try:  # a file system's `.partial` directory, or an object store's final prefix itself
-                directory = self.storage.stage(final)
-                shards = self._write_share(plan, directory)
-            except Exception as e:  # noqa: BLE001 (reported to rank 0, which fails the export with it)
-                error = e
-            finally:
-                plan.close()
+        filled = kept is not None and kept.wait_filled()  # before the save is durable: kept before written
+        why = None if filled else ("its save was not due for an export" if kept is None else
+                                   kept.why or "its save ended before all its weights were kept")
+        reports = self._gather((why, layout(kept, self.rank) if why is None else None,
+                                is_model(self.storage, final) if self.rank == 0 else None))
+        if reports[0][2]:  # published by an earlier run of this job: kept, named again once the checkpoint is
+            self._outcome(saved)
+            if self.rank == 0:
+                log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
+                self._name(final)
+            return
+        missing = {r: w for r, (w, _, _) in enumerate(reports) if w is not None}
+        if missing:  # nothing to write from before the checkpoint is published: its outcome first
+            self._outcome(saved)
+            said = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
+            if not last:
+                raise ExportDropped(f"no weights were kept for it ({said})")
+            log.info("--save-hf: the run's last checkpoint is exported from storage (%s)", said)
+            source = None
+        else:
+            source = [piece for _, pieces, _ in reports for piece in pieces]
+        plan, shards = self._plan(ckpt_dir, kept, source)
+        directory, error = None, None
+        try:
+            if isinstance(plan.source, StagedSource):
+                plan.source.start(plan, shards)  # every rank's sends, before anything that may fail on one rank
+            directory = self.storage.stage(final)  # a file system's `.partial` directory, or the final prefix
+            self._write_share(plan, shards, directory)
+        except Exception as e:  # noqa: BLE001 (reported to rank 0, which fails the export with it)
+            error = e
+        finally:
+            plan.close()  # takes what was sent to this rank and not read: no rank waits on a failed one
         try:
             self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
             if self.rank != 0:
                 return
-            if published:
-                log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
-            else:
-                from tools.hf.writer import write_index
-                write_index(self.storage, directory, shards)  # last: on an object store, what publishes the model
-                for retired in self.storage.commit(directory, final):  # a file system's rename into place
-                    self.storage.remove(retired)
+            if saved is not None and saved.join() and saved.error is not None:  # rank 0 publishes the checkpoint
+                log.info("--save-hf: the checkpoint of iteration %d failed: the model files written beside it are "
+                         "removed", iteration)
+                raise _SaveFailed()
+            from tools.hf.writer import write_index
+            write_index(self.storage, directory, shards)  # last: on an object store, what publishes the model
+            for retired in self.storage.commit(directory, final):  # a file system's rename into place
+                self.storage.remove(retired)
         except BaseException:
             if directory is not None and self.rank == 0:  # a failed export leaves nothing
                 self._discard(directory)
             raise
+        self._name(final)
+
+    def _outcome(self, saved) -> None:
+        """Wait for the save (None: published already); _SaveFailed on every rank when it failed on any."""
+        ok = saved is None or (saved.join() and saved.error is None)
+        if not all(self._gather(ok)):
+            raise _SaveFailed()
+
+    def _name(self, final: str) -> None:
+        """Rank 0: `latest` names the model, then --save-hf-keep-last retires the oldest."""
         write_pointer(self.storage, self.root, os.path.basename(final))
         self._retire()
 
@@ -249,36 +293,32 @@ class HFPublisher:
         except OSError as e:
             log.warning("--save-hf: cannot remove %s now (%s): the next start does", directory, e)
 
-    def _plan(self, ckpt_dir: str, kept, last: bool):
-        """The export's plan (tools/hf/export.py's), over the weights the ranks kept when every rank kept them; for
-        the run's `last` checkpoint otherwise over the checkpoint read back from storage; else ExportDropped. Every
-        rank reaches the same outcome (one gather of each rank's on the export's group)."""
+    def _plan(self, ckpt_dir: str, kept, pieces: list | None) -> tuple:
+        """The export's plan (tools/hf/export.py's) and its safetensors files: over the weights the ranks kept
+        (`pieces`: every rank's `layout`), or None: over the checkpoint read back from storage (the run's last,
+        published). Every rank reaches the same outcome (a gather on the export's group): the plan, or an error
+        naming the ranks whose planning failed. The staged plan reads no file of the checkpoint."""
         from tools.hf.export import plan_export, plan_source
-        why = "its save was not due for an export" if kept is None else kept.why
-        plan, error = None, None
+        plan, shards, error = None, None, None
         try:
-            if why is None:
-                plan = plan_source(StagedSource(ckpt_dir, kept, saveable_args(self.args), self.rank,
+            if pieces is None:
+                plan = plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
+            else:
+                plan = plan_source(StagedSource(ckpt_dir, kept, pieces, saveable_args(self.args), self.rank,
                                                 self.world_size, self.group), tokenizer=self.tokenizer, drop_mtp=True)
+            shards = plan.shards(self.max_shard_bytes)
         except Exception as e:  # noqa: BLE001 (every rank learns it below)
             error = e
-        reports = self._gather((why, None if error is None else f"{type(error).__name__}: {error}"))
-        failed = {r: e for r, (_, e) in enumerate(reports) if e is not None}
-        missing = {r: w for r, (w, _) in enumerate(reports) if w is not None}
-        if (failed or missing) and plan is not None:
+        failed = {r: e for r, e in enumerate(self._gather(None if error is None else f"{type(error).__name__}: "
+                                                          f"{error}")) if e is not None}
+        if failed and plan is not None:
             plan.close()
         if error is not None:
             raise error
         if failed:
             raise CheckpointError("--save-hf: planning the export failed on rank(s) " + "; ".join(
                 f"{r}: {e}" for r, e in failed.items()))
-        if not missing:
-            return plan
-        said = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
-        if not last:
-            raise ExportDropped(f"no weights were kept for it ({said})")
-        log.info("--save-hf: the run's last checkpoint is exported from storage (%s)", said)
-        return plan_export("datastates", ckpt_dir, tokenizer=self.tokenizer, drop_mtp=True)
+        return plan, shards
 
     def _gather(self, report) -> list:
         """Every rank's `report`, on every rank (the export's group)."""
@@ -288,19 +328,15 @@ class HFPublisher:
         torch.distributed.all_gather_object(out, report, group=self.group)
         return out
 
-    def _write_share(self, plan, directory: str) -> list:
+    def _write_share(self, plan, shards: list, directory: str) -> None:
         """This rank's safetensors files (and rank 0's config.json and tokenizer), through the offline tool's own
-        writer: one mapping, the same bytes. The shards planned (rank 0 indexes them once all are written)."""
+        writer: one mapping, the same bytes (rank 0 indexes them once all are written)."""
         from tools.hf.export import write_metadata, write_tensors
-        shards = plan.shards(self.max_shard_bytes)
-        if isinstance(plan.source, StagedSource):
-            plan.source.start(plan, shards)  # every rank's sends, before any rank waits for a piece
         mine = {k for k in range(len(shards)) if k % self.world_size == self.rank}
         if mine:
             write_tensors(plan, self.storage, directory, shards, mine)
         if self.rank == 0:
             write_metadata(plan, self.storage, directory)
-        return shards
 
     def _agree(self, iteration: int, error: BaseException | None) -> None:
         """Every rank reports its share to rank 0 through the store; rank 0 waits for all of them (at most

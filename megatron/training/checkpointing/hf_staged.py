@@ -1,38 +1,56 @@
 """--save-hf's weights taken from what the save staged (`SaveHandle.kept`): no second device-to-host copy, no read
 back from storage.
 
-Each rank kept the model weights it wrote: its TP / PP / EP pieces, which the published index lists by rank. The
-export's plan (the offline tool's, `tools.hf.export.plan_source`) puts each transformers tensor in a safetensors
-file, and file k's rank (k mod world) needs the megatron-core units (a layer, a layer's expert) its tensors are
-split from. From the index and the plan alone every rank computes the same schedule: for each unit in plan order,
-each kept piece of it goes to each rank whose files need it, one message with its own tag, over a gloo group of
-the export's own (never the training thread's). A rank posts all its sends at once (views of its kept bytes,
-nothing copied), then receives unit by unit as the tool's writer asks for them, and assembles each unit as the
-tool's reader assembles it from the checkpoint: the same tensors, so the same bytes.
+Each rank kept the model weights it wrote: its TP / PP / EP pieces. Which rank holds which piece is gathered from
+the kept items themselves (`layout`, on the export's group), not read from the checkpoint's index, so an export
+reads no file of the checkpoint and --ckpt-keep-last may retire it before the export starts. The export's plan
+(the offline tool's, `tools.hf.export.plan_source`) puts each transformers tensor in a safetensors file, and file
+k's rank (k mod world) needs the megatron-core units (a layer, a layer's expert) its tensors are split from. From
+the pieces and the plan alone every rank computes the same schedule: for each unit in plan order, each kept piece
+of it goes to each rank whose files need it, one message with its own tag, over a gloo group of the export's own
+(never the training thread's). A rank posts all its sends at once (views of its kept bytes, nothing copied), then
+receives unit by unit as the tool's writer asks for them, and assembles each unit as the tool's reader assembles
+it from the checkpoint: the same tensors, so the same bytes.
 """
 from __future__ import annotations
 
 import collections
+from typing import NamedTuple
+
 import torch
 
-from datastates import Box, CheckpointError, dtype_from_name, read_index
+from datastates import Box, CheckpointError, dtype_from_name
+
+
+class Piece(NamedTuple):
+    """A kept item of `rank`: what the checkpoint's index lists of it (picklable: gathered to every rank)."""
+    rank: int
+    id: str
+    name: str
+    dtype: str
+    box: Box
+    global_shape: tuple
+
+
+def layout(kept, rank: int) -> list[Piece]:
+    """This rank's kept pieces."""
+    return [Piece(rank, it.id, it.name, it.dtype, Box(tuple(it.global_offset or ()), tuple(it.shape or ())),
+                  tuple(it.global_shape or ())) for it in kept.items()]
 
 
 class StagedSource:
     """The export source interface of `tools.hf` (`tensors`, `args()`, `path`, `read(name, index)`, `close`) over
-    the ranks' kept weights: `start(plan, shards)` on every rank, then `read` the units of this rank's files."""
+    the ranks' kept weights: `start(plan, shards)` on every rank, then `read` the units of this rank's files.
+    `pieces`: every rank's `layout`, in rank order (the same on every rank)."""
 
-    def __init__(self, ckpt_dir: str, kept, saved_args, rank: int, world_size: int, group):
+    def __init__(self, ckpt_dir: str, kept, pieces: list[Piece], saved_args, rank: int, world_size: int, group):
         self.path, self._kept, self._args = ckpt_dir, kept, saved_args
         self.rank, self.world_size, self.group = rank, world_size, group
-        index = read_index(ckpt_dir)  # names, shapes and who wrote which piece
         self._pieces: dict[str, list] = collections.defaultdict(list)
         self.tensors: dict[str, tuple] = {}
-        for r in range(index.world_size):
-            for shard in index.part(r).shards(r):
-                if shard.kind == "tensor":
-                    self._pieces[shard.name].append(shard)
-                    self.tensors[shard.name] = (shard.global_shape, dtype_from_name(shard.dtype))
+        for shard in pieces:
+            self._pieces[shard.name].append(shard)
+            self.tensors[shard.name] = (shard.global_shape, dtype_from_name(shard.dtype))
         self._incoming: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         self._sends: list = []
 

@@ -130,7 +130,8 @@ class CheckpointManager:
             self._one_storage_save_on_pages()
             memory = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
         # --save-hf: the save keeps the model weights it stages for the export (a due or the run's last checkpoint)
-        keep = None if self.hf is None else self.hf.keep(iteration, last=iteration >= self.args.train_iters)
+        last = iteration >= self.args.train_iters
+        keep = None if self.hf is None else self.hf.keep(iteration, last)
         try:
             started = self.checkpoint_format.save(
                 state, iteration, from_save=memory if self.tier is None or self.tier.engine.codec is None else None,
@@ -147,6 +148,8 @@ class CheckpointManager:
         if self.mode is SaveMode.SYNC:
             started.join()  # synchronous baseline: training stalls until durable and published
         self._started(STORAGE, started, t0)
+        if keep is not None:  # exported by the export thread once the save is published, not at a maybe_finalize
+            self.hf.submit(iteration, started.path, started.kept, last, saved=started)
         if self.mode is SaveMode.SYNC:
             self.maybe_finalize()
             self.agree_on_failures(iteration)
@@ -223,9 +226,6 @@ class CheckpointManager:
         if handle.error is None:
             stall = outside + handle.stats.blocking_s
             self._record(iteration, handle.stats, stall, level)
-            last = iteration >= self.args.train_iters
-            if level == STORAGE and self.hf is not None and (self.hf.due(iteration) or last):
-                self.hf.submit(iteration, handle.path, handle.kept, last)
         elif level == MEMORY:
             log.warning("rank %d: memory checkpoint of iteration %d failed: %s", self.rank, iteration, handle.error)
         else:

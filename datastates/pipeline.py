@@ -222,7 +222,9 @@ class SavePipeline:
         except OSError as e:
             if source is not None:
                 source.release()
-            raise CheckpointError(f"cannot prepare checkpoint {handle.path!r} ({e.filename!r}): {e.strerror}") from e
+            refused = CheckpointError(f"cannot prepare checkpoint {handle.path!r} ({e.filename!r}): {e.strerror}")
+            self._refused(job, refused)
+            raise refused from e
         handle._lender = (self.storage, job) if self.lends_pages and job.codec is None else None
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == Kind.OBJECT and e.item.write]
@@ -233,6 +235,19 @@ class SavePipeline:
                 raise CheckpointError(f"cannot save {handle.path!r}: {self._broken}")
             self._jobs[handle] = job
         self._queues["copy"].put(job)
+
+    def _refused(self, job: Job, error: CheckpointError) -> None:
+        """A save refused on this rank at its call: its report says so at once (and rank 0's verdict, when it is
+        rank 0's), so that no rank waits for this rank's part until the publication timeout."""
+        if self.world_size == 1:
+            return
+        try:
+            self.coordinator.report(job.seq, None, str(error))
+            if self.rank == 0:
+                self.coordinator.announce(job.seq, f"checkpoint {job.final!r} not published: rank 0: {error}")
+            self.coordinator.done(job.seq)
+        except BaseException as e:  # noqa: BLE001 - the store may be down too: the ranks time out instead
+            log.warning("rank %d: cannot tell the ranks that %s was refused: %s", self.rank, job.final, e)
 
     def close(self) -> None:
         """Stop the stage threads (after the saves queued), then finish retention's deletions."""

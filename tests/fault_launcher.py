@@ -8,6 +8,8 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_KILL_AFTER_SAVE=<it>       once the earlier saves are done, SIGKILL this process right after the save
                                      call of <it> returns (prints FAULT-KILL first)
     FAULT_FAIL_SAVE=<rank>:<it>      on that rank only, the save of <it> fails (an unpicklable object)
+    FAULT_FAIL_PREPARE=<rank>:<it>,...  on those ranks only, the save of <it> is refused at its call: making its
+                                     directory fails (an OSError, EACCES)
     FAULT_FAIL_CLOSE=<rank>:<it>:<s> on that rank only, the save of <it> fails when its data file is closed (every
                                      byte written), after <s> seconds: an OSError (EIO)
     FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
@@ -46,6 +48,7 @@ from datastates import CheckpointEngine, paths  # noqa: E402
 from datastates.memory_tier import LocalTier  # noqa: E402
 from datastates.storage.s3 import MultipartSink  # noqa: E402
 from datastates.storage.posix import FileSink  # noqa: E402
+from datastates.save_root import Publisher  # noqa: E402
 from megatron.training.checkpointing import CheckpointManager  # noqa: E402
 
 
@@ -160,6 +163,16 @@ def sink_close(self, nbytes):
     return _sink_close(self, nbytes)
 
 
+_prepare = Publisher.prepare
+
+
+def prepare(self, final):
+    refused = {tuple(map(int, spec.split(":"))) for spec in os.environ.get("FAULT_FAIL_PREPARE", "").split(",") if spec}
+    if (int(os.environ["RANK"]), paths.iteration_of(final)) in refused:
+        raise OSError(errno.EACCES, "injected refusal", paths.partial_dir(final))
+    return _prepare(self, final)
+
+
 _file_close = FileSink.close
 
 
@@ -213,6 +226,7 @@ if __name__ == "__main__":
     LocalTier.replicate = replicate
     MultipartSink.__init__, MultipartSink.close = sink_init, sink_close
     FileSink.close = file_close
+    Publisher.prepare = prepare
 
     script = os.path.join(os.path.dirname(HERE), "pretrain_gpt.py")
     sys.argv = [script] + sys.argv[1:]

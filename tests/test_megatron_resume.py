@@ -58,3 +58,28 @@ def test_failure_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
     assert min(stopped_at) >= 4 and min(stopped_at) % 2 == 0, stops  # a save point after the failed one
     assert not os.path.isdir(os.path.join(ck, "iter_0000002"))
     assert not os.path.isdir(os.path.join(ck, "iter_0000002.partial"))
+
+
+FAILED = (r"rank (\d): checkpoint of iteration {it} failed, training goes on \(--ckpt-on-failure warn\); the last "
+          r"published checkpoint is still \S+: (.*)")
+
+
+def test_a_save_refused_on_one_rank_is_known_to_every_rank_at_once(tmp_path):
+    """Making the checkpoint's directory fails on one rank at the save call (rank 1's of iteration 2, rank 0's of
+    4): that rank's report says so at once, so the others fail the save naming it and its cause, not at the
+    publication timeout (600 s, the default: past this job's 240 s), and training goes on under warn. (What rank 1
+    wrote of iteration 4 stays as a `.partial` directory that the next start removes: rank 0, which removes a
+    failed save's files, could not make that directory.)"""
+    ck = str(tmp_path / "ck")
+    flags = TINY + ["--global-batch-size", "4", "--train-iters", "5", "--save", ck, "--save-interval", "1",
+                    "--async-ckpt", "--ckpt-on-failure", "warn", "--log-all-ranks"]
+    _, log = torchrun(2, flags, faults=True, env={"FAULT_FAIL_PREPARE": "1:2,0:4"})
+    failed = dict(re.findall(FAILED.format(it=2), log))
+    assert sorted(failed) == ["0", "1"], log[-4000:]
+    assert "rank 1: cannot prepare checkpoint" in failed["0"] and "injected refusal" in failed["0"], failed
+    failed = dict(re.findall(FAILED.format(it=4), log))
+    assert sorted(failed) == ["0", "1"], log[-4000:]
+    assert "rank 0: cannot prepare checkpoint" in failed["1"] and "injected refusal" in failed["1"], failed
+    published = sorted(n for n in os.listdir(ck) if n.startswith("iter_") and not n.endswith(".partial"))
+    assert published == ["iter_0000001", "iter_0000003", "iter_0000005"], os.listdir(ck)
+    assert not os.path.exists(os.path.join(ck, "iter_0000002.partial"))  # rank 0 removed what rank 0 wrote

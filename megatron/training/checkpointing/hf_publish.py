@@ -68,7 +68,7 @@ class Exported:
     path: str
     error: BaseException | None = None
     at: float = 0.0  # time.perf_counter() when it ended
-    seconds: float = 0.0  # how long the export itself took (from its start on the export thread)
+    seconds: float = 0.0  # how long the export took, from its weights kept (its start) to the model published
     newest: str | None = None  # the model `latest` named when it ended (the one that stays newest on a failure)
 
 
@@ -204,9 +204,10 @@ class HFPublisher:
                 if job is None:
                     return
                 iteration, ckpt_dir, kept, last, saved = job
+                filled = kept is not None and kept.wait_filled()  # before the save is durable: kept, then written
                 final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
                 try:
-                    self._export(ckpt_dir, final, kept, last, saved)
+                    self._export(ckpt_dir, final, kept, filled, last, saved)
                     error = None
                 except _SaveFailed:  # the manager reports the failed save; nothing of its export is left
                     continue
@@ -222,11 +223,11 @@ class HFPublisher:
             finally:
                 self._queue.task_done()
 
-    def _export(self, ckpt_dir: str, final: str, kept, last: bool, saved) -> None:
-        """The files are written as soon as every rank's kept weights are complete, while the checkpoint itself is
-        still being written; the model is published (index, rename, `latest`) once the checkpoint is."""
+    def _export(self, ckpt_dir: str, final: str, kept, filled: bool, last: bool, saved) -> None:
+        """The files are written as soon as every rank's kept weights are complete (`filled` on this rank), while
+        the checkpoint itself is still being written; the model is published (index, rename, `latest`) once the
+        checkpoint is."""
         iteration = iteration_of(final)
-        filled = kept is not None and kept.wait_filled()  # before the save is durable: kept before written
         why = None if filled else ("its save was not due for an export" if kept is None else
                                    kept.why or "its save ended before all its weights were kept")
         reports = self._gather((why, layout(kept, self.rank) if why is None else None,

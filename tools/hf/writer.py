@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,9 @@ class ShardedWriter:
         self._sink = None  # the open shard's data object
         self._offset = 0
         self._shard = -1
+        # a finished file is closed (made durable: fsync, or an upload completed) while the next one is written
+        self._closer = ThreadPoolExecutor(1, thread_name_prefix="hf-close")
+        self._closing: list = []
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._queue):
@@ -129,11 +133,19 @@ class ShardedWriter:
     def _close_sink(self) -> None:
         if self._sink is not None:
             sink, self._sink = self._sink, None
-            sink.close(self._offset)  # durable where the storage syncs
+            self._closing.append(self._closer.submit(sink.close, self._offset))  # durable where the storage syncs
+
+    def _closed(self) -> None:
+        """Wait for every file's close; raise the first failure."""
+        closing, self._closing = self._closing, []
+        self._closer.shutdown()
+        for done in closing:
+            done.result()
 
     def close(self) -> None:
-        """Finish the last shard and write the index (which names every tensor's file)."""
+        """Finish the last shard (every file durable) and write the index (which names every tensor's file)."""
         self._close_sink()
+        self._closed()
         if self._next != len(self._queue):
             raise HFError(f"internal: {len(self._queue) - self._next} planned tensors were never written")
         if self.mine is None:
@@ -143,6 +155,10 @@ class ShardedWriter:
         if self._sink is not None:
             self._sink.discard()
             self._sink = None
+        try:
+            self._closed()
+        except Exception:  # noqa: BLE001 - the export failed already: its own error is the one raised
+            pass
 
 
 def write_json(storage: Storage, directory: str, name: str, doc: dict) -> None:

@@ -69,10 +69,11 @@ def test_a_save_refused_on_one_rank_is_known_to_every_rank_at_once(tmp_path):
     4): that rank's report says so at once, so the others fail the save naming it and its cause, not at the
     publication timeout (600 s, the default: past this job's 240 s), and training goes on under warn. (What rank 1
     wrote of iteration 4 stays as a `.partial` directory that the next start removes: rank 0, which removes a
-    failed save's files, could not make that directory.)"""
-    ck = str(tmp_path / "ck")
+    failed save's files, could not make that directory.) With --save-hf, the models of exactly the published
+    checkpoints."""
+    ck, hf = str(tmp_path / "ck"), str(tmp_path / "hf")
     flags = TINY + ["--global-batch-size", "4", "--train-iters", "5", "--save", ck, "--save-interval", "1",
-                    "--async-ckpt", "--ckpt-on-failure", "warn", "--log-all-ranks"]
+                    "--async-ckpt", "--ckpt-on-failure", "warn", "--log-all-ranks", "--save-hf", hf]
     _, log = torchrun(2, flags, faults=True, env={"FAULT_FAIL_PREPARE": "1:2,0:4"})
     failed = dict(re.findall(FAILED.format(it=2), log))
     assert sorted(failed) == ["0", "1"], log[-4000:]
@@ -83,3 +84,6 @@ def test_a_save_refused_on_one_rank_is_known_to_every_rank_at_once(tmp_path):
     published = sorted(n for n in os.listdir(ck) if n.startswith("iter_") and not n.endswith(".partial"))
     assert published == ["iter_0000001", "iter_0000003", "iter_0000005"], os.listdir(ck)
     assert not os.path.exists(os.path.join(ck, "iter_0000002.partial"))  # rank 0 removed what rank 0 wrote
+    # --save-hf: the refusing rank takes its part in dropping the export its peers queued (else their exports
+    # would pair with its next one and wait): a model of every published checkpoint, and of no other
+    assert sorted(os.listdir(hf)) == ["iter_0000001", "iter_0000003", "iter_0000005", "latest"], log[-4000:]

@@ -53,6 +53,9 @@ INDEX = "model.safetensors.index.json"
 LEFTOVER_RE = re.compile(rf"^(iter_\d{{7,}}({re.escape(PARTIAL)}|{re.escape(DELETING)})(\.[\d.]+)?|{POINTER}\.tmp\.\d+)$")
 
 
+REFUSED = object()  # `HFPublisher.submit(saved=REFUSED)`: the save was refused at its call on this rank
+
+
 class _SaveFailed(Exception):
     """The save an export was writing from failed: the export is left out unreported (the save is reported)."""
 
@@ -159,12 +162,12 @@ class HFPublisher:
         return join_path(self.root, name) if name else None
 
     def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False, saved=None) -> None:
-        """Export the checkpoint `ckpt_dir` of `iteration` once those before it are exported and its save `saved`
-        (a `SaveHandle`; None: published already) is published, from the weights the save `kept`
-        (`SaveHandle.kept`, released once exported); the run's `last` is read back from storage when a rank kept
-        none, any other is then dropped. A save that fails is not exported (the manager reports the failure).
-        The export thread waits for the save itself, so the export starts as soon as it is published, whatever
-        the training thread does; every rank submits at its save calls, in the same order."""
+        """Export the checkpoint `ckpt_dir` of `iteration` once those before it are exported, from the weights its
+        save `saved` (a `SaveHandle`; None: published already; REFUSED: refused at its call on this rank) `kept`
+        (`SaveHandle.kept`, released once exported): its files are written as soon as every rank's kept weights
+        are complete, its model published once the save is. The run's `last` is read back from storage when a
+        rank kept none, any other is then dropped. A save that fails is not exported (the manager reports the
+        failure). Every rank submits at its save calls, in the same order, refused ones included."""
         self.submitted = iteration
         self._queue.put((iteration, ckpt_dir, kept, last, saved))
 
@@ -279,7 +282,7 @@ class HFPublisher:
 
     def _outcome(self, saved) -> None:
         """Wait for the save (None: published already); _SaveFailed on every rank when it failed on any."""
-        ok = saved is None or (saved.join() and saved.error is None)
+        ok = saved is None or (saved is not REFUSED and saved.join() and saved.error is None)
         if not all(self._gather(ok)):
             raise _SaveFailed()
 

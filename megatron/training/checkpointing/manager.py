@@ -29,7 +29,7 @@ from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
 from .formats import Written, format_class
-from .hf_publish import ExportDropped, Exported, HFPublisher
+from .hf_publish import REFUSED, ExportDropped, Exported, HFPublisher
 from .state import build_state, current_layout
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class CheckpointManager:
                 keep=keep)
         except CheckpointError as e:  # refused at the call (storage unreachable): as a failure found later
             self._failed(iteration, e)
+            if keep is not None:  # the ranks whose save started queued its export: this rank joins in dropping it
+                self.hf.submit(iteration, checkpoint_dir(self.args.save, iteration), None, last, saved=REFUSED)
             return
         if isinstance(started, Written):
             dt = time.perf_counter() - t0
@@ -148,7 +150,7 @@ class CheckpointManager:
         if self.mode is SaveMode.SYNC:
             started.join()  # synchronous baseline: training stalls until durable and published
         self._started(STORAGE, started, t0)
-        if keep is not None:  # exported by the export thread once the save is published, not at a maybe_finalize
+        if keep is not None:  # written by the export thread once the weights are kept, published with the save
             self.hf.submit(iteration, started.path, started.kept, last, saved=started)
         if self.mode is SaveMode.SYNC:
             self.maybe_finalize()

@@ -5,6 +5,7 @@ test_megatron_state.py.)
    thread): the run resumes from the last *published* checkpoint and matches the uninterrupted losses bit for
    bit (the printed loss is the repr of the float), also with --deterministic-mode on the resumed run.
 2. --ckpt-on-failure stop with a save that fails on one rank only: every rank stops at the same iteration.
+3. A save refused at its call on one rank (2 ranks, with --save-hf): every rank learns it at once, no wait.
 """
 import re
 import os

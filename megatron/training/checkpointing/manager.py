@@ -113,7 +113,10 @@ class CheckpointManager:
     def save(self, iteration: int, consumed: int) -> None:
         """Checkpoint `iteration` to --save; in LAZY_ASYNC mode this returns before anything is copied."""
         if not self.records and not self._newest:  # for the message of a failed save (`_failed`)
-            self._published_before_run = read_latest(self.args.save)
+            try:
+                self._published_before_run = read_latest(self.args.save)
+            except CheckpointError:  # storage unreachable now: the save itself fails and says so
+                self._published_before_run = None
         t0 = time.perf_counter()
         if self.hf is not None:  # for the export's time from the save call to its model published
             self._save_called[iteration] = t0

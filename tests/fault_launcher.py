@@ -177,13 +177,11 @@ _file_close = FileSink.close
 
 
 def file_close(self, nbytes):
-    fail = os.environ.get("FAULT_FAIL_CLOSE")
+    fail = _spec("FAULT_FAIL_CLOSE")
     if fail:
-        rank, it, seconds = fail.split(":")
         checkpoint = os.path.dirname(self.path).removesuffix(paths.PARTIAL)
-        if self.path.endswith(".data") and (int(rank), int(it)) == (int(os.environ["RANK"]),
-                                                                     paths.iteration_of(checkpoint)):
-            time.sleep(float(seconds))
+        if self.path.endswith(".data") and fail[:2] == [int(os.environ["RANK"]), paths.iteration_of(checkpoint)]:
+            time.sleep(fail[2])
             raise OSError(errno.EIO, f"injected failure closing {self.path}")
     return _file_close(self, nbytes)
 

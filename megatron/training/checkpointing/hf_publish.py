@@ -114,10 +114,11 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
 
 
 class HFPublisher:
-    """One rank's exporter: `submit` queues a save, a thread exports each once published, one at a time, in order.
-    Every rank writes its share of the safetensors files (shard k on rank k mod world) from the units those hold,
-    assembled from the weights the ranks kept (rank 0 also config.json and the tokenizer); each reports to rank 0
-    through the torch.distributed store, and rank 0 then writes the index and publishes. `finished` / `drain` hand
+    """One rank's exporter: `submit` queues a save, a thread exports them one at a time, in order. Every rank
+    writes its share of the safetensors files (shard k on rank k mod world) from the units those hold, assembled
+    from the weights the ranks kept (rank 0 also config.json and the tokenizer), as soon as they are kept; each
+    reports to rank 0 through the torch.distributed store, and rank 0, once the checkpoint is published, writes
+    the index and publishes. `finished` / `drain` hand
     back, on rank 0, what ended (the manager reports failures as failed saves, drops as warnings). Collective at
     construction (the export's gloo group)."""
 

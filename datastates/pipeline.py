@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -422,8 +423,9 @@ class SavePipeline:
                 if slot.job.handle.kept is not None:  # before the slot is encoded, written and reused
                     slot.job.handle.kept.take(slot.buffer, slot.segments)
                 if slot.job.codec is not None:
-                    encoding.append((slot, [self._encoder.submit(_encode, slot.job.codec, slot.buffer, run)
-                                            for run in _runs(slot.segments, self._encode_threads)]))
+                    runs = _runs(slot.segments, len(slot.segments) if slot.file_offset == 0 else self._encode_threads)
+                    encoding.append((slot, [(run, self._encoder.submit(_encode, slot.job.codec, slot.buffer, run))
+                                            for run in runs]))
                     while len(encoding) > self._encode_ahead:
                         complete_q.put(self._write_encoded(*encoding.popleft()))
                     continue
@@ -436,33 +438,36 @@ class SavePipeline:
             complete_q.put(self._write_encoded(*encoding.popleft()))
         complete_q.put(STOP)
 
-    def _write_encoded(self, slot, encoded: list[Future]) -> tuple:
+    def _write_encoded(self, slot, encoded: list[tuple[list, Future]]) -> tuple:
         """Pack a slot's stored chunks (encoded, or raw where the codec did not make them smaller) to its front,
         record each tensor chunk's codec and stored size and each item's offset, and submit the packed bytes
-        at the job's next position: the chunks of a compressed save lie back to back."""
+        at the job's next position, run by run as each is encoded: the chunks of a compressed save lie back to
+        back. Returns the slot and what waits for every submit (the slot is lent until then)."""
         job = slot.job
         if job.failed:
             return slot, None
+        out, pos, submitted = slot.buffer.numpy(), 0, []
         try:
-            stored = [data for run in encoded for data in run.result()]
-            out, pos, segments = slot.buffer.numpy(), 0, []
-            for (start, n, item, index), data in zip(slot.segments, stored):
-                m = n if data is None else len(data)
-                out[pos:pos + m] = out[start:start + n] if data is None else np.frombuffer(data, np.uint8)
-                if index == 0:  # applied once the copier is done: it lays out later chunks by the plan's
-                    job.packed.append((item, job.position + pos))
-                if item.kind == Kind.TENSOR:
-                    if item.stored is None:
-                        item.codec, item.stored = job.codec.name, [0] * len(item.crcs)
-                    item.stored[index] = m
-                segments.append((pos, m))
-                pos += m
-            done = job.data.submit(slot.buffer[:pos], job.position, segments)
-            job.position += pos
-            return slot, done
+            for run, future in encoded:
+                first, segments = pos, []
+                for (start, n, item, index), data in zip(run, future.result()):
+                    m = n if data is None else len(data)
+                    out[pos:pos + m] = out[start:start + n] if data is None else np.frombuffer(data, np.uint8)
+                    if index == 0:  # applied once the copier is done: it lays out later chunks by the plan's
+                        job.packed.append((item, job.position + pos))
+                    if item.kind == Kind.TENSOR:
+                        if item.stored is None:
+                            item.codec, item.stored = job.codec.name, [0] * len(item.crcs)
+                        item.stored[index] = m
+                    segments.append((pos - first, m))
+                    pos += m
+                submitted.append(job.data.submit(slot.buffer[first:pos], job.position + first, segments))
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
-            return slot, None
+            return slot, functools.partial(_drained, submitted)
+        finally:
+            job.position += pos
+        return slot, functools.partial(_crcs, submitted)
 
     def _completer(self) -> None:
         complete_q = self._queues["complete"]
@@ -569,9 +574,11 @@ class SavePipeline:
 
 
 def _runs(segments: list, n: int) -> list[list]:
-    """A slot's segments cut, in order, into at most `n` runs of about equal bytes, one encoder job each: every
-    encoder thread works on the slot at once, so its bytes reach storage n times sooner (on a link-bound object
-    store the first slot's encoding was most of what a compressed save added before its first byte went up)."""
+    """A slot's segments cut, in order, into at most `n` runs of about equal bytes, one encoder job each, each
+    written once it is encoded: every encoder thread works on the slot at once, so its bytes reach storage n times
+    sooner. The slot holding a save's first bytes is cut into one run per chunk (the flusher's `n`): on a
+    link-bound object store the wait for its encoding was most of what a compressed save added before its first
+    byte went up."""
     total, runs, run, done = sum(seg[1] for seg in segments) or 1, [], [], 0
     for seg in segments:
         run.append(seg)
@@ -580,6 +587,21 @@ def _runs(segments: list, n: int) -> list[list]:
             runs.append(run)
             run = []
     return runs + [run] if run else runs
+
+
+def _crcs(submitted: list) -> list[int]:
+    """The crc32c of every segment of a slot written in several submits, in order (each waited for)."""
+    return [crc for done in submitted for crc in done()]
+
+
+def _drained(submitted: list) -> list[int]:
+    """Wait for the submits of a slot whose save failed (the storage may still read the slot); no crc32c."""
+    for done in submitted:
+        try:
+            done()
+        except Exception:  # noqa: BLE001 - the save failed already: its own error is the one reported
+            pass
+    return []
 
 
 def _encode(codec: Codec, buffer: torch.Tensor, segments: list) -> list[bytes | None]:

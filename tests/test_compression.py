@@ -384,3 +384,26 @@ def test_a_process_forked_after_a_compressed_load_loads_compressed_checkpoints(t
         proc.kill()
         proc.join()
     assert proc.exitcode == 0 and results.get(timeout=5) is True
+
+
+def test_a_compressed_save_that_fills_the_store_part_way_fails_and_the_next_one_is_whole():
+    """The store fills up part way through a compressed save (at several points, so that one lands after the first
+    of a slot's runs was submitted and one on the first): each save fails naming its checkpoint and the cause, the
+    last good checkpoint stays the latest and loads, and the engine's next save (its slots handed back, none still
+    lent to a write) is whole."""
+    from datastates import paths, tracker
+    storage, root = MemoryStorage(), "mem://run"
+    want = {f"t{i}": tensors(torch.bfloat16 if i % 2 else torch.float32, 40_000, i) for i in range(12)}
+    with CheckpointEngine(host_buffer_bytes=256 << 10, storage=storage, compress="bytegroup-zstd") as eng:
+        eng.save(dict(want, step=1), paths.checkpoint_dir(root, 1)).wait()
+        stored = storage.stat(paths.join(paths.checkpoint_dir(root, 1), paths.data_file(0))).size
+        for k, room in enumerate(range(stored // 2, stored // 2 + 16_000, 4_000)):  # a run stores about 11.5 KB
+            storage.capacity = sum(len(v) for v in storage.objects.values()) + room
+            with pytest.raises(CheckpointError, match=rf"iter_000000{2 + k}.*no space left"):
+                eng.save(dict(want, step=2 + k), paths.checkpoint_dir(root, 2 + k)).wait()
+            assert tracker.read_latest(root, storage) == 1
+            assert eng.load(root)["step"] == 1
+        storage.capacity = None
+        eng.save(dict(want, step=9), paths.checkpoint_dir(root, 9)).wait()
+        got = eng.load(root)
+    assert got["step"] == 9 and all(as_bytes(got[k]) == as_bytes(want[k]) for k in want)

@@ -157,13 +157,15 @@ class MultipartSink(DataSink):
                 take = min(n - pos, DIRECT_PART_MAX)
                 direct.append(self._upload(view[pos:pos + take]))
             else:
-                take = min(n - pos, self.part_bytes - self.fill)
+                # the first part goes up at S3's smallest part size, so the link starts as soon as it may
+                limit = self.part_bytes if self.parts else PART_MIN
+                take = min(n - pos, limit - self.fill)
                 if self.pending is None:
                     self.buffers.acquire()
                     self.pending = bytearray(self.part_bytes)
                 self.pending[self.fill:self.fill + take] = view[pos:pos + take]
                 self.fill += take
-                if self.fill == self.part_bytes:
+                if self.fill == limit:
                     self._ship_pending()
             pos += take
         return functools.partial(self._done, direct, crcs)

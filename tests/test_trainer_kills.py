@@ -15,7 +15,7 @@ import trainer_kills  # noqa: E402
 def test_whole_job_kill_verify_resume(tmp_path, model):
     """SIGKILL every process of the job after a checkpoint; `inspect_checkpoint --verify` passes on the latest
     published checkpoint, and the next run resumes at the iteration after it with the same losses."""
-    c = trainer_kills.run_campaign(1, str(tmp_path), seed=0, train_iters=20, max_delay=1.5, model=model)
+    c = trainer_kills.run_campaign(1, str(tmp_path), seed=0, train_iters=14, max_delay=1.5, model=model)
     table = c.table()
     assert not c.violations, "\n".join(c.violations) + "\n" + table
     assert c.stats["kills (whole job)"] == 1

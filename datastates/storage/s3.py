@@ -157,8 +157,9 @@ class MultipartSink(DataSink):
                 take = min(n - pos, DIRECT_PART_MAX)
                 direct.append(self._upload(view[pos:pos + take]))
             else:
-                # the first part goes up at S3's smallest part size, so the link starts as soon as it may
-                limit = self.part_bytes if self.parts else PART_MIN
+                # the first part goes up at S3's smallest part size (or the part size, when smaller), so the
+                # link starts as soon as it may
+                limit = self.part_bytes if self.parts else min(PART_MIN, self.part_bytes)
                 take = min(n - pos, limit - self.fill)
                 if self.pending is None:
                     self.buffers.acquire()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """--save-hf's cost, with the real trainer: the same run with and without a Hugging Face export at every checkpoint.
 
-    python benchmarks/hf_export.py [--quick] [--ranks N] [--out DIR]
+    python benchmarks/hf_export.py [--quick | --large] [--ranks N] [--out DIR]
 
 Reports (docs/huggingface.md, "Published while training"; issue 44's targets):
 - loop ratio: the median `elapsed time per iteration` (iterations 2..N) with the export over without it;
@@ -37,6 +37,8 @@ FULL = ["--num-layers", "6", "--hidden-size", "512", "--ffn-hidden-size", "1408"
         "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "8192"]
 QUICK = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "704", "--num-attention-heads", "8",
          "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "4096"]
+LARGE = ["--num-layers", "8", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12",
+         "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "32000"]  # ~425 MB of fp32
 BUDGET_GB = 0.25
 
 
@@ -101,6 +103,7 @@ def offline(save: str, work: str, shard: int) -> tuple[float, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller model, fewer iterations, one round")
+    ap.add_argument("--large", action="store_true", help="a model of about 425 MB (fp32), 8 iterations")
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--out", default="/tmp/hf_export_bench")
@@ -108,7 +111,7 @@ def main(argv=None) -> None:
                     help="safetensors files of at most this size (spread over the ranks), in both exports [4]")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    model, iters, interval = (QUICK, 8, 2) if a.quick else (FULL, 12, 2)
+    model, iters, interval = (QUICK, 8, 2) if a.quick else (LARGE, 8, 2) if a.large else (FULL, 12, 2)
     rounds = a.rounds or (1 if a.quick else 2)
     shard = int(a.shard_mb * 2**20)
     batch = str(2 * a.ranks)

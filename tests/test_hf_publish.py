@@ -9,6 +9,7 @@ export (a warning), and the run's last model is then read back. An EP2 run publi
 the same bytes. A job SIGKILLed in the middle of an export leaves `latest` naming the previous complete model, and
 the next start removes the leftovers. What the offline tool refuses is refused at start-up.
 """
+import itertools
 import os
 import re
 import subprocess
@@ -107,6 +108,45 @@ def test_storage_written_from_the_memory_tier_exports_from_memory(tmp_path):
         convert("--from", "datastates", "--to", "hf", "--input", os.path.join(save, f"iter_{it:07d}"),
                 "--output", offline, "--max-shard-size", SHARD)
         assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
+    assert_each_stage_writes_its_own_layers(os.path.join(save, "iter_0000004"))
+
+
+def assert_each_stage_writes_its_own_layers(ckpt: str) -> None:
+    """The files' ranks (`Pieces.owners`) on the run's real layout (PP2: each rank keeps its stage's layers): as
+    many files a rank as round robin gives, and the fewest bytes passed between the ranks of any such choice
+    (fewer than round robin's)."""
+    from datastates import Box, CheckpointReader
+    from datastates.schema import Kind
+    from megatron.training.checkpointing.hf_staged import Piece, Pieces
+    from tools.hf.export import is_model_tensor, plan_export
+    with CheckpointReader.open(ckpt) as reader:
+        opened = reader.checkpoint
+        pieces = [Piece(r, it.id, it.name, it.dtype, Box(tuple(it.global_offset), tuple(it.shape)),
+                        tuple(it.global_shape)) for r in range(opened.world_size) for it in opened.items(r).values()
+                  if it.kind == Kind.TENSOR and it.write and it.name and is_model_tensor(it.name)]
+    plan = plan_export("datastates", ckpt, drop_mtp=True)
+    try:
+        shards = plan.shards(int(SHARD))
+        layout = Pieces(pieces)
+        owners = layout.owners(plan, shards, 2)
+        assert sorted(owners.count(r) for r in (0, 1)) == sorted([len(shards) // 2, len(shards) - len(shards) // 2])
+
+        def passed(owners: list[int]) -> int:  # the bytes of the units a file's rank does not keep itself
+            file_of = {e.name: k for k, shard in enumerate(shards) for e in shard}
+            total = 0
+            for rule, index in plan.units():
+                name, at = rule.megatron, tuple(rule.at) + tuple(index)
+                for dst in {owners[file_of[x]] for x in rule.names(index)}:
+                    total += sum(box.volume() * layout.tensors[name][1].itemsize
+                                 for piece, box in layout.overlaps(name, layout.unit(name, at)) if piece.rank != dst)
+            return total
+        balanced = [list(a) for a in itertools.product((0, 1), repeat=len(shards))
+                    if abs(2 * a.count(0) - len(shards)) <= 1]
+        fewest = min(passed(a) for a in balanced)
+        assert len(shards) >= 4 and fewest < passed([k % 2 for k in range(len(shards))])  # round robin
+        assert passed(owners) == fewest, (passed(owners), fewest, owners)
+    finally:
+        plan.close()
 
 
 def test_weights_beyond_the_staging_budget_drop_the_export_and_the_last_is_read_back(tmp_path):

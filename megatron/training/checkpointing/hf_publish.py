@@ -4,8 +4,9 @@ Beside the checkpoint: the save keeps the model weights it staged (`CheckpointEn
 are kept (before the checkpoint is durable) every rank writes them on a thread of its own, through the offline
 tool's own plan and writer (`tools/hf/export.py`: the same architecture registry, mapping and safetensors
 writer), so a model published here is byte for byte what `convert_checkpoint.py --to hf` writes from that
-checkpoint with the same shard size. Rank k writes safetensors files k, k + world, ..., built from the pieces the
-ranks kept, passed over a gloo group of the export's own (`hf_staged`); rank 0, once every rank reported through
+checkpoint with the same shard size. Each rank writes its share of the safetensors files (those whose bytes it
+mostly keeps already), built from the pieces the ranks kept, passed over a gloo group of the export's own
+(`hf_staged`); rank 0, once every rank reported through
 the store and the checkpoint is published, writes the index and publishes (a failed save's files are removed). A
 save whose weights do not fit in what is left of the staging budget (exports falling behind) keeps none: its
 export is dropped, never waited for, except the run's last checkpoint's, which is then read back from storage.
@@ -73,6 +74,8 @@ class Exported:
     at: float = 0.0  # time.perf_counter() when it ended
     seconds: float = 0.0  # how long the export took, from its weights kept (its start) to the model published
     newest: str | None = None  # the model `latest` named when it ended (the one that stays newest on a failure)
+    written: float | None = None  # from its start to every rank's files written (the export's own work; the
+    # rest is the wait for its checkpoint to be published); None when it wrote none (published already)
 
 
 def read_pointer(storage: Storage, root: str) -> str | None:
@@ -115,7 +118,7 @@ def clean_leftovers(storage: Storage, root: str) -> list[str]:
 
 class HFPublisher:
     """One rank's exporter: `submit` queues a save, a thread exports them one at a time, in order. Every rank
-    writes its share of the safetensors files (shard k on rank k mod world) from the units those hold, assembled
+    writes its share of the safetensors files (`StagedSource.owners`) from the units those hold, assembled
     from the weights the ranks kept (rank 0 also config.json and the tokenizer), as soon as they are kept; each
     reports to rank 0 through the torch.distributed store, and rank 0, once the checkpoint is published, writes
     the index and publishes. `finished` / `drain` hand
@@ -210,8 +213,9 @@ class HFPublisher:
                 iteration, ckpt_dir, kept, last, saved = job
                 filled = kept is not None and kept.wait_filled()  # before the save is durable: kept, then written
                 final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
+                written = None
                 try:
-                    self._export(ckpt_dir, final, kept, filled, last, saved)
+                    written = self._export(ckpt_dir, final, kept, filled, last, saved)
                     error = None
                 except _SaveFailed:  # the manager reports the failed save; nothing of its export is left
                     continue
@@ -223,14 +227,15 @@ class HFPublisher:
                 now = time.perf_counter()
                 if self.rank == 0:  # the job's verdict
                     with self._lock:
-                        self._done.append(Exported(iteration, final, error, now, now - t0, self.newest()))
+                        self._done.append(Exported(iteration, final, error, now, now - t0, self.newest(),
+                                                   None if written is None else written - t0))
             finally:
                 self._queue.task_done()
 
-    def _export(self, ckpt_dir: str, final: str, kept, filled: bool, last: bool, saved) -> None:
+    def _export(self, ckpt_dir: str, final: str, kept, filled: bool, last: bool, saved) -> float | None:
         """The files are written as soon as every rank's kept weights are complete (`filled` on this rank), while
         the checkpoint itself is still being written; the model is published (index, rename, `latest`) once the
-        checkpoint is."""
+        checkpoint is. On rank 0, when every rank's files were written (None: it wrote none)."""
         iteration = iteration_of(final)
         why = None if filled else ("its save was not due for an export" if kept is None else
                                    kept.why or "its save ended before all its weights were kept")
@@ -241,7 +246,7 @@ class HFPublisher:
             if self.rank == 0:
                 log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
                 self._name(final)
-            return
+            return None
         missing = {r: w for r, (w, _, _) in enumerate(reports) if w is not None}
         if missing:  # nothing to write from before the checkpoint is published: its outcome first
             self._outcome(saved)
@@ -266,7 +271,8 @@ class HFPublisher:
         try:
             self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
             if self.rank != 0:
-                return
+                return None
+            written = time.perf_counter()
             if saved is not None and saved.join() and saved.error is not None:  # rank 0 publishes the checkpoint
                 log.info("--save-hf: the checkpoint of iteration %d failed: the model files written beside it are "
                          "removed", iteration)
@@ -280,6 +286,7 @@ class HFPublisher:
                 self._discard(directory)
             raise
         self._name(final)
+        return written
 
     def _outcome(self, saved) -> None:
         """Wait for the save (None: published already); _SaveFailed on every rank when it failed on any."""
@@ -337,7 +344,9 @@ class HFPublisher:
         """This rank's safetensors files (and rank 0's config.json and tokenizer), through the offline tool's own
         writer: one mapping, the same bytes (rank 0 indexes them once all are written)."""
         from tools.hf.export import write_metadata, write_tensors
-        mine = {k for k in range(len(shards)) if k % self.world_size == self.rank}
+        owners = plan.source.owners if isinstance(plan.source, StagedSource) else [
+            k % self.world_size for k in range(len(shards))]  # read back from storage: any rank reads any unit
+        mine = {k for k, r in enumerate(owners) if r == self.rank}
         if mine:
             write_tensors(plan, self.storage, directory, shards, mine)
         if self.rank == 0:

@@ -4,13 +4,14 @@ back from storage.
 Each rank kept the model weights it wrote: its TP / PP / EP pieces. Which rank holds which piece is gathered from
 the kept items themselves (`layout`, on the export's group), not read from the checkpoint's index, so an export
 reads no file of the checkpoint and --ckpt-keep-last may retire it before the export starts. The export's plan
-(the offline tool's, `tools.hf.export.plan_source`) puts each transformers tensor in a safetensors file, and file
-k's rank (k mod world) needs the megatron-core units (a layer, a layer's expert) its tensors are split from. From
-the pieces and the plan alone every rank computes the same schedule: for each unit in plan order, each kept piece
-of it goes to each rank whose files need it, one message with its own tag, over a gloo group of the export's own
-(never the training thread's). A rank posts all its sends at once (views of its kept bytes, nothing copied), then
-receives unit by unit as the tool's writer asks for them, and assembles each unit as the tool's reader assembles
-it from the checkpoint: the same tensors, so the same bytes.
+(the offline tool's, `tools.hf.export.plan_source`) puts each transformers tensor in a safetensors file, and a
+file's rank (the one that keeps most of its bytes, as many files a rank as round robin gives) needs the
+megatron-core units (a layer, a layer's expert) its tensors are split from. From the pieces and the plan alone
+every rank computes the same schedule: for each unit in plan order, each kept piece of it goes to each rank whose
+files need it, one message with its own tag, over a gloo group of the export's own (never the training thread's).
+A rank posts all its sends at once (views of its kept bytes, nothing copied), then receives unit by unit in the
+writer's order, the next unit's receives posted before this one is written, and assembles each unit as the tool's
+reader assembles it from the checkpoint: the same tensors, so the same bytes.
 """
 from __future__ import annotations
 
@@ -38,6 +39,54 @@ def layout(kept, rank: int) -> list[Piece]:
                   tuple(it.global_shape or ())) for it in kept.items()]
 
 
+class Pieces:
+    """Every rank's kept pieces, by tensor: which hold a megatron-core unit, and which rank writes each file."""
+
+    def __init__(self, pieces: list[Piece]):
+        self.by_name: dict[str, list[Piece]] = collections.defaultdict(list)
+        self.tensors: dict[str, tuple] = {}  # name: (global shape, dtype)
+        for piece in pieces:
+            self.by_name[piece.name].append(piece)
+            self.tensors[piece.name] = (piece.global_shape, dtype_from_name(piece.dtype))
+
+    def unit(self, name: str, index: tuple) -> Box:
+        shape = self.tensors[name][0]
+        return Box(tuple(index) + (0,) * (len(shape) - len(index)), (1,) * len(index) + tuple(shape[len(index):]))
+
+    def overlaps(self, name: str, unit: Box) -> list:
+        """(piece, the box of the unit it holds) of every written piece of the unit."""
+        return [(p, b) for p in self.by_name[name] if (b := p.box.overlap(unit)) is not None]
+
+    def owners(self, plan, shards: list, world_size: int) -> list[int]:
+        """The rank that writes each file: as many files a rank as round robin gives (within one), each where most
+        of the bytes its units are made of are kept already, so that the fewest bytes pass between ranks (PP stages
+        write their own layers; DP replicas' weights are spread over the ranks by the save). The same on every
+        rank: from the plan and the gathered pieces alone."""
+        n = len(shards)
+        file_of = {e.name: k for k, shard in enumerate(shards) for e in shard}
+        held = collections.defaultdict(int)  # (file, rank): bytes of the file's units kept on the rank
+        for rule, index in plan.units():
+            name, at = rule.megatron, tuple(rule.at) + tuple(index)
+            for k in {file_of[x] for x in rule.names(index) if x in file_of}:
+                for piece, box in self.overlaps(name, self.unit(name, at)):
+                    held[(k, piece.rank)] += box.volume() * self.tensors[name][1].itemsize
+        low, extra = divmod(n, world_size)  # every rank writes `low` files, `extra` of the ranks one more
+        count, owners = [0] * world_size, [None] * n
+
+        def room(r: int) -> bool:
+            return count[r] < low or (count[r] == low and sum(c > low for c in count) < extra)
+
+        def take(k: int, r: int) -> None:
+            owners[k], count[r] = r, count[r] + 1
+        for (k, r), _ in sorted(held.items(), key=lambda kv: (-kv[1], kv[0])):
+            if owners[k] is None and room(r):
+                take(k, r)
+        for k in range(n):  # a file none of whose bytes are kept on a rank with room: the least loaded rank
+            if owners[k] is None:
+                take(k, min((r for r in range(world_size) if room(r)), key=lambda r: (count[r], r)))
+        return owners
+
+
 class StagedSource:
     """The export source interface of `tools.hf` (`tensors`, `args()`, `path`, `read(name, index)`, `close`) over
     the ranks' kept weights: `start(plan, shards)` on every rank, then `read` the units of this rank's files.
@@ -46,35 +95,28 @@ class StagedSource:
     def __init__(self, ckpt_dir: str, kept, pieces: list[Piece], saved_args, rank: int, world_size: int, group):
         self.path, self._kept, self._args = ckpt_dir, kept, saved_args
         self.rank, self.world_size, self.group = rank, world_size, group
-        self._pieces: dict[str, list] = collections.defaultdict(list)
-        self.tensors: dict[str, tuple] = {}
-        for shard in pieces:
-            self._pieces[shard.name].append(shard)
-            self.tensors[shard.name] = (shard.global_shape, dtype_from_name(shard.dtype))
-        self._incoming: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        self._pieces = Pieces(pieces)
+        self.tensors = self._pieces.tensors
+        self._incoming: collections.deque = collections.deque()  # ((name, unit index), its messages): read order
+        self._posted = None  # ((name, unit index), its receives posted): the unit read next
         self._sends: list = []
+        self.owners: list[int] = []  # each file's rank (`start`)
 
     def args(self):
         return self._args
 
-    def _unit(self, name: str, index: tuple) -> Box:
-        shape = self.tensors[name][0]
-        return Box(tuple(index) + (0,) * (len(shape) - len(index)), (1,) * len(index) + tuple(shape[len(index):]))
-
-    def _overlaps(self, name: str, unit: Box) -> list:
-        """(shard, the box of the unit it holds) of every written piece of the unit."""
-        return [(s, b) for s in self._pieces[name] if (b := s.box.overlap(unit)) is not None]
-
     def start(self, plan, shards: list) -> None:
-        """Post every send of this rank and note every message it is to receive, in the schedule all ranks share."""
-        owner = {e.name: k % self.world_size for k, shard in enumerate(shards) for e in shard}
+        """Choose each file's rank (`owners`), post every send of this rank and note every message it is to
+        receive, in the schedule all ranks share."""
+        self.owners = self._pieces.owners(plan, shards, self.world_size)
+        owner = {e.name: self.owners[k] for k, shard in enumerate(shards) for e in shard}
         tag = 0
         for rule, index in plan.units():
             name, at = rule.megatron, tuple(rule.at) + tuple(index)
-            unit = self._unit(name, at)
+            unit = self._pieces.unit(name, at)
             wanting = sorted({owner[n] for n in rule.names(index)})
             messages = []
-            for shard, box in self._overlaps(name, unit):
+            for shard, box in self._pieces.overlaps(name, unit):
                 for dst in wanting:
                     if shard.rank == dst:
                         continue
@@ -86,17 +128,25 @@ class StagedSource:
                         messages.append((shard, box, tag))
                     tag += 1
             if self.rank in wanting:
-                self._incoming[(name, at)].append(messages)
+                self._incoming.append(((name, at), messages))
 
     def read(self, name: str, index: tuple = ()) -> torch.Tensor:
-        """One unit (as the checkpoint reader's `read`): this rank's own pieces copied, the others received."""
+        """One unit (as the checkpoint reader's `read`): this rank's own pieces copied, the others received; the
+        next unit's receives are posted before this one is assembled, so that its bytes travel while this one is
+        written."""
         shape, dtype = self.tensors[name]
         index = tuple(index)
-        unit = self._unit(name, index)
+        unit = self._pieces.unit(name, index)
+        if self._posted is None:
+            self._post_next()
+        key, pending = self._posted or (None, [])
+        if key != (name, index):
+            raise CheckpointError(f"{self.path!r}: unit {index} of {name!r} read out of the plan's order")
+        self._posted = None
+        self._post_next()
         out = torch.empty(unit.shape, dtype=dtype)
-        pending = [self._receive(*message) for message in self._incoming[(name, index)].popleft()]
         covered = 0
-        for shard, box in self._overlaps(name, unit):
+        for shard, box in self._pieces.overlaps(name, unit):
             covered += box.volume()
             if shard.rank == self.rank:
                 out[box.index(unit.offset)] = self._kept.tensor(shard.id)[box.index(shard.box.offset)]
@@ -108,6 +158,12 @@ class StagedSource:
             out[box.index(unit.offset)] = data.view(dtype).reshape(box.shape)
         return out.reshape(shape[len(index):])
 
+    def _post_next(self) -> None:
+        """Post the receives of the next unit this rank reads (`_posted`), if there is one."""
+        if self._incoming:
+            key, messages = self._incoming.popleft()
+            self._posted = (key, [self._receive(*message) for message in messages])
+
     def _receive(self, shard, box: Box, tag: int) -> tuple:
         """(the receive posted, its buffer, the box it fills)."""
         data = torch.empty(box.volume() * dtype_from_name(shard.dtype).itemsize, dtype=torch.uint8)
@@ -117,13 +173,16 @@ class StagedSource:
         """Take what was sent to this rank and not read (an export that stopped early: no sender waits on it), wait
         for every send, and give the kept bytes back."""
         try:
-            for messages in self._incoming.values():
-                for pending in messages:
-                    for message in pending:
-                        self._receive(*message)[0].wait()
+            if self._posted is not None:
+                for work, _, _ in self._posted[1]:
+                    work.wait()
+            for _, messages in self._incoming:
+                for message in messages:
+                    self._receive(*message)[0].wait()
             for work, _ in self._sends:
                 work.wait()
         finally:
             self._incoming.clear()
+            self._posted = None
             self._sends = []
             self._kept.release()

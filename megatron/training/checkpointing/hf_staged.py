@@ -106,8 +106,8 @@ class StagedSource:
         return self._args
 
     def start(self, plan, shards: list) -> None:
-        """Choose each file's rank (`owners`), post every send of this rank and note every message it is to
-        receive, in the schedule all ranks share."""
+        """Choose each file's rank (`owners`), post every send of this rank, note every message it is to receive
+        in the schedule all ranks share, and post the first unit's receives."""
         self.owners = self._pieces.owners(plan, shards, self.world_size)
         owner = {e.name: self.owners[k] for k, shard in enumerate(shards) for e in shard}
         tag = 0
@@ -129,6 +129,7 @@ class StagedSource:
                     tag += 1
             if self.rank in wanting:
                 self._incoming.append(((name, at), messages))
+        self._post_next()  # the first unit's receives
 
     def read(self, name: str, index: tuple = ()) -> torch.Tensor:
         """One unit (as the checkpoint reader's `read`): this rank's own pieces copied, the others received; the
@@ -137,8 +138,6 @@ class StagedSource:
         shape, dtype = self.tensors[name]
         index = tuple(index)
         unit = self._pieces.unit(name, index)
-        if self._posted is None:
-            self._post_next()
         key, pending = self._posted or (None, [])
         if key != (name, index):
             raise CheckpointError(f"{self.path!r}: unit {index} of {name!r} read out of the plan's order")

@@ -11,6 +11,7 @@ Reports (docs/huggingface.md, "Published while training"; issue 44's targets):
 - the export's own work in the trainer (from the weights kept to every rank's files written; the rest of its time
   is the wait for the checkpoint to be published), and the offline converter on the same checkpoint:
   `convert_checkpoint.py --to hf` as a process (wall) and its export call in this process;
+- the bytes of kept weights passed between the ranks per export (the rest each rank kept itself);
 - peak host memory of the run's process tree (PSS, psutil) with and without, against the staging budget.
 Runs alternate (without, with, with, without, ...); medians over --rounds.
 """
@@ -31,7 +32,7 @@ sys.path.insert(0, ROOT)
 RE_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 RE_HF = re.compile(r"published the Hugging Face model of iteration\s+(\d+): \S+ \| export ms: ([\d.]+) \| files "
                    r"written ms: ([\d.]+) \| ms from the save call: ([\d.]+) \| checkpoint's time to durable ms: "
-                   r"([\d.]+)")
+                   r"([\d.]+) \| bytes passed between ranks: (\d+|-)")
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--mock-data", "--lr", "1e-4", "--lr-decay-style", "constant",
          "--log-interval", "1", "--seed", "1234"]
@@ -76,7 +77,8 @@ def one_run(ranks: int, flags: list[str], work: str, hf: bool, shard: int) -> di
                 first = now - float(m[2]) / 1e3
         elif m := RE_HF.search(line):
             exports.append({"iteration": int(m[1]), "export_ms": float(m[2]), "written_ms": float(m[3]),
-                            "from_save_ms": float(m[4]), "durable_ms": float(m[5])})
+                            "from_save_ms": float(m[4]), "durable_ms": float(m[5]),
+                            "passed": None if m[6] == "-" else int(m[6])})
         elif "> training done" in line:
             done = now
     peak = memory.stop()
@@ -146,6 +148,9 @@ def main(argv=None) -> None:
     print(f"offline converter on the last checkpoint: {wall:.2f} s as a process, {call:.2f} s its export call; the "
           f"trainer's files written in {written:.2f} s (median, from the weights kept): {wall / written:.1f}x and "
           f"{call / written:.1f}x faster")
+    passed = [e["passed"] for e in exports if e["passed"] is not None]
+    if passed:
+        print(f"bytes passed between the ranks per export (median): {statistics.median(passed) / 2**20:.1f} MiB")
     pw, po = (max(x["peak_bytes"] for x in runs[k]) for k in (True, False))
     print(f"peak host memory (PSS of the process tree): {pw / 2**20:.0f} MiB with, {po / 2**20:.0f} MiB without: "
           f"+{(pw - po) / 2**20:.0f} MiB (staging budget {BUDGET_GB * 1024:.0f} MiB per rank)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -78,22 +78,31 @@ def _nbytes(sh) -> int:
     return 1  # objects: tiny, counted so that they spread too
 
 
+PREFERENCE_SLACK = 0.05  # a preferred writer takes at most this much more than an even share of the bytes
+
+
 class ReplicaOwnership:
     """Which rank writes each replicated shard, with the bytes balanced across the ranks that hold it.
 
     `compute(shards)` is a collective over `group` (every rank calls it at the same point, which holds because
     every rank saves at the same iteration); its result is cached under a digest of the local structure, so
-    later saves of an unchanged structure cost nothing. The assignment is deterministic: shards are taken by
-    decreasing size and each goes to the least-loaded of its holders (ties: lowest rank).
+    later saves of an unchanged structure cost nothing. The assignment is deterministic: shards held by one rank
+    are that rank's; then each shard with a preferred writer goes to it while that keeps its bytes within 5% of an
+    even share (`PREFERENCE_SLACK`: the checkpoint's slowest writer stays as fast); the rest, by decreasing size, each to the least-loaded of its holders (ties: lowest rank).
 
     With `group` the data-parallel group, the exchange stays inside it (its cost does not grow with the world):
     a shard is balanced across the DP ranks holding it when it is the main replica in every other dimension of
     megatron-core's replica id (the last component is the DP one); other replicas never write. Without a group
     the whole world balances every shard.
+
+    `prefer(shards)`: {shard identity: the rank of `group` that should write it}, for a caller whose later use of
+    the written bytes wants them there (--save-hf: the rank that writes the weight's Hugging Face file). Called
+    where the assignment is computed, on every rank of the world at the same point (it may be a collective).
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, prefer: Optional[Callable[[list], dict]] = None):
         self.group = group
+        self.prefer = prefer
         self._digest: Optional[str] = None
         self._owned: dict[tuple, bool] = {}
         self.bytes_per_rank: list[int] = []
@@ -122,20 +131,36 @@ class ReplicaOwnership:
             return
         world = dist.get_world_size(self.group)
         me = dist.get_rank(self.group)
+        prefer = self.prefer([sh for sh in shards if self._candidate(sh)]) if self.prefer is not None else {}
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, local, group=self.group)
+        dist.all_gather_object(gathered, [(ident, n, prefer.get(ident)) for ident, n in local], group=self.group)
         holders: dict[tuple, list[int]] = {}
         sizes: dict[tuple, int] = {}
+        preferred: dict[tuple, int] = {}
         for rank, entries in enumerate(gathered):
-            for ident, n in entries:
+            for ident, n, p in entries:
                 holders.setdefault(ident, []).append(rank)
                 sizes[ident] = max(sizes.get(ident, 0), n)
+                if p is not None:
+                    preferred.setdefault(ident, p)
         load = [0] * world
         owner: dict[tuple, int] = {}
-        for ident in sorted(holders, key=lambda i: (-sizes[i], repr(i))):
-            r = min(holders[ident], key=lambda x: (load[x], x))
+
+        def take(ident: tuple, r: int) -> None:
             owner[ident] = r
             load[r] += sizes[ident]
+        order = sorted(holders, key=lambda i: (-sizes[i], repr(i)))
+        for ident in order:
+            if len(holders[ident]) == 1:
+                take(ident, holders[ident][0])
+        most = sum(sizes.values()) / world * (1 + PREFERENCE_SLACK)
+        for ident in order:
+            p = preferred.get(ident)
+            if ident not in owner and p in holders[ident] and load[p] + sizes[ident] <= most:
+                take(ident, p)
+        for ident in order:
+            if ident not in owner:
+                take(ident, min(holders[ident], key=lambda x: (load[x], x)))
         self._owned = {**never, **{ident: owner[ident] == me for ident, _ in local}}
         self.bytes_per_rank = load
         self._digest = digest

@@ -111,40 +111,78 @@ def test_storage_written_from_the_memory_tier_exports_from_memory(tmp_path):
     assert_each_stage_writes_its_own_layers(os.path.join(save, "iter_0000004"))
 
 
+def written_pieces(ckpt: str) -> list:
+    """Every rank's written model weights in the checkpoint's index, as the export's `Piece`s (what the saves kept)."""
+    from datastates import Box, CheckpointReader
+    from datastates.schema import Kind
+    from megatron.training.checkpointing.hf_staged import Piece
+    from tools.hf.export import is_model_tensor
+    with CheckpointReader.open(ckpt) as reader:
+        opened = reader.checkpoint
+        return [Piece(r, it.id, it.name, it.dtype, Box(tuple(it.global_offset), tuple(it.shape)),
+                      tuple(it.global_shape)) for r in range(opened.world_size) for it in opened.items(r).values()
+                if it.kind == Kind.TENSOR and it.write and it.name and is_model_tensor(it.name)]
+
+
+def bytes_passed(plan, shards: list, layout, owners: list[int]) -> int:
+    """The bytes of the units a file's rank does not keep itself: what passes between the ranks."""
+    file_of = {e.name: k for k, shard in enumerate(shards) for e in shard}
+    total = 0
+    for rule, index in plan.units():
+        name, at = rule.megatron, tuple(rule.at) + tuple(index)
+        for dst in {owners[file_of[x]] for x in rule.names(index)}:
+            total += sum(box.volume() * layout.tensors[name][1].itemsize
+                         for piece, box in layout.overlaps(name, layout.unit(name, at)) if piece.rank != dst)
+    return total
+
+
 def assert_each_stage_writes_its_own_layers(ckpt: str) -> None:
     """The files' ranks (`Pieces.owners`) on the run's real layout (PP2: each rank keeps its stage's layers): as
     many files a rank as round robin gives, and the fewest bytes passed between the ranks of any such choice
     (fewer than round robin's)."""
-    from datastates import Box, CheckpointReader
-    from datastates.schema import Kind
-    from megatron.training.checkpointing.hf_staged import Piece, Pieces
-    from tools.hf.export import is_model_tensor, plan_export
-    with CheckpointReader.open(ckpt) as reader:
-        opened = reader.checkpoint
-        pieces = [Piece(r, it.id, it.name, it.dtype, Box(tuple(it.global_offset), tuple(it.shape)),
-                        tuple(it.global_shape)) for r in range(opened.world_size) for it in opened.items(r).values()
-                  if it.kind == Kind.TENSOR and it.write and it.name and is_model_tensor(it.name)]
+    from megatron.training.checkpointing.hf_staged import Pieces
+    from tools.hf.export import plan_export
     plan = plan_export("datastates", ckpt, drop_mtp=True)
     try:
         shards = plan.shards(int(SHARD))
-        layout = Pieces(pieces)
+        layout = Pieces(written_pieces(ckpt))
         owners = layout.owners(plan, shards, 2)
         assert sorted(owners.count(r) for r in (0, 1)) == sorted([len(shards) // 2, len(shards) - len(shards) // 2])
-
-        def passed(owners: list[int]) -> int:  # the bytes of the units a file's rank does not keep itself
-            file_of = {e.name: k for k, shard in enumerate(shards) for e in shard}
-            total = 0
-            for rule, index in plan.units():
-                name, at = rule.megatron, tuple(rule.at) + tuple(index)
-                for dst in {owners[file_of[x]] for x in rule.names(index)}:
-                    total += sum(box.volume() * layout.tensors[name][1].itemsize
-                                 for piece, box in layout.overlaps(name, layout.unit(name, at)) if piece.rank != dst)
-            return total
         balanced = [list(a) for a in itertools.product((0, 1), repeat=len(shards))
                     if abs(2 * a.count(0) - len(shards)) <= 1]
-        fewest = min(passed(a) for a in balanced)
-        assert len(shards) >= 4 and fewest < passed([k % 2 for k in range(len(shards))])  # round robin
-        assert passed(owners) == fewest, (passed(owners), fewest, owners)
+        fewest = min(bytes_passed(plan, shards, layout, a) for a in balanced)
+        assert len(shards) >= 4 and fewest < bytes_passed(plan, shards, layout, [k % 2 for k in range(len(shards))])
+        assert bytes_passed(plan, shards, layout, owners) == fewest, (fewest, owners)
+    finally:
+        plan.close()
+
+
+def assert_replicas_written_where_their_files_are(ckpt: str, log: str) -> None:
+    """DP2 (EP2 at 2 ranks: the dense weights replicated on both): every unit of a replicated weight that lies in
+    one safetensors file was written, in the checkpoint, by the rank that writes that file, and what the export
+    reports passing between the ranks is what the layout implies (the units that span files, the experts)."""
+    from megatron.training.checkpointing.hf_staged import Pieces
+    from tools.hf.export import plan_export
+    plan = plan_export("datastates", ckpt, drop_mtp=True)
+    try:
+        shards = plan.shards(int(SHARD))
+        layout = Pieces(written_pieces(ckpt))
+        owners = layout.owners(plan, shards, 2)
+        file_of = {e.name: k for k, shard in enumerate(shards) for e in shard}
+        checked = 0
+        for rule, index in plan.units():
+            files = {file_of[x] for x in rule.names(index)}
+            if ".experts." in rule.megatron or len(files) != 1:
+                continue
+            name, at = rule.megatron, tuple(rule.at) + tuple(index)
+            ranks = {piece.rank for piece, _ in layout.overlaps(name, layout.unit(name, at))}
+            assert ranks == {owners[files.pop()]}, (name, index, ranks, owners)
+            checked += 1
+        assert checked >= 10 and len(set(owners)) == 2, (checked, owners)
+        iteration = re.search(r"iter_(\d+)", ckpt)[1].lstrip("0")
+        passed = re.search(rf"published the Hugging Face model of iteration {iteration}: .* bytes passed between "
+                           r"ranks: (\d+)", log)
+        assert passed and int(passed[1]) == bytes_passed(plan, shards, layout, owners), (passed, log[-3000:])
     finally:
         plan.close()
 
@@ -242,7 +280,8 @@ def download(s3_server, bucket: str, prefix: str, target: str) -> list[str]:
 
 def test_an_ep2_mixtral_in_bf16_saved_synchronously_published_to_s3(s3_server, tmp_path):
     """Experts spread over 2 ranks (EP2, distributed optimizer), bf16 weights, a synchronous save, the models
-    published to s3:// (SeaweedFS): what a killed export left there (a model without its index, an open multipart
+    published to s3:// (SeaweedFS), each replicated (dense) weight written in the checkpoint by the rank that writes
+    its file: what a killed export left there (a model without its index, an open multipart
     upload) is removed at start, --save-hf-keep-last 1 retires iteration 2's model, and iteration 4's is the
     offline tool's bytes, a bf16 MixtralForCausalLM once downloaded."""
     from test_hf_moe import MIXTRAL
@@ -264,6 +303,7 @@ def test_an_ep2_mixtral_in_bf16_saved_synchronously_published_to_s3(s3_server, t
     offline = str(tmp_path / "offline")
     convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
     assert_same_bytes(os.path.join(published, "iter_0000004"), offline)
+    assert_replicas_written_where_their_files_are(os.path.join(save, "iter_0000004"), log)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(os.path.join(published, "iter_0000004"))
     assert type(model).__name__ == "MixtralForCausalLM" and model.dtype == torch.bfloat16

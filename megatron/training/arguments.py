@@ -273,7 +273,7 @@ def _add_checkpoint_args(p):
                    help="--save-hf: keep the newest K models [all]")
     g.add_argument("--save-hf-max-shard-size", type=int, default=2 << 30, metavar="BYTES",
                    help="--save-hf: safetensors files of at most BYTES, as the conversion tool's --max-shard-size; "
-                        "each rank writes every world-size-th file [2 GiB]")
+                        "spread over the ranks [2 GiB]")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")

@@ -29,6 +29,7 @@ from datastates import (DEFAULT_READ_THREADS, METADATA, Exchange, LoadStats, Sav
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
 from ..virtual_pipeline import chunk_keys
+from .hf_ownership import FileAlignedWriters
 from .state import get_rng_state, state_nbytes
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,13 @@ class DatastatesFormat(CheckpointFormat):
         super().__init__(args, model, optimizer, scheduler)
         self.may_exchange = engine is None
         # replicas are balanced inside the DP group: one small exchange per structure, flat in the world size
-        self.ownership = ReplicaOwnership(group=ps.get_data_parallel_group(with_context_parallel=True)
-                                          if torch.distributed.is_initialized() else None)
+        group = ps.get_data_parallel_group(with_context_parallel=True) if torch.distributed.is_initialized() else None
         self.engine = engine
         self.root = root or (args.save or args.load if args else None)
+        # --save-hf: a replicated weight written where its Hugging Face file is (nothing passes between replicas)
+        prefer = FileAlignedWriters(args, group) if group is not None and getattr(args, "save_hf", None) and \
+            self.root == args.save else None
+        self.ownership = ReplicaOwnership(group=group, prefer=prefer)
         if engine is None and self.root:
             self.engine = _engine(args, self.ownership, self.root)
             if self.root == args.save and clean_leftovers:

@@ -76,6 +76,7 @@ class Exported:
     newest: str | None = None  # the model `latest` named when it ended (the one that stays newest on a failure)
     written: float | None = None  # from its start to every rank's files written (the export's own work; the
     # rest is the wait for its checkpoint to be published); None when it wrote none (published already)
+    passed: int | None = None  # bytes of kept weights passed between the ranks (None: read back from storage)
 
 
 def read_pointer(storage: Storage, root: str) -> str | None:
@@ -213,9 +214,9 @@ class HFPublisher:
                 iteration, ckpt_dir, kept, last, saved = job
                 filled = kept is not None and kept.wait_filled()  # before the save is durable: kept, then written
                 final, t0 = checkpoint_dir(self.root, iteration), time.perf_counter()
-                written = None
+                written = passed = None
                 try:
-                    written = self._export(ckpt_dir, final, kept, filled, last, saved)
+                    written, passed = self._export(ckpt_dir, final, kept, filled, last, saved)
                     error = None
                 except _SaveFailed:  # the manager reports the failed save; nothing of its export is left
                     continue
@@ -228,14 +229,15 @@ class HFPublisher:
                 if self.rank == 0:  # the job's verdict
                     with self._lock:
                         self._done.append(Exported(iteration, final, error, now, now - t0, self.newest(),
-                                                   None if written is None else written - t0))
+                                                   None if written is None else written - t0, passed))
             finally:
                 self._queue.task_done()
 
-    def _export(self, ckpt_dir: str, final: str, kept, filled: bool, last: bool, saved) -> float | None:
+    def _export(self, ckpt_dir: str, final: str, kept, filled: bool, last: bool, saved) -> tuple:
         """The files are written as soon as every rank's kept weights are complete (`filled` on this rank), while
         the checkpoint itself is still being written; the model is published (index, rename, `latest`) once the
-        checkpoint is. On rank 0, when every rank's files were written (None: it wrote none)."""
+        checkpoint is. On rank 0: when every rank's files were written (None: it wrote none), and the bytes the
+        ranks passed each other (None: read back from storage)."""
         iteration = iteration_of(final)
         why = None if filled else ("its save was not due for an export" if kept is None else
                                    kept.why or "its save ended before all its weights were kept")
@@ -246,7 +248,7 @@ class HFPublisher:
             if self.rank == 0:
                 log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
                 self._name(final)
-            return None
+            return None, None
         missing = {r: w for r, (w, _, _) in enumerate(reports) if w is not None}
         if missing:  # nothing to write from before the checkpoint is published: its outcome first
             self._outcome(saved)
@@ -268,10 +270,11 @@ class HFPublisher:
             error = e
         finally:
             plan.close()  # takes what was sent to this rank and not read: no rank waits on a failed one
-        try:
-            self._agree(iteration, error)  # rank 0: every rank's share written (else raises); others: reported
+        received = plan.source.received if isinstance(plan.source, StagedSource) else None
+        try:  # rank 0: every rank's share written (else raises), the bytes passed; others: reported
+            passed = self._agree(iteration, error, received)
             if self.rank != 0:
-                return None
+                return None, None
             written = time.perf_counter()
             if saved is not None and saved.join() and saved.error is not None:  # rank 0 publishes the checkpoint
                 log.info("--save-hf: the checkpoint of iteration %d failed: the model files written beside it are "
@@ -286,7 +289,7 @@ class HFPublisher:
                 self._discard(directory)
             raise
         self._name(final)
-        return written
+        return written, passed
 
     def _outcome(self, saved) -> None:
         """Wait for the save (None: published already); _SaveFailed on every rank when it failed on any."""
@@ -352,17 +355,18 @@ class HFPublisher:
         if self.rank == 0:
             write_metadata(plan, self.storage, directory)
 
-    def _agree(self, iteration: int, error: BaseException | None) -> None:
-        """Every rank reports its share to rank 0 through the store; rank 0 waits for all of them (at most
-        --ckpt-publish-timeout-s) and raises, naming the ranks, if any failed or did not report."""
+    def _agree(self, iteration: int, error: BaseException | None, received: int | None) -> int | None:
+        """Every rank reports its share (and the bytes it `received`) to rank 0 through the store; rank 0 waits for
+        all of them (at most --ckpt-publish-timeout-s) and raises, naming the ranks, if any failed or did not
+        report; else the bytes received by all (None: read back from storage)."""
         if self.world_size == 1:
             if error is not None:
                 raise error
-            return
+            return received
         key = f"{iteration}/r/"
-        self.store.set(f"{key}{self.rank}", "ok" if error is None else f"{type(error).__name__}: {error}")
+        self.store.set(f"{key}{self.rank}", f"ok {received}" if error is None else f"{type(error).__name__}: {error}")
         if self.rank != 0:
-            return
+            return None
         keys = [f"{key}{r}" for r in range(self.world_size)]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
@@ -373,10 +377,12 @@ class HFPublisher:
         reports = {r: self.store.get(k).decode() for r, k in enumerate(keys)}
         for k in keys:
             self.store.delete_key(k)
-        failed = {r: why for r, why in reports.items() if why != "ok"}
+        failed = {r: why for r, why in reports.items() if not why.startswith("ok ")}
         if failed:
             raise CheckpointError(f"--save-hf: the export of iteration {iteration} failed on rank(s) " + "; ".join(
                 f"{r}: {why}" for r, why in failed.items()))
+        counts = [why[len("ok "):] for why in reports.values()]
+        return None if "None" in counts else sum(int(c) for c in counts)
 
     def _retire(self) -> None:
         """--save-hf-keep-last K: the oldest models beyond the newest K go (never the one `latest` names): each

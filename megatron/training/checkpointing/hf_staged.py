@@ -39,23 +39,37 @@ def layout(kept, rank: int) -> list[Piece]:
                   tuple(it.global_shape or ())) for it in kept.items()]
 
 
+def unit_box(shape: tuple, index: tuple) -> Box:
+    """The box of the megatron-core unit `index` (a layer, a layer's expert) of a tensor of global `shape`."""
+    return Box(tuple(index) + (0,) * (len(shape) - len(index)), (1,) * len(index) + tuple(shape[len(index):]))
+
+
 class Pieces:
     """Every rank's kept pieces, by tensor: which hold a megatron-core unit, and which rank writes each file."""
 
     def __init__(self, pieces: list[Piece]):
         self.by_name: dict[str, list[Piece]] = collections.defaultdict(list)
         self.tensors: dict[str, tuple] = {}  # name: (global shape, dtype)
+        # a stacked tensor's pieces by their first index (a layer), and those that span more than one
+        self._by_first: dict[str, dict[int, list[Piece]]] = collections.defaultdict(
+            lambda: collections.defaultdict(list))
+        self._spanning: dict[str, list[Piece]] = collections.defaultdict(list)
         for piece in pieces:
             self.by_name[piece.name].append(piece)
             self.tensors[piece.name] = (piece.global_shape, dtype_from_name(piece.dtype))
+            if piece.box.shape and piece.box.shape[0] == 1:
+                self._by_first[piece.name][piece.box.offset[0]].append(piece)
+            else:
+                self._spanning[piece.name].append(piece)
 
     def unit(self, name: str, index: tuple) -> Box:
-        shape = self.tensors[name][0]
-        return Box(tuple(index) + (0,) * (len(shape) - len(index)), (1,) * len(index) + tuple(shape[len(index):]))
+        return unit_box(self.tensors[name][0], index)
 
     def overlaps(self, name: str, unit: Box) -> list:
         """(piece, the box of the unit it holds) of every written piece of the unit."""
-        return [(p, b) for p in self.by_name[name] if (b := p.box.overlap(unit)) is not None]
+        near = self._by_first[name].get(unit.offset[0], []) + self._spanning[name] \
+            if unit.shape and unit.shape[0] == 1 else self.by_name[name]
+        return [(p, b) for p in near if (b := p.box.overlap(unit)) is not None]
 
     def owners(self, plan, shards: list, world_size: int) -> list[int]:
         """The rank that writes each file: as many files a rank as round robin gives (within one), each where most
@@ -70,21 +84,28 @@ class Pieces:
             for k in {file_of[x] for x in rule.names(index) if x in file_of}:
                 for piece, box in self.overlaps(name, self.unit(name, at)):
                     held[(k, piece.rank)] += box.volume() * self.tensors[name][1].itemsize
-        low, extra = divmod(n, world_size)  # every rank writes `low` files, `extra` of the ranks one more
-        count, owners = [0] * world_size, [None] * n
+        return balanced_owners(held, n, world_size)
 
-        def room(r: int) -> bool:
-            return count[r] < low or (count[r] == low and sum(c > low for c in count) < extra)
 
-        def take(k: int, r: int) -> None:
-            owners[k], count[r] = r, count[r] + 1
-        for (k, r), _ in sorted(held.items(), key=lambda kv: (-kv[1], kv[0])):
-            if owners[k] is None and room(r):
-                take(k, r)
-        for k in range(n):  # a file none of whose bytes are kept on a rank with room: the least loaded rank
-            if owners[k] is None:
-                take(k, min((r for r in range(world_size) if room(r)), key=lambda r: (count[r], r)))
-        return owners
+def balanced_owners(held: dict, n: int, ranks: int) -> list[int]:
+    """Each of `n` files' rank: as many files a rank as round robin gives (within one), each where most of its
+    bytes are (`held`: {(file, rank): bytes}, largest first; ties: lowest file, then rank); a file with none on a
+    rank with room goes to the lowest rank with room, so that such files fall in runs of consecutive ones."""
+    low, extra = divmod(n, ranks)  # every rank takes `low` files, `extra` of the ranks one more
+    count, owners = [0] * ranks, [None] * n
+
+    def room(r: int) -> bool:
+        return count[r] < low or (count[r] == low and sum(c > low for c in count) < extra)
+
+    def take(k: int, r: int) -> None:
+        owners[k], count[r] = r, count[r] + 1
+    for (k, r), _ in sorted(held.items(), key=lambda kv: (-kv[1], kv[0])):
+        if owners[k] is None and room(r):
+            take(k, r)
+    for k in range(n):
+        if owners[k] is None:
+            take(k, next(r for r in range(ranks) if room(r)))
+    return owners
 
 
 class StagedSource:
@@ -101,6 +122,7 @@ class StagedSource:
         self._posted = None  # ((name, unit index), its receives posted): the unit read next
         self._sends: list = []
         self.owners: list[int] = []  # each file's rank (`start`)
+        self.received = 0  # bytes of other ranks' pieces this rank received
 
     def args(self):
         return self._args
@@ -166,6 +188,7 @@ class StagedSource:
     def _receive(self, shard, box: Box, tag: int) -> tuple:
         """(the receive posted, its buffer, the box it fills)."""
         data = torch.empty(box.volume() * dtype_from_name(shard.dtype).itemsize, dtype=torch.uint8)
+        self.received += data.numel()
         return torch.distributed.irecv(data, shard.rank, group=self.group, tag=tag), data, box
 
     def close(self) -> None:

@@ -273,11 +273,11 @@ class CheckpointManager:
             durable = [r["durable_ms"] for r in self.records if r["iteration"] == exported.iteration and
                        r["tier"] == STORAGE]
             log.info("published the Hugging Face model of iteration %d: %s | export ms: %.2f | files written ms: %s "
-                     "| ms from the save call: %s | checkpoint's time to durable ms: %s", exported.iteration,
-                     exported.path, exported.seconds * 1e3,
+                     "| ms from the save call: %s | checkpoint's time to durable ms: %s | bytes passed between "
+                     "ranks: %s", exported.iteration, exported.path, exported.seconds * 1e3,
                      "-" if exported.written is None else f"{exported.written * 1e3:.2f}",
                      f"{(exported.at - called) * 1e3:.2f}" if called is not None else "?",
-                     f"{durable[-1]:.2f}" if durable else "?")
+                     f"{durable[-1]:.2f}" if durable else "?", "-" if exported.passed is None else exported.passed)
         elif isinstance(exported.error, ExportDropped):  # exports fell behind: never a failed save
             log.warning("rank %d: the Hugging Face export of iteration %d was dropped, training goes on: %s; %s",
                         self.rank, exported.iteration, exported.error,

@@ -1,0 +1,95 @@
+"""--save-hf with data parallelism: each replicated model weight written, in the checkpoint, by the data-parallel
+rank that is to write its Hugging Face file, so that a file is built from the weights its own rank kept.
+
+Without this the save spreads the DP replicas' weights over the DP ranks by size alone (`ReplicaOwnership`), which
+leaves most of a file's bytes on other ranks, to pass over gloo at every export (`hf_staged`). Here the export's own
+plan over every rank's model pieces (gathered on the world where the save's writers are chosen: at its first save)
+gives the files, and each file a DP rank: where most of its bytes are that only one DP rank holds (experts under
+EP), else in runs of consecutive files (a weight split over two consecutive files, as a layer's fused projection
+often is, then lies on one rank), as many files a DP rank as round robin gives (`balanced_owners`). Each replicated
+weight prefers the DP rank of the file most of its bytes go to; the export then finds each file's bytes kept on one
+DP rank and writes it there (`Pieces.owners`). The save's balance holds: a preference is honoured only within 5% of
+an even share of the bytes (`ReplicaOwnership.compute`).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+
+import torch
+
+from datastates import Box
+from datastates.megatron import shard_identity
+from datastates.schema import dtype_name
+
+from .hf_staged import Piece, Pieces, balanced_owners
+from .state import saveable_args
+
+log = logging.getLogger(__name__)
+
+
+class _Shapes:
+    """What the export's plan reads of its source: the tensors' global shapes and dtypes, and the run's flags."""
+    path = "--save-hf"
+
+    def __init__(self, tensors: dict, args):
+        self.tensors, self._args = tensors, args
+
+    def args(self):
+        return self._args
+
+    def close(self) -> None:
+        pass
+
+
+class FileAlignedWriters:
+    """`ReplicaOwnership(prefer=)` under --save-hf: {identity of a local model weight: the rank of the DP `group`
+    that writes the file most of its bytes go to}. A collective on the world (every rank's model pieces)."""
+
+    def __init__(self, args, group):
+        self.args, self.group = args, group
+
+    def __call__(self, shards: list) -> dict:
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from tools.hf.export import MTP, is_model_tensor, plan_source
+        weights = [sh for sh in shards if isinstance(sh, ShardedTensor) and sh.flattened_range is None
+                   and is_model_tensor(sh.key) and not sh.key.startswith(MTP)]
+        me = torch.distributed.get_rank(self.group)
+        local = [Piece(me, str(i), sh.key, dtype_name(sh.dtype),
+                       Box(tuple(int(x) for x in sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape)),
+                       tuple(int(x) for x in sh.global_shape)) for i, sh in enumerate(weights)]
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, local)
+        everything = [p for ranks in gathered for p in ranks]
+        holders = collections.defaultdict(set)  # (name, box): the DP ranks holding the piece
+        for piece in everything:
+            holders[(piece.name, piece.box)].add(piece.rank)
+        alone = Pieces([p for p in {(p.name, p.box): p for p in everything}.values()  # experts under EP
+                        if len(holders[(p.name, p.box)]) == 1])
+        mine, tensors = Pieces(local), Pieces(everything).tensors
+        try:
+            plan = plan_source(_Shapes(tensors, saveable_args(self.args)), tokenizer="", drop_mtp=True)
+            files = plan.shards(self.args.save_hf_max_shard_size)
+        except Exception as e:  # noqa: BLE001 (the same on every rank; the export itself fails and says why)
+            log.info("--save-hf: the model's files cannot be planned (%s): replicated weights are written where "
+                     "the bytes balance", e)
+            return {}
+        file_of = {entry.name: k for k, f in enumerate(files) for entry in f}
+        held = collections.Counter()  # (file, DP rank): bytes of the file that only that DP rank holds
+        toward = collections.defaultdict(collections.Counter)  # a local piece: {file: its elements in the file}
+        for rule, index in plan.units():
+            ks = {file_of[x] for x in rule.names(index) if x in file_of}
+            name, at = rule.megatron, tuple(rule.at) + tuple(index)
+            unit = mine.unit(name, at) if name in mine.tensors else alone.unit(name, at) \
+                if name in alone.tensors else None
+            if unit is None:
+                continue
+            for piece, box in alone.overlaps(name, unit):
+                for k in ks:
+                    held[(k, piece.rank)] += box.volume() * tensors[name][1].itemsize
+            for piece, box in mine.overlaps(name, unit):
+                for k in ks:
+                    toward[piece.id][k] += box.volume()
+        file_rank = balanced_owners(held, len(files), torch.distributed.get_world_size(self.group))
+        return {shard_identity(weights[int(i)]): file_rank[max(c, key=lambda k: (c[k], -k))]
+                for i, c in toward.items()}

@@ -4,8 +4,9 @@
 #
 #   here:   bash scripts/gpu_check.sh --prepare
 #           puts what such a machine lacks into gpu_bundle/ (ignored by git, about 37 MiB; at most 48 MiB): the
-#           megatron-core 0.19.2 wheel for CPython 3.12 x86-64, datastates._native built for CPython 3.12, and
-#           nvCOMP's wheels (nvidia-nvcomp-cu13, nvidia-libnvcomp-cu13) for part (d)'s GPU codecs.
+#           megatron-core 0.19.2 wheel for CPython 3.12 x86-64, datastates._native built for CPython 3.12,
+#           nvCOMP's wheels (nvidia-nvcomp-cu13, nvidia-libnvcomp-cu13) for part (d)'s GPU codecs, and psutil's
+#           for part (e).
 #   there:  bash scripts/gpu_check.sh          (the device tool: carry gpu_bundle, timeout_s=600)
 #           uses the machine's python3 and torch as they are (PYTHON, default python3): installs gpu_bundle/'s
 #           wheels with pip --no-index into gpu_bundle/site, puts the native module into datastates/, sets
@@ -37,9 +38,14 @@
 #                benchmarks/gpu_codecs.py (nvCOMP's codecs on (b)'s trained state: ratio, GB/s, and what
 #                compressing before the copy would cost)
 #   total  585
+#   (e)    240   only with GPU_CHECK_PARTS naming it (its own device call: set-up and (e) fit in 300 s): issue 44's
+#                --save-hf benchmark on the machine's CPUs, a core per rank (benchmarks/hf_export.py --ranks 4, the
+#                110 MB model, then --large --shard-mb 50, one round each); figures, never a failure; in a
+#                rehearsal (GPU_CHECK_DEVICE=cpu) the --quick model at 2 ranks
 # One PASS/FAIL line per part with its key figure; exit 1 if any part fails. Under OUT (default
 # bench_out/gpu_check; the device tool's $OUT when it sets one), at most 8 files, all of which come back:
-#   check.log (everything printed), figures.json, a_test_cuda.log, b_trainer.log, c_bench.log, d_diagnostics.log
+#   check.log (everything printed), figures.json, a_test_cuda.log, b_trainer.log, c_bench.log, d_diagnostics.log,
+#   e_hf_export.log
 # Checkpoints go to WORK (default bench_out/gpu_check_work), which is removed at the end.
 #
 # GPU_CHECK_DEVICE=cpu: the same steps and parts on the CPU, smaller (a rehearsal; scripts/gpu_rehearsal.sh runs it
@@ -50,6 +56,7 @@ ROOT=$PWD
 BUNDLE=${GPU_BUNDLE:-$ROOT/gpu_bundle}  # where --prepare puts it and the there-step takes it
 MEGATRON_CORE=megatron-core==0.19.2
 NVCOMP="nvidia-nvcomp-cu13==6.0.0.12 nvidia-libnvcomp-cu13==6.0.0.12"  # (d) only: the GPU codecs measured
+PSUTIL="psutil==7.2.2"  # (e) only: the benchmark's peak host memory
 say() { echo "gpu_check: $*"; }
 
 prepare() {  # here: the bundle, from the package registry and this tree's csrc/
@@ -62,7 +69,7 @@ prepare() {  # here: the bundle, from the package registry and this tree's csrc/
   tmp=$(mktemp -d)
   # the wheels the GPU machines lack (their requirements, torch, numpy and packaging, are there)
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$BUNDLE/wheels" "$MEGATRON_CORE" $NVCOMP \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$BUNDLE/wheels" "$MEGATRON_CORE" $NVCOMP $PSUTIL \
     || return 1
   # the native module for CPython 3.12 (it links no torch: any torch runs it); built in a copy of csrc/
   "$py312" -m pip wheel --quiet --no-deps -w "$tmp/wheel" "$ROOT" || return 1
@@ -94,7 +101,7 @@ esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench_out/gpu_check}
 WORK=${WORK:-bench_out/gpu_check_work}
-mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log,d_diagnostics.log}
+mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log,d_diagnostics.log,e_hf_export.log}
 rm -rf "$WORK" && mkdir -p "$WORK"
 OUT=$(cd "$OUT" && pwd) WORK=$(cd "$WORK" && pwd)
 exec > >(tee "$OUT/check.log") 2>&1
@@ -298,6 +305,24 @@ else
 fi
 grep -E "^snapshot_profile: (plain|slots_warm|engine_2)" "$OUT/d_diagnostics.log" | sed 's/^/  /'
 result "(d) diagnostics" INFO "snapshot_profile exit $rc_profile, gpu_codecs $rc_codecs (figures in figures.json)"
+fi
+# ---------------------------------------------------------------- (e) --save-hf at a core per rank (only when asked)
+if part e; then
+sizes=(full large); [ "$DEVICE" = cpu ] && sizes=(quick)  # a rehearsal: the smallest model, the plumbing only
+say "(e) benchmarks/hf_export.py on the CPUs: ${sizes[*]} (log: $OUT/e_hf_export.log)"
+E_END=$((SECONDS + $(cap 240)))
+e_rc=()
+for size in "${sizes[@]}"; do
+  left=$((E_END - SECONDS)); [ "$left" -gt 5 ] || { e_rc+=("$size: no time left"); continue; }
+  flags=(--ranks 4 --rounds 1 --out "$WORK/e_$size")
+  case $size in large) flags+=(--large --shard-mb 50) ;; quick) flags=(--quick --ranks 2 --out "$WORK/e_$size") ;; esac
+  echo "======== $size: ${flags[*]}" >>"$OUT/e_hf_export.log"
+  CUDA_VISIBLE_DEVICES= timeout "$left" "$PY" benchmarks/hf_export.py "${flags[@]}" >>"$OUT/e_hf_export.log" 2>&1
+  e_rc+=("$size: exit $?")
+  rm -rf "$WORK/e_$size"
+done
+grep -E "^(loop|exports|offline|bytes passed)" "$OUT/e_hf_export.log" | sed 's/^/  /'
+result "(e) --save-hf, a core per rank" INFO "${e_rc[*]} (figures in e_hf_export.log)"
 fi
 rm -rf "$B"
 finish

@@ -22,7 +22,7 @@ from datastates import Box
 from datastates.megatron import shard_identity
 from datastates.schema import dtype_name
 
-from .hf_staged import Piece, Pieces, balanced_owners
+from .hf_staged import Piece, Pieces, balanced_owners, unit_box
 from .state import saveable_args
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class FileAlignedWriters:
 
     def __call__(self, shards: list) -> dict:
         from megatron.core.dist_checkpointing import ShardedTensor
-        from tools.hf.export import MTP, is_model_tensor, plan_source
+        from tools.hf.export import MTP, is_model_tensor
         weights = [sh for sh in shards if isinstance(sh, ShardedTensor) and sh.flattened_range is None
                    and is_model_tensor(sh.key) and not sh.key.startswith(MTP)]
         me = torch.distributed.get_rank(self.group)
@@ -60,6 +60,15 @@ class FileAlignedWriters:
                        tuple(int(x) for x in sh.global_shape)) for i, sh in enumerate(weights)]
         gathered: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, local)
+        try:  # after the gather, nothing collective: a failure leaves the save's balance alone, never fails it
+            return self._preferences(gathered, local, weights)
+        except Exception as e:  # noqa: BLE001 (the same on every rank; the export itself fails and says why)
+            log.warning("--save-hf: the model's files cannot be planned at the first save (%s): replicated weights "
+                        "are written where the bytes balance", e)
+            return {}
+
+    def _preferences(self, gathered: list, local: list, weights: list) -> dict:
+        from tools.hf.export import plan_source
         everything = [p for ranks in gathered for p in ranks]
         holders = collections.defaultdict(set)  # (name, box): the DP ranks holding the piece
         for piece in everything:
@@ -67,23 +76,17 @@ class FileAlignedWriters:
         alone = Pieces([p for p in {(p.name, p.box): p for p in everything}.values()  # experts under EP
                         if len(holders[(p.name, p.box)]) == 1])
         mine, tensors = Pieces(local), Pieces(everything).tensors
-        try:
-            plan = plan_source(_Shapes(tensors, saveable_args(self.args)), tokenizer="", drop_mtp=True)
-            files = plan.shards(self.args.save_hf_max_shard_size)
-        except Exception as e:  # noqa: BLE001 (the same on every rank; the export itself fails and says why)
-            log.info("--save-hf: the model's files cannot be planned (%s): replicated weights are written where "
-                     "the bytes balance", e)
-            return {}
+        plan = plan_source(_Shapes(tensors, saveable_args(self.args)), tokenizer="", drop_mtp=True)
+        files = plan.shards(self.args.save_hf_max_shard_size)
         file_of = {entry.name: k for k, f in enumerate(files) for entry in f}
         held = collections.Counter()  # (file, DP rank): bytes of the file that only that DP rank holds
         toward = collections.defaultdict(collections.Counter)  # a local piece: {file: its elements in the file}
         for rule, index in plan.units():
             ks = {file_of[x] for x in rule.names(index) if x in file_of}
-            name, at = rule.megatron, tuple(rule.at) + tuple(index)
-            unit = mine.unit(name, at) if name in mine.tensors else alone.unit(name, at) \
-                if name in alone.tensors else None
-            if unit is None:
+            name = rule.megatron
+            if name not in tensors:
                 continue
+            unit = unit_box(tensors[name][0], tuple(rule.at) + tuple(index))
             for piece, box in alone.overlaps(name, unit):
                 for k in ks:
                     held[(k, piece.rank)] += box.volume() * tensors[name][1].itemsize

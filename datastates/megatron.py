@@ -88,16 +88,18 @@ class ReplicaOwnership:
     every rank saves at the same iteration); its result is cached under a digest of the local structure, so
     later saves of an unchanged structure cost nothing. The assignment is deterministic: shards held by one rank
     are that rank's; then each shard with a preferred writer goes to it while that keeps its bytes within 5% of an
-    even share (`PREFERENCE_SLACK`: the checkpoint's slowest writer stays as fast); the rest, by decreasing size, each to the least-loaded of its holders (ties: lowest rank).
+    even share (`PREFERENCE_SLACK`: the checkpoint's slowest writer stays about as fast); the rest, by
+    decreasing size, each to the least-loaded of its holders (ties: lowest rank).
+
+    `prefer(shards)`, given the shards this rank may write: {shard identity: the rank of `group` that should
+    write it}, for a caller whose later use of the written bytes wants them there (--save-hf: the rank that
+    writes the weight's Hugging Face file). Called where the assignment is computed, on every rank of the world
+    at the same point (it may be a collective).
 
     With `group` the data-parallel group, the exchange stays inside it (its cost does not grow with the world):
     a shard is balanced across the DP ranks holding it when it is the main replica in every other dimension of
     megatron-core's replica id (the last component is the DP one); other replicas never write. Without a group
     the whole world balances every shard.
-
-    `prefer(shards)`: {shard identity: the rank of `group` that should write it}, for a caller whose later use of
-    the written bytes wants them there (--save-hf: the rank that writes the weight's Hugging Face file). Called
-    where the assignment is computed, on every rank of the world at the same point (it may be a collective).
     """
 
     def __init__(self, group=None, prefer: Optional[Callable[[list], dict]] = None):

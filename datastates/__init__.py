@@ -21,7 +21,7 @@ from .providers import ProviderRegistry, StateProvider, default_registry, regist
 from .load_reads import LoadStats
 from .reader import CheckpointReader
 from .save_root import holds_legacy
-from .schema import Box, dtype_from_name
+from .schema import Box, dtype_from_name, dtype_name
 from .copies import built_on_copy
 from .paths import join as join_path, normalize as normalize_path, scheme as url_scheme
 from .storage import DEFAULT_READ_THREADS, PosixOptions, Storage, read_index, read_json, storage_for
@@ -43,6 +43,7 @@ __all__ = [
     "Exchange", "LoadStats",
     # reading and checking one checkpoint
     "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",
+    "dtype_name",  # and back: the name an index gives a dtype (the trainer's --save-hf plans from model shapes)
     # errors
     "CheckpointError", "CheckpointCorruptError", "CheckpointTimeoutError", "NotACheckpointError",
     # a save root's paths: iteration directories, the tracker, a checkpoint's files

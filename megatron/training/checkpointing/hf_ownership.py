@@ -21,7 +21,7 @@ import torch
 from datastates import Box, dtype_name
 from datastates.megatron import shard_identity
 
-from .hf_staged import Piece, Pieces, balanced_owners, unit_box
+from .hf_staged import Piece, Pieces, balanced_owners
 from .state import saveable_args
 
 log = logging.getLogger(__name__)
@@ -84,21 +84,10 @@ class FileAlignedWriters:
         mine, tensors = Pieces(local), Pieces([p for p, _ in pieces]).tensors
         plan = plan_source(_Shapes(tensors, saveable_args(self.args)), tokenizer="", drop_mtp=True)
         files = plan.shards(self.args.save_hf_max_shard_size)
-        file_of = {entry.name: k for k, f in enumerate(files) for entry in f}
-        held = collections.Counter()  # (file, DP rank): bytes of the file that only that DP rank holds
-        toward = collections.defaultdict(collections.Counter)  # a local piece: {file: its elements in the file}
-        for rule, index in plan.units():
-            ks = {file_of[x] for x in rule.names(index) if x in file_of}
-            name = rule.megatron
-            if name not in tensors:
-                continue
-            unit = unit_box(tensors[name][0], tuple(rule.at) + tuple(index))
-            for piece, box in alone.overlaps(name, unit):
-                for k in ks:
-                    held[(k, piece.rank)] += box.volume() * tensors[name][1].itemsize
-            for piece, box in mine.overlaps(name, unit):
-                for k in ks:
-                    toward[piece.id][k] += box.volume()
-        file_rank = balanced_owners(held, len(files), torch.distributed.get_world_size(self.group))
+        # each file's DP rank: where the bytes only one DP rank holds are, else in runs of consecutive files
+        file_rank = balanced_owners(alone.held(plan, files), len(files), torch.distributed.get_world_size(self.group))
+        toward = collections.defaultdict(collections.Counter)  # a local piece: {file: its bytes in the file}
+        for (k, i), n in mine.held(plan, files, by=lambda piece: piece.id).items():
+            toward[i][k] = n
         return {shard_identity(weights[int(i)]): file_rank[max(c, key=lambda k: (c[k], -k))]
                 for i, c in toward.items()}

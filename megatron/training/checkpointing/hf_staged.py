@@ -39,11 +39,6 @@ def layout(kept, rank: int) -> list[Piece]:
                   tuple(it.global_shape or ())) for it in kept.items()]
 
 
-def unit_box(shape: tuple, index: tuple) -> Box:
-    """The box of the megatron-core unit `index` (a layer, a layer's expert) of a tensor of global `shape`."""
-    return Box(tuple(index) + (0,) * (len(shape) - len(index)), (1,) * len(index) + tuple(shape[len(index):]))
-
-
 class Pieces:
     """Every rank's kept pieces, by tensor: which hold a megatron-core unit, and which rank writes each file."""
 
@@ -63,7 +58,9 @@ class Pieces:
                 self._spanning[piece.name].append(piece)
 
     def unit(self, name: str, index: tuple) -> Box:
-        return unit_box(self.tensors[name][0], index)
+        """The box of the megatron-core unit `index` (a layer, a layer's expert) of tensor `name`."""
+        shape = self.tensors[name][0]
+        return Box(tuple(index) + (0,) * (len(shape) - len(index)), (1,) * len(index) + tuple(shape[len(index):]))
 
     def overlaps(self, name: str, unit: Box) -> list:
         """(piece, the box of the unit it holds) of every written piece of the unit."""
@@ -76,15 +73,21 @@ class Pieces:
         of the bytes its units are made of are kept already, so that the fewest bytes pass between ranks (PP stages
         write their own layers; DP replicas' weights are spread over the ranks by the save). The same on every
         rank: from the plan and the gathered pieces alone."""
-        n = len(shards)
+        return balanced_owners(self.held(plan, shards), len(shards), world_size)
+
+    def held(self, plan, shards: list, by=lambda piece: piece.rank) -> dict:
+        """{(file, `by` of a piece): bytes of the file's units that these pieces hold} (by rank, unless told)."""
         file_of = {e.name: k for k, shard in enumerate(shards) for e in shard}
-        held = collections.defaultdict(int)  # (file, rank): bytes of the file's units kept on the rank
+        out = collections.defaultdict(int)
         for rule, index in plan.units():
-            name, at = rule.megatron, tuple(rule.at) + tuple(index)
+            name = rule.megatron
+            if name not in self.tensors:
+                continue
+            unit = self.unit(name, tuple(rule.at) + tuple(index))
             for k in {file_of[x] for x in rule.names(index) if x in file_of}:
-                for piece, box in self.overlaps(name, self.unit(name, at)):
-                    held[(k, piece.rank)] += box.volume() * self.tensors[name][1].itemsize
-        return balanced_owners(held, n, world_size)
+                for piece, box in self.overlaps(name, unit):
+                    out[(k, by(piece))] += box.volume() * self.tensors[name][1].itemsize
+        return out
 
 
 def balanced_owners(held: dict, n: int, ranks: int) -> list[int]:

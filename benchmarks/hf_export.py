@@ -11,6 +11,7 @@ Reports (docs/huggingface.md, "Published while training"; issue 44's targets):
 - the export's own work in the trainer (from the weights kept to every rank's files written; the rest of its time
   is the wait for the checkpoint to be published), and the offline converter on the same checkpoint:
   `convert_checkpoint.py --to hf` as a process (wall) and its export call in this process;
+- the storage's floor for the same safetensors files: written and fsynced from 1 thread and from one per rank;
 - the bytes of kept weights passed between the ranks per export (the rest each rank kept itself);
 - peak host memory of the run's process tree (PSS, psutil) with and without, against the staging budget.
 Runs alternate (without, with, with, without, ...); medians over --rounds.
@@ -87,8 +88,9 @@ def one_run(ranks: int, flags: list[str], work: str, hf: bool, shard: int) -> di
     return {"iters": iters, "total_s": done - first, "exports": exports, "peak_bytes": peak, "save": save}
 
 
-def offline(save: str, work: str, shard: int) -> tuple[float, float]:
-    """(the converter process's wall seconds, its export call's seconds in this process) on `save`'s latest."""
+def offline(save: str, work: str, shard: int) -> tuple[float, float, list[int]]:
+    """(the converter process's wall seconds, its export call's seconds in this process, the sizes of the
+    safetensors files it wrote) on `save`'s latest."""
     out = os.path.join(work, "offline")
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
@@ -100,8 +102,20 @@ def offline(save: str, work: str, shard: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     export("datastates", save, out, progress=False, max_shard_bytes=shard)
     call = time.perf_counter() - t0
+    sizes = [os.path.getsize(os.path.join(out, f)) for f in sorted(os.listdir(out)) if f.endswith(".safetensors")]
     shutil.rmtree(out)
-    return wall, call
+    return wall, call, sizes
+
+
+def storage_floor(sizes: list[int], work: str, writers: int) -> tuple[float, float]:
+    """The median seconds (of 3) to write and fsync files of these sizes here from 1 and from `writers`
+    threads: what no export of them, offline or in the trainer, can beat on this storage."""
+    from probes import write_files_fsync
+    d = os.path.join(work, "probe")
+    one = statistics.median(write_files_fsync(d, sizes, 1) for _ in range(3))
+    many = statistics.median(write_files_fsync(d, sizes, writers) for _ in range(3))
+    shutil.rmtree(d, ignore_errors=True)
+    return one, many
 
 
 def main(argv=None) -> None:
@@ -129,7 +143,8 @@ def main(argv=None) -> None:
             runs[hf].append(one_run(a.ranks, flags, a.out, hf, shard))
             print(f"round {r + 1}: {'with' if hf else 'without'} --save-hf: {runs[hf][-1]['total_s']:.2f} s",
                   flush=True)
-    wall, call = offline(runs[True][-1]["save"], a.out, shard)
+    wall, call, sizes = offline(runs[True][-1]["save"], a.out, shard)
+    floor_one, floor_ranks = storage_floor(sizes, a.out, a.ranks)
 
     def loop(rs):
         return statistics.median(ms for x in rs for i, ms in x["iters"].items() if i > 1)
@@ -148,6 +163,9 @@ def main(argv=None) -> None:
     print(f"offline converter on the last checkpoint: {wall:.2f} s as a process, {call:.2f} s its export call; the "
           f"trainer's files written in {written:.2f} s (median, from the weights kept): {wall / written:.1f}x and "
           f"{call / written:.1f}x faster")
+    print(f"storage floor: the same {len(sizes)} safetensors files ({sum(sizes) / 2**20:.0f} MiB) written and "
+          f"fsynced here in {floor_one:.2f} s by 1 writer, {floor_ranks:.2f} s by {a.ranks} (one a rank): the converter's "
+          f"export call can be beaten by {call / floor_ranks:.1f}x at most")
     passed = [e["passed"] for e in exports if e["passed"] is not None]
     if passed:
         print(f"bytes passed between the ranks per export (median): {statistics.median(passed) / 2**20:.1f} MiB")

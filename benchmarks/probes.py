@@ -77,6 +77,37 @@ def write_buffered_fsync(path: str, nbytes: int) -> float:
     return dt
 
 
+def write_files_fsync(directory: str, sizes: list[int], writers: int = 1) -> float:
+    """Seconds for `writers` threads to write files of these sizes (file k by writer k mod writers), each
+    fsynced before the next: the storage's floor for a set of files, such as a Hugging Face model's shards."""
+    buf = _aligned_buffer(max(sizes) // BLOCK * BLOCK + BLOCK)
+    mv = memoryview(buf)
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, f"probe_file_{k}.bin") for k in range(len(sizes))]
+
+    def work(w: int):
+        for k in range(w, len(sizes), writers):
+            with open(paths[k], "wb") as f:
+                f.write(mv[: sizes[k]])
+                f.flush()
+                os.fsync(f.fileno())
+
+    try:
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - t0
+    finally:
+        mv.release()
+        buf.close()
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def read_odirect(path: str, nbytes: int, threads: int = 1) -> float:
     """Seconds to read the first nbytes of `path` (whole blocks, the last one short at the end of the file)
     with O_DIRECT, its page cache evicted first."""

@@ -235,3 +235,6 @@ def test_hf_export(tmp_path, capsys):
     assert re.search(r"^exports: 4; median export \d+ ms", out, re.M), out  # 8 iterations, one every 2
     assert re.search(rf"^loop: median iteration {NUM} ms with, {NUM} ms without", out, re.M), out
     assert re.search(rf"^offline converter on the last checkpoint: {NUM} s as a process", out, re.M), out
+    floor = re.search(rf"^storage floor: the same (\d+) safetensors files \((\d+) MiB\) written and fsynced here in "
+                      rf"{NUM} s by 1 writer", out, re.M)
+    assert floor and int(floor[1]) > 1 and int(floor[2]) > 0, out  # the model's files of 4 MiB, probed

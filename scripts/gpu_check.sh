@@ -40,8 +40,9 @@
 #   total  585
 #   (e)    270   only with GPU_CHECK_PARTS naming it (its own device call: set-up and (e) fit in 340 s): issue 44's
 #                --save-hf benchmark on the machine's CPUs, a core per rank (benchmarks/hf_export.py --ranks 4, the
-#                110 MB model, then --large --shard-mb 50, one round each); figures, never a failure; in a
-#                rehearsal (GPU_CHECK_DEVICE=cpu) the --quick model at 2 ranks
+#                110 MB model, then --large --shard-mb 50, one round each; GPU_CHECK_HF_SIZES="gigabyte" runs
+#                --gigabyte --shard-mb 100 instead); figures, never a failure; in a rehearsal
+#                (GPU_CHECK_DEVICE=cpu) the --quick model at 2 ranks
 # One PASS/FAIL line per part with its key figure; exit 1 if any part fails. Under OUT (default
 # bench_out/gpu_check; the device tool's $OUT when it sets one), at most 8 files, all of which come back:
 #   check.log (everything printed), figures.json, a_test_cuda.log, b_trainer.log, c_bench.log, d_diagnostics.log,
@@ -308,14 +309,19 @@ result "(d) diagnostics" INFO "snapshot_profile exit $rc_profile, gpu_codecs $rc
 fi
 # ---------------------------------------------------------------- (e) --save-hf at a core per rank (only when asked)
 if part e; then
-sizes=(full large); [ "$DEVICE" = cpu ] && sizes=(quick)  # a rehearsal: the smallest model, the plumbing only
+read -ra sizes <<<"${GPU_CHECK_HF_SIZES:-full large}"  # full: 110 MB, large: 425 MB, gigabyte: 1.08 GB
+[ "$DEVICE" = cpu ] && sizes=(quick)  # a rehearsal: the smallest model, the plumbing only
 say "(e) benchmarks/hf_export.py on the CPUs: ${sizes[*]} (log: $OUT/e_hf_export.log)"
 E_END=$((SECONDS + $(cap 270)))
 e_rc=()
 for size in "${sizes[@]}"; do
   left=$((E_END - SECONDS)); [ "$left" -gt 5 ] || { e_rc+=("$size: no time left"); continue; }
   flags=(--ranks 4 --rounds 1 --out "$WORK/e_$size")
-  case $size in large) flags+=(--large --shard-mb 50) ;; quick) flags=(--quick --ranks 2 --out "$WORK/e_$size") ;; esac
+  case $size in
+    large) flags+=(--large --shard-mb 50) ;;
+    gigabyte) flags+=(--gigabyte --shard-mb 100) ;;
+    quick) flags=(--quick --ranks 2 --out "$WORK/e_$size") ;;
+  esac
   echo "======== $size: ${flags[*]}" >>"$OUT/e_hf_export.log"
   CUDA_VISIBLE_DEVICES= timeout "$left" "$PY" benchmarks/hf_export.py "${flags[@]}" >>"$OUT/e_hf_export.log" 2>&1
   e_rc+=("$size: exit $?")

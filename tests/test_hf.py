@@ -265,5 +265,8 @@ def test_an_export_with_no_exact_equivalent_is_refused():
            in str(e.value)
     with pytest.raises(HFError, match="has no saved `args`"):
         geometry_from_args(None, {}, "ckpt")
+    llama = {**vars(args), "normalization": "RMSNorm", "swiglu": True}  # Llama's flags, but a zero-centred gamma
+    with pytest.raises(HFError, match="--apply-layernorm-1p: its norms scale by 1 \\+ weight"):
+        geometry_from_args(Namespace(**llama, apply_layernorm_1p=True), {}, "ckpt")
     with pytest.raises(HFError, match="Mixtral \\(MixtralForCausalLM\\) differs: --normalization is 'LayerNorm'"):
         geometry_from_args(Namespace(**vars(args), num_experts=8), {}, "ckpt")

@@ -25,6 +25,10 @@ def architecture_of(args, where: str, drop_mtp: bool = False):
         raise HFError(f"{where}: --mtp-num-layers {mtp}: transformers has no multi-token prediction module "
                       f"(DeepseekV3's config counts MTP layers but builds none); export with --drop-mtp to leave "
                       f"those layers out (the main model's logits are exact without them)")
+    if saved_flag(args, "apply_layernorm_1p"):
+        raise HFError(f"{where}: --apply-layernorm-1p: its norms scale by 1 + weight (a zero-centred gamma), and no "
+                      f"transformers architecture here does (theirs scale by the weight; adding 1 would round the "
+                      f"weights in bf16)")
     kind = ("mla" if saved_flag(args, "multi_latent_attention") else
             "moe" if saved_flag(args, "num_experts") else "dense")
     found = {arch: arch.differences(args) for arch in REGISTERED.values() if arch.kind == kind}

@@ -28,6 +28,15 @@ def _aligned_buffer(nbytes: int) -> mmap.mmap:
     return buf
 
 
+def _run_threads(work, threads: int) -> None:
+    """work(0) .. work(threads - 1), each on a thread of its own; returns when all are done."""
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
 def write_odirect(path: str, nbytes: int, threads: int = 1) -> float:
     """Seconds to write nbytes with O_DIRECT (plus fsync). Raises OSError if the FS refuses O_DIRECT."""
     nblocks = max(1, nbytes // BLOCK)
@@ -44,11 +53,7 @@ def write_odirect(path: str, nbytes: int, threads: int = 1) -> float:
                 os.pwrite(fd, mv, b * BLOCK)
             mv.release()
 
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        _run_threads(work, threads)
         os.fsync(fd)
         return time.perf_counter() - t0
     finally:
@@ -94,11 +99,7 @@ def write_files_fsync(directory: str, sizes: list[int], writers: int = 1) -> flo
 
     try:
         t0 = time.perf_counter()
-        ts = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        _run_threads(work, writers)
         return time.perf_counter() - t0
     finally:
         mv.release()
@@ -122,11 +123,7 @@ def read_odirect(path: str, nbytes: int, threads: int = 1) -> float:
                 os.preadv(fd, [bufs[tid]], b * BLOCK)
 
         t0 = time.perf_counter()
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        _run_threads(work, threads)
         return time.perf_counter() - t0
     finally:
         os.close(fd)

@@ -45,7 +45,9 @@ LARGE = ["--num-layers", "8", "--hidden-size", "768", "--ffn-hidden-size", "2048
          "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "32000"]  # ~425 MB of fp32
 GIGABYTE = ["--num-layers", "16", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16",
             "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "32000"]  # ~1.08 GB of fp32
-BUDGET_GB = 0.25  # --gigabyte: 2 GiB, so that a save can keep its 1 GiB of weights for the export
+# each size: its model, iterations (a checkpoint every 2) and staging budget per rank (GiB); --gigabyte's 2 GiB lets
+# a save keep its 1 GiB of weights for the export
+SIZES = {"quick": (QUICK, 8, 0.25), "full": (FULL, 12, 0.25), "large": (LARGE, 8, 0.25), "gigabyte": (GIGABYTE, 8, 2.0)}
 
 
 def _command(ranks: int, flags: list[str]) -> tuple[list[str], dict]:
@@ -134,9 +136,8 @@ def main(argv=None) -> None:
                     help="safetensors files of at most this size (spread over the ranks), in both exports [4]")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    model, iters, interval = (QUICK, 8, 2) if a.quick else (LARGE, 8, 2) if a.large else \
-        (GIGABYTE, 8, 2) if a.gigabyte else (FULL, 12, 2)
-    budget = 2.0 if a.gigabyte else BUDGET_GB
+    model, iters, budget = SIZES["quick" if a.quick else "large" if a.large else "gigabyte" if a.gigabyte else "full"]
+    interval = 2
     rounds = a.rounds or (1 if a.quick else 2)
     shard = int(a.shard_mb * 2**20)
     batch = str(2 * a.ranks)

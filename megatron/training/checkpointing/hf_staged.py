@@ -169,10 +169,9 @@ class StagedSource:
         self._posted = None
         self._post_next()
         overlaps = self._pieces.overlaps(name, unit)
-        if not pending and len(overlaps) == 1 and overlaps[0][0].rank == self.rank and overlaps[0][1] == unit:
-            whole = self._kept.tensor(overlaps[0][0].id)  # the unit is one kept piece: its pages, not a copy
-            if whole.dtype == dtype and whole.numel() == unit.volume():
-                return whole.reshape(shape[len(index):])  # read only (the export's splits make no change in place)
+        if not pending and len(overlaps) == 1 and overlaps[0][0].rank == self.rank and overlaps[0][0].box == unit:
+            # the unit is one piece this rank kept: its pages, not a copy (the export's splits change nothing in place)
+            return self._kept.tensor(overlaps[0][0].id).reshape(shape[len(index):])
         out = torch.empty(unit.shape, dtype=dtype)
         covered = 0
         for shard, box in overlaps:

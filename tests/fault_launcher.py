@@ -13,7 +13,8 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_FAIL_CLOSE=<rank>:<it>:<s> on that rank only, the save of <it> fails when its data file is closed (every
                                      byte written), after <s> seconds: an OSError (EIO)
     FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
-                                     SIGKILL the whole job: the launcher (torchrun) and every worker
+                                     and every save to storage before it has ended, SIGKILL the whole job: the
+                                     launcher (torchrun) and every worker
     FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the earlier saves are published (the tracker names the last)
                                      and the parts of a rank's data object of <it> are up, before the upload
                                      completes, that rank SIGKILLs itself (rank 0 the launcher first)
@@ -67,6 +68,7 @@ def _spec(name):
 
 
 _save = CheckpointEngine.save
+_engines = []  # every engine that saved, in the order of their first saves
 
 
 def _ask_test(request: str) -> None:
@@ -84,6 +86,8 @@ def _until_saves_end(engine) -> None:
 
 
 def save(self, state, path, from_save=None, keep=None):
+    if self not in _engines:
+        _engines.append(self)
     it = paths.iteration_of(path)
     slow, kill, fail = _spec("FAULT_SLOW_SAVE"), _spec("FAULT_KILL_AFTER_SAVE"), _spec("FAULT_FAIL_SAVE")
     down, kill_up = _spec("FAULT_STORE_DOWN"), _spec("FAULT_KILL_JOB_IN_UPLOAD")
@@ -121,6 +125,8 @@ def replicate(self, iteration, handle):
         import torch.distributed as dist
         handle.wait()
         self.drain()  # this rank's part is in its clique's memory
+        for engine in _engines:  # the storage save of an earlier iteration has ended, however slow the disk is
+            _until_saves_end(engine)
         dist.barrier()  # ... on every rank
         print(f"FAULT-KILL-JOB rank {self.rank} after the memory checkpoint of iteration {iteration}", flush=True)
         if self.rank == 0:

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from datastates import read_index, tracker
+from datastates import CheckpointEngine, read_index, tracker
 from datastates.errors import CheckpointError
 from datastates.memory_tier import LocalTier, check_fits, cliques
 from megatron_helpers import TINY, losses, torchrun
@@ -212,14 +212,12 @@ def _tier_rank(rank, base, store, env, jump, lost_node, compress, results):
         os._exit(1)
 
 
-def _run_tier_world(tmp_path, env, jump, lost_node, compress="off"):
+def _fork_world(target, world, *args) -> dict:
+    """Run `target(rank, *args, results)` on `world` forked ranks; what they put on `results`, as a dict."""
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    base = str(tmp_path / "mem")
-    procs = [ctx.Process(target=_tier_rank, args=(r, base, str(tmp_path / "store"), env, jump, lost_node, compress,
-                                                         results))
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -228,8 +226,13 @@ def _run_tier_world(tmp_path, env, jump, lost_node, compress="off"):
         if p.exitcode is None:  # stuck behind a rank that failed
             p.kill()
             p.join()
-    assert [p.exitcode for p in procs] == [0] * WORLD  # a failed rank printed its traceback
-    return dict(results.get(timeout=10) for _ in range(WORLD + 1))
+    assert [p.exitcode for p in procs] == [0] * world  # a failed rank printed its traceback
+    return dict(results.get(timeout=10) for _ in range(world + 1))
+
+
+def _run_tier_world(tmp_path, env, jump, lost_node, compress="off"):
+    return _fork_world(_tier_rank, WORLD, str(tmp_path / "mem"), str(tmp_path / "store"), env, jump, lost_node,
+                       compress)
 
 
 def _held(job):
@@ -298,3 +301,70 @@ def test_replication_jump_is_validated_before_any_work():
     with pytest.raises(ArgumentError, match="--replication-factor 2 x --replication-jump 4 must divide the world "
                                             "size 4"):
         validate_args(parse_args(argv=argv + ["--replication-jump", "4"]), 4, cuda=False)
+
+
+def _behind_rank(rank, base, store, compress, results):
+    """One rank of a 2-node gloo world (forked) saving iterations 1-3 to its tier (which keeps 2): rank 1 hands
+    each save to replication as it is made, rank 0 only once all three are published, when retention has
+    retired its part of 1 already. Prints and exits 1 on any error."""
+    import datetime
+    import logging
+    import sys
+    import traceback
+
+    import torch.distributed as dist
+    try:
+        torch.set_num_threads(1)
+        warned = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warned.append(record.getMessage())
+        logging.getLogger("datastates.memory_tier").addHandler(handler)
+        for name in ("DATASTATES_RANKS_PER_NODE", "SLURM_NODEID"):
+            os.environ.pop(name, None)
+        os.environ.update(LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        tier = LocalTier(base, "job", rank, 2, [1, 1, 2], replication_factor=2, timeout_s=20,
+                         host_buffer_bytes=1 << 20, writer_threads=1, compress=compress)
+        handles = {}
+        for it in (1, 2, 3):
+            handles[it] = tier.engine.save({"w": torch.full((100,), 10.0 * rank + it), "it": it}, tier.path(it))
+            handles[it].wait()
+            if rank == 1:
+                tier.replicate(it, handles[it])
+        if rank == 0:
+            for it, handle in handles.items():
+                tier.replicate(it, handle)
+        tier.close()  # every exchange done on this rank
+        results.put((rank, {"warnings": warned}))
+        dist.barrier()
+        if rank == 0:
+            results.put(("held", {node: {int(r[5:]): sorted(int(i[5:]) for i in os.listdir(os.path.join(base, "job", node, r)) if i.startswith("iter_"))
+                                          for r in os.listdir(os.path.join(base, "job", node)) if r.startswith("rank_")}
+                                  for node in sorted(os.listdir(os.path.join(base, "job"))) if node.startswith("node_")}))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+@pytest.mark.parametrize("compress", ["off", "bytegroup-zstd"])
+def test_a_replicator_behind_the_saves_stays_in_step_with_its_clique(tmp_path, compress):
+    """A part retired before replication reaches it is sent as nothing, so the clique's exchanges stay in step:
+    every replica kept is the peer's part of that very iteration, byte for byte, and no rank waits on a
+    collective its peer never makes (before, rank 0 skipped iteration 1 and paired its 2 with its peer's 1)."""
+    got = _fork_world(_behind_rank, 2, str(tmp_path / "mem"), str(tmp_path / "store"), compress)
+    job = tmp_path / "mem" / "job"
+    assert got["held"] == {f"node_{n:05d}": {0: [2, 3], 1: [2, 3]} for n in (0, 1)}, got["held"]
+    for node, peer in ((0, 1), (1, 0)):
+        for it in (2, 3):
+            replica = job / f"node_{node:05d}" / f"rank_{peer:05d}" / f"iter_{it:07d}"
+            original = job / f"node_{peer:05d}" / f"rank_{peer:05d}" / f"iter_{it:07d}"
+            assert (replica / "metadata.json").read_bytes() == (original / "metadata.json").read_bytes()
+            size = read_index(str(original)).part(0).data_bytes
+            assert (replica / "rank_00000.data").read_bytes()[:size] == (original / "rank_00000.data").read_bytes()[:size]
+            loaded = CheckpointEngine(rank=0, world_size=1).load(str(replica), template={"w": torch.zeros(100), "it": 0})
+            assert loaded["it"] == it and loaded["w"].tolist() == [10.0 * peer + it] * 100
+    assert len(got[0]["warnings"]) == 1 and "iteration 1 was retired before replication reached it" in \
+        got[0]["warnings"][0] and got[1]["warnings"] == [], got

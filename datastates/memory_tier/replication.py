@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .. import format as fmt
 from ..paths import METADATA, data_file, join, partial_dir
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..save_root import Publisher
 from ..storage import SharedMemoryStorage
 from .node_paths import NodePaths
@@ -67,7 +67,11 @@ def join_clique(rank: int, world_size: int, factor: int, jump: int, timeout_s: f
 
 class Replicator:
     """This rank's side of the exchange with its clique: a queue of published saves and the thread that sends
-    them and keeps what the peers send. Without a group (no replication) it does nothing."""
+    them and keeps what the peers send. Without a group (no replication) it does nothing.
+
+    Every member runs one exchange per save, whatever happened to its part: a part that failed, or that retention
+    retired before this thread got to it (the thread fell behind the saves), is sent as nothing, so the clique's
+    collectives stay in step. Only a failed collective ends replication, on this rank, for the rest of the run."""
 
     def __init__(self, storage: SharedMemoryStorage, paths: NodePaths, nodes: tuple[int, ...], rank: int,
                  clique: list[int], group: dist.ProcessGroup | None, keep: int):
@@ -93,20 +97,50 @@ class Replicator:
             self._thread = None
 
     def _run(self) -> None:
+        stopped = False  # a collective failed: the clique's exchanges are no longer in step
         while (job := self._queue.get()) is not _STOP:
             iteration, handle = job
+            handle.join()
+            if stopped:
+                continue
+            self.storage.hold(handle.path)  # retired meanwhile, its pages are not reused while they are sent
             try:
-                handle.join()
-                mine = self.storage.part(self.paths.part(self.rank, iteration)) if handle.error is None \
-                    else (b"", _NOTHING)
-                for peer, (index, data) in zip(self.clique, self._exchange(*mine)):
+                mine = self._mine(iteration, handle)
+                try:
+                    received = self._exchange(*mine)
+                except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
+                    log.warning("rank %d: replication to clique %s stops: the exchange of iteration %d failed: %s",
+                                self.rank, self.clique, iteration, e)
+                    self.errors.append(e)
+                    stopped = True
+                    continue
+                for peer, (index, data) in zip(self.clique, received):
                     if self.nodes[peer] != self.paths.node and index:  # a rank of this node has it already
-                        self.storage.make_dirs(self.paths.rank_dir(peer))
-                        receive(self.storage, self.paths.part(peer, iteration), index, data, self.keep)
-            except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
-                log.warning("rank %d: replicating the memory checkpoint of iteration %d failed: %s", self.rank,
-                            iteration, e)
-                self.errors.append(e)
+                        self._keep(peer, iteration, index, data)
+            finally:
+                self.storage.release(handle.path)
+
+    def _mine(self, iteration: int, handle) -> tuple[bytes, torch.Tensor]:
+        """This rank's part of `iteration` as it travels; nothing when the save failed or was retired already."""
+        if handle.error is not None:
+            return b"", _NOTHING
+        try:
+            return self.storage.part(handle.path)
+        except (OSError, CheckpointError) as e:
+            log.warning("rank %d: the memory checkpoint of iteration %d was retired before replication reached it "
+                        "(saves come faster than replication): not replicated: %s", self.rank, iteration, e)
+            self.errors.append(e)
+            return b"", _NOTHING
+
+    def _keep(self, peer: int, iteration: int, index: bytes, data: torch.Tensor) -> None:
+        """Publish `peer`'s part of `iteration` on this node."""
+        try:
+            self.storage.make_dirs(self.paths.rank_dir(peer))
+            receive(self.storage, self.paths.part(peer, iteration), index, data, self.keep)
+        except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
+            log.warning("rank %d: keeping rank %d's memory checkpoint of iteration %d failed: %s", self.rank, peer,
+                        iteration, e)
+            self.errors.append(e)
 
     def _exchange(self, index: bytes, data: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
         """Every clique member's part (all-gather of the sizes, then of the indexes and the data, padded)."""

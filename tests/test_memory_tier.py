@@ -4,7 +4,8 @@ One job saves to storage every 5 iterations and to memory every iteration, with 
 (DATASTATES_RANKS_PER_NODE) and replication factor 2; after iteration 8 the whole job is SIGKILLed, launcher
 included. Copies of what it left are then restarted three ways: as is (resumes from memory at 8), with one
 node's memory gone (recovered from the other node's replicas), and with one memory copy corrupted (falls back to
-storage at 5). Every restart's losses equal those of an uninterrupted run.
+storage at 5). Every restart's losses equal those of an uninterrupted run. The job runs twice, its tier raw and
+compressed (--ckpt-compress bytegroup-zstd: the parts, their replicas and a recovery travel as stored).
 """
 import os
 import re
@@ -36,11 +37,12 @@ def reference():
     return ref
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["off", "bytegroup-zstd"], ids=["raw", "compressed"])
 def killed(tmp_path_factory, reference, request):
-    """The killed job's directory; `request.param` (indirect): its --ckpt-compress, "off" unless given."""
-    root = tmp_path_factory.mktemp("killed")
-    rc, log = torchrun(4, _flags(root, getattr(request, "param", "off")), env=dict(ENV, FAULT_KILL_JOB_AFTER_LOCAL="8"), faults=True, check=False)
+    """(the killed job's directory, its --ckpt-compress): each kind of job is killed once, for every test below."""
+    root, compress = tmp_path_factory.mktemp("killed"), request.param
+    rc, log = torchrun(4, _flags(root, compress), env=dict(ENV, FAULT_KILL_JOB_AFTER_LOCAL="8"), faults=True,
+                       check=False)
     assert rc != 0 and log.count("FAULT-KILL-JOB") == 4, log[-4000:]
     assert losses(log) == {i: reference[i] for i in range(1, 9)}
     assert tracker.read_latest(str(root / "ck")) == 5
@@ -48,30 +50,27 @@ def killed(tmp_path_factory, reference, request):
     for node, parts in ((0, (0, 1, 2, 3)), (1, (0, 1, 2, 3))):  # own parts and the other node's replicas
         for part in parts:
             assert tracker.is_published(str(job / f"node_{node:05d}" / f"rank_{part:05d}" / "iter_0000008"))
-    return root
+    return root, compress
 
 
-def _restart(killed, tmp_path, change=None, env=ENV, compress="off"):
-    shutil.copytree(killed / "ck", tmp_path / "ck")
-    shutil.copytree(killed / "mem", tmp_path / "mem")
+def _restart(killed, tmp_path, change=None):
+    root, compress = killed
+    shutil.copytree(root / "ck", tmp_path / "ck")
+    shutil.copytree(root / "mem", tmp_path / "mem")
     if change is not None:
         change(tmp_path / "mem" / ENV["DATASTATES_JOB_ID"])
-    _, log = torchrun(4, _flags(tmp_path, compress), env=env)
+    _, log = torchrun(4, _flags(tmp_path, compress), env=ENV)
     return log
 
 
-COMPRESS = pytest.mark.parametrize("killed, compress", [("off", "off"), ("bytegroup-zstd", "bytegroup-zstd")],
-                                   indirect=["killed"], ids=["raw", "compressed"])
-
-
-@COMPRESS
-def test_restart_resumes_from_memory(killed, tmp_path, reference, compress):
+def test_restart_resumes_from_memory(killed, tmp_path, reference):
+    root, compress = killed
     if compress != "off":  # the tier held its parts compressed
-        part = killed / "mem" / ENV["DATASTATES_JOB_ID"] / "node_00000" / "rank_00000" / "iter_0000008"
+        part = root / "mem" / ENV["DATASTATES_JOB_ID"] / "node_00000" / "rank_00000" / "iter_0000008"
         items = read_index(str(part)).part(0).items.values()
         assert {it.codec for it in items if it.kind.value == "tensor" and it.nbytes} == {compress}
         assert sum(it.stored_bytes for it in items) < sum(it.nbytes for it in items)
-    log = _restart(killed, tmp_path, compress=compress)
+    log = _restart(killed, tmp_path)
     assert "loaded checkpoint from the memory tier (datastates) at iteration 8" in log, log[-3000:]
     assert losses(log) == {9: reference[9], 10: reference[10]}
     assert not (tmp_path / "mem" / ENV["DATASTATES_JOB_ID"]).exists()  # the finished job's tier is gone
@@ -85,14 +84,13 @@ def test_lost_node_is_recovered_from_replicas(killed, tmp_path, reference):
     assert losses(log) == {9: reference[9], 10: reference[10]}
 
 
-@COMPRESS
-def test_corrupt_memory_copy_falls_back_to_storage(killed, tmp_path, reference, compress):
+def test_corrupt_memory_copy_falls_back_to_storage(killed, tmp_path, reference):
     def corrupt(job):
         data = job / "node_00000" / "rank_00001" / "iter_0000008" / "rank_00000.data"
         raw = bytearray(data.read_bytes())
         raw[100] ^= 0xFF
         data.write_bytes(bytes(raw))
-    log = _restart(killed, tmp_path, corrupt, compress=compress)
+    log = _restart(killed, tmp_path, corrupt)
     assert "memory checkpoint of iteration 8 failed verification" in log, log[-3000:]
     # refused by name: the part's data file, the item and the chunk whose stored bytes do not match their crc
     assert re.search(r"checksum mismatch in '[^']*/node_00000/rank_00001/iter_0000008/rank_00000\.data': item "
@@ -166,10 +164,34 @@ def test_node_detection_from_torchrun_and_slurm(real_nodes):
 WORLD = 4
 
 
-def _tier_rank(rank, base, store, env, jump, lost_node, compress, results):
-    """One rank of a 4-rank gloo world (forked): its memory part of iteration 3 saved (with `compress`) and
-    replicated by its LocalTier, nodes as `env` says; then, after `lost_node`'s directory is deleted, a restart of the tier that
-    must find and load this rank's part. Prints and exits 1 on any error."""
+def _tier_rank(rank, warned, results, base, jump, lost_node, compress):
+    """One rank of a 4-rank world: its memory part of iteration 3 saved (with `compress`) and replicated by its
+    LocalTier; then, after `lost_node`'s directory is deleted, a restart of the tier that must find and load this
+    rank's part."""
+    import torch.distributed as dist
+    kw = dict(replication_factor=2, replication_jump=jump, timeout_s=60, host_buffer_bytes=1 << 20,
+              writer_threads=1, compress=compress)
+    tier = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
+    handle = tier.engine.save({"w": torch.full((100,), float(rank)), "rank": rank}, tier.path(3))
+    tier.replicate(3, handle)
+    handle.wait()
+    tier.close()  # every replication done on this rank
+    dist.barrier()
+    if rank == 0:
+        job = os.path.join(base, "job")
+        results.put(("saved", _held(job)))
+        shutil.rmtree(os.path.join(job, f"node_{lost_node:05d}"))
+    dist.barrier()
+    again = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
+    path = again.choose(None)  # None: no memory checkpoint every rank can load
+    loaded = path and again.engine.load(path, template={"w": torch.zeros(100), "rank": -1})
+    results.put((rank, {"loaded": path and (path, loaded["rank"], loaded["w"].tolist()), "warnings": warned}))
+    again.close()
+
+
+def _world_rank(rank, world, store, env, target, args, results):
+    """A forked rank: nodes as `env` says ("{rank}" and "{half}" filled in), a gloo world of `world` ranks, the
+    tier's warnings collected; then `target(rank, warnings, results, *args)`. Prints and exits 1 on any error."""
     import datetime
     import logging
     import sys
@@ -185,26 +207,9 @@ def _tier_rank(rank, base, store, env, jump, lost_node, compress, results):
         for name in ("DATASTATES_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_NODEID"):
             os.environ.pop(name, None)
         os.environ.update({k: v.format(rank=rank, half=rank // 2) for k, v in env.items()})
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        kw = dict(replication_factor=2, replication_jump=jump, timeout_s=60, host_buffer_bytes=1 << 20,
-                  writer_threads=1, compress=compress)
-        tier = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
-        handle = tier.engine.save({"w": torch.full((100,), float(rank)), "rank": rank}, tier.path(3))
-        tier.replicate(3, handle)
-        handle.wait()
-        tier.close()  # every replication done on this rank
-        dist.barrier()
-        if rank == 0:
-            job = os.path.join(base, "job")
-            results.put(("saved", _held(job)))
-            shutil.rmtree(os.path.join(job, f"node_{lost_node:05d}"))
-        dist.barrier()
-        again = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
-        path = again.choose(None)  # None: no memory checkpoint every rank can load
-        loaded = path and again.engine.load(path, template={"w": torch.zeros(100), "rank": -1})
-        results.put((rank, {"loaded": path and (path, loaded["rank"], loaded["w"].tolist()), "warnings": warned}))
-        again.close()
+        target(rank, warned, results, *args)
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
@@ -212,12 +217,14 @@ def _tier_rank(rank, base, store, env, jump, lost_node, compress, results):
         os._exit(1)
 
 
-def _fork_world(target, world, *args) -> dict:
-    """Run `target(rank, *args, results)` on `world` forked ranks; what they put on `results`, as a dict."""
+def _fork_world(tmp_path, world, env, target, *args) -> dict:
+    """Run `target` (see `_world_rank`) on `world` forked ranks; what they put on `results`, as a dict (one entry
+    a rank and one more)."""
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, *args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_world_rank, args=(r, world, str(tmp_path / "store"), env, target, args, results))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -231,8 +238,7 @@ def _fork_world(target, world, *args) -> dict:
 
 
 def _run_tier_world(tmp_path, env, jump, lost_node, compress="off"):
-    return _fork_world(_tier_rank, WORLD, str(tmp_path / "mem"), str(tmp_path / "store"), env, jump, lost_node,
-                       compress)
+    return _fork_world(tmp_path, WORLD, env, _tier_rank, str(tmp_path / "mem"), jump, lost_node, compress)
 
 
 def _held(job):
@@ -303,50 +309,31 @@ def test_replication_jump_is_validated_before_any_work():
         validate_args(parse_args(argv=argv + ["--replication-jump", "4"]), 4, cuda=False)
 
 
-def _behind_rank(rank, base, store, compress, results):
-    """One rank of a 2-node gloo world (forked) saving iterations 1-3 to its tier (which keeps 2): rank 1 hands
-    each save to replication as it is made, rank 0 only once all three are published, when retention has
-    retired its part of 1 already. Prints and exits 1 on any error."""
-    import datetime
-    import logging
-    import sys
-    import traceback
-
+def _behind_rank(rank, warned, results, base, compress):
+    """One rank of 2 nodes saving iterations 1-3 to its tier (which keeps 2): rank 1 hands each save to
+    replication as it is made, rank 0 only once all three are published, when retention has retired its part of 1
+    already."""
     import torch.distributed as dist
-    try:
-        torch.set_num_threads(1)
-        warned = []
-        handler = logging.Handler(logging.WARNING)
-        handler.emit = lambda record: warned.append(record.getMessage())
-        logging.getLogger("datastates.memory_tier").addHandler(handler)
-        for name in ("DATASTATES_RANKS_PER_NODE", "SLURM_NODEID"):
-            os.environ.pop(name, None)
-        os.environ.update(LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
-        tier = LocalTier(base, "job", rank, 2, [1, 1, 2], replication_factor=2, timeout_s=20,
-                         host_buffer_bytes=1 << 20, writer_threads=1, compress=compress)
-        handles = {}
-        for it in (1, 2, 3):
-            handles[it] = tier.engine.save({"w": torch.full((100,), 10.0 * rank + it), "it": it}, tier.path(it))
-            handles[it].wait()
-            if rank == 1:
-                tier.replicate(it, handles[it])
-        if rank == 0:
-            for it, handle in handles.items():
-                tier.replicate(it, handle)
-        tier.close()  # every exchange done on this rank
-        results.put((rank, {"warnings": warned}))
-        dist.barrier()
-        if rank == 0:
-            results.put(("held", {node: {int(r[5:]): sorted(int(i[5:]) for i in os.listdir(os.path.join(base, "job", node, r)) if i.startswith("iter_"))
-                                          for r in os.listdir(os.path.join(base, "job", node)) if r.startswith("rank_")}
-                                  for node in sorted(os.listdir(os.path.join(base, "job"))) if node.startswith("node_")}))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+    tier = LocalTier(base, "job", rank, 2, [1, 1, 2], replication_factor=2, timeout_s=20,
+                     host_buffer_bytes=1 << 20, writer_threads=1, compress=compress)
+    handles = {}
+    for it in (1, 2, 3):
+        handles[it] = tier.engine.save({"w": torch.full((100,), 10.0 * rank + it), "it": it}, tier.path(it))
+        handles[it].wait()
+        if rank == 1:
+            tier.replicate(it, handles[it])
+    if rank == 0:
+        for it, handle in handles.items():
+            tier.replicate(it, handle)
+    tier.close()  # every exchange done on this rank
+    results.put((rank, {"warnings": warned}))
+    dist.barrier()
+    if rank == 0:
+        job = os.path.join(base, "job")
+        results.put(("held", {node: {int(r[5:]): sorted(int(i[5:]) for i in os.listdir(os.path.join(job, node, r))
+                                                        if i.startswith("iter_"))
+                                     for r in os.listdir(os.path.join(job, node)) if r.startswith("rank_")}
+                              for node in sorted(os.listdir(job)) if node.startswith("node_")}))
 
 
 @pytest.mark.parametrize("compress", ["off", "bytegroup-zstd"])
@@ -354,7 +341,8 @@ def test_a_replicator_behind_the_saves_stays_in_step_with_its_clique(tmp_path, c
     """A part retired before replication reaches it is sent as nothing, so the clique's exchanges stay in step:
     every replica kept is the peer's part of that very iteration, byte for byte, and no rank waits on a
     collective its peer never makes (before, rank 0 skipped iteration 1 and paired its 2 with its peer's 1)."""
-    got = _fork_world(_behind_rank, 2, str(tmp_path / "mem"), str(tmp_path / "store"), compress)
+    got = _fork_world(tmp_path, 2, {"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, _behind_rank,
+                      str(tmp_path / "mem"), compress)
     job = tmp_path / "mem" / "job"
     assert got["held"] == {f"node_{n:05d}": {0: [2, 3], 1: [2, 3]} for n in (0, 1)}, got["held"]
     for node, peer in ((0, 1), (1, 0)):

@@ -241,11 +241,17 @@ def _run_tier_world(tmp_path, env, jump, lost_node, compress="off"):
     return _fork_world(tmp_path, WORLD, env, _tier_rank, str(tmp_path / "mem"), jump, lost_node, compress)
 
 
+def _parts(job):
+    """node directory -> rank -> the iterations of that rank's parts the node holds, published."""
+    return {node: {int(r[5:]): sorted(int(i[5:]) for i in os.listdir(os.path.join(job, node, r))
+                                      if tracker.is_published(os.path.join(job, node, r, i)))
+                   for r in os.listdir(os.path.join(job, node)) if r.startswith("rank_")}
+            for node in sorted(os.listdir(job)) if node.startswith("node_")}
+
+
 def _held(job):
     """node -> the ranks whose part of iteration 3 the node holds, published."""
-    return {int(node[5:]): sorted(int(r[5:]) for r in os.listdir(os.path.join(job, node))
-                                  if tracker.is_published(os.path.join(job, node, r, "iter_0000003")))
-            for node in os.listdir(job) if node.startswith("node_")}
+    return {int(node[5:]): sorted(r for r, its in ranks.items() if 3 in its) for node, ranks in _parts(job).items()}
 
 
 @pytest.mark.parametrize("env, jump, cliques_, compress", [
@@ -329,11 +335,7 @@ def _behind_rank(rank, warned, results, base, compress):
     results.put((rank, {"warnings": warned}))
     dist.barrier()
     if rank == 0:
-        job = os.path.join(base, "job")
-        results.put(("held", {node: {int(r[5:]): sorted(int(i[5:]) for i in os.listdir(os.path.join(job, node, r))
-                                                        if i.startswith("iter_"))
-                                     for r in os.listdir(os.path.join(job, node)) if r.startswith("rank_")}
-                              for node in sorted(os.listdir(job)) if node.startswith("node_")}))
+        results.put(("held", _parts(os.path.join(base, "job"))))
 
 
 @pytest.mark.parametrize("compress", ["off", "bytegroup-zstd"])

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 
 #include "crc32c.h"
@@ -106,6 +108,17 @@ void File::truncate(uint64_t n) {
   if (rc != 0) throw OsError(errno, errno_message("truncate", path_, errno));
 }
 
+// This thread's aligned buffer for the direct writes of bytes at unaligned addresses (allocated at first use).
+static char* bounce_buffer() {
+  static thread_local std::unique_ptr<char, decltype(&std::free)> buffer(nullptr, &std::free);
+  if (!buffer) {
+    void* p = nullptr;
+    if (::posix_memalign(&p, kAlign, kBounce) != 0) return nullptr;
+    buffer.reset(static_cast<char*>(p));
+  }
+  return buffer.get();
+}
+
 int File::transfer(bool write, char* p, uint64_t len, uint64_t off, bool allow_direct, uint64_t& done) {
   std::shared_lock lock(lifetime_);
   done = 0;
@@ -115,17 +128,26 @@ int File::transfer(bool write, char* p, uint64_t len, uint64_t off, bool allow_d
     const uint64_t pos = off + done;
     uint64_t n = len - done;
     bool use_direct = false;
+    char* from = q;  // where the bytes are written from: q, or the bounce buffer holding a copy of them
     const uint64_t misalign = pos % kAlign;
-    if (allow_direct && direct_.load() && misalign == reinterpret_cast<uintptr_t>(q) % kAlign) {
+    const uint64_t mem_misalign = reinterpret_cast<uintptr_t>(q) % kAlign;
+    if (allow_direct && direct_.load()) {
       if (misalign) {
-        n = std::min(n, kAlign - misalign);  // buffered up to the next boundary, so the rest can go direct
-      } else if (n >= kAlign) {
+        // buffered up to the next boundary, so the rest can go direct
+        if (misalign == mem_misalign || write) n = std::min(n, kAlign - misalign);
+      } else if (n >= kAlign && (!mem_misalign || write)) {
         n -= n % kAlign;  // the aligned body; a tail shorter than a block follows buffered
         use_direct = true;
+        if (mem_misalign) {  // a write from an unaligned address: its copy in an aligned buffer goes direct
+          n = std::min(n, kBounce);
+          from = bounce_buffer();
+          if (from == nullptr) return ENOMEM;
+          std::memcpy(from, q, n);
+        }
       }
     }
     const int fd = use_direct ? dfd_ : fd_;
-    const ssize_t r = write ? ::pwrite(fd, q, n, off_t(pos)) : ::pread(fd, q, n, off_t(pos));
+    const ssize_t r = write ? ::pwrite(fd, from, n, off_t(pos)) : ::pread(fd, q, n, off_t(pos));
     if (r < 0) {
       if (errno == EINTR) continue;
       // "auto": the file system accepted O_DIRECT at open() but refuses the I/O itself; go buffered for good.

@@ -23,6 +23,8 @@ namespace ds {
 constexpr uint64_t kAlign = 4096;
 // The pool splits larger requests into pieces of at most this size, so one big buffer uses every worker.
 constexpr uint64_t kChunk = 8u << 20;
+// A write from an unaligned address goes direct through a copy in a per-thread aligned buffer of this size.
+constexpr uint64_t kBounce = 2u << 20;
 
 // An operating-system failure; the bindings raise it as OSError(err, msg).
 struct OsError : std::exception {
@@ -55,7 +57,8 @@ class File {
   void close();
 
   // pwrite (write) or pread `len` bytes between `p` and file offset `off`, retrying short transfers and EINTR.
-  // Aligned stretches go through the O_DIRECT descriptor when allow_direct, the rest through the buffered one.
+  // Aligned stretches go through the O_DIRECT descriptor when allow_direct, the rest through the buffered one;
+  // a write's aligned stretch at an unaligned address goes direct through a per-thread aligned copy.
   // Returns 0 or an errno; `done` receives the bytes moved (less than len without error only at EOF on read).
   int transfer(bool write, char* p, uint64_t len, uint64_t off, bool allow_direct, uint64_t& done);
   // Best effort: forget the cached pages of [off, off + len), so that a stream read leaves no trace in memory.

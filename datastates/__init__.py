@@ -21,6 +21,7 @@ from .providers import ProviderRegistry, StateProvider, default_registry, regist
 from .load_reads import LoadStats
 from .reader import CheckpointReader
 from .save_root import holds_legacy
+from .save_plan import aligned_empty
 from .schema import Box, dtype_from_name, dtype_name
 from .copies import built_on_copy
 from .paths import join as join_path, normalize as normalize_path, scheme as url_scheme
@@ -57,6 +58,8 @@ __all__ = [
     "write_file", "fsync_dir", "read_json",
     # where checkpoints live: the backend a path or URL names (s3://, msc://, a file system), paths and URLs alike
     "storage_for", "Storage", "url_scheme", "normalize_path", "join_path",
+    # bytes a storage writes with O_DIRECT straight from their pages (the trainer's --save-hf assembles units in them)
+    "aligned_empty",
     # a storage's reads in flight when not told (the trainer's --ckpt-read-threads default)
     "DEFAULT_READ_THREADS",
     # the node-local memory tier (--non-persistent-*): the tier, the check that it fits, whose it is, a rank's node

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, CheckpointTimeoutError
 from .load_plan import BoxRead
-from .load_reads import Reads, aligned_empty, decode_passed, decoders
+from .load_reads import Reads, decode_passed, decoders
+from .save_plan import aligned_empty
 from .schema import Item
 
 TensorRead = tuple[BoxRead, torch.Tensor]  # a read of the load plan and the target it fills

@@ -13,9 +13,9 @@ import threading
 
 import torch
 
+from .save_plan import align_up, aligned_empty
 from .schema import Item, dtype_from_name
 
-_ALIGN = 64  # every kept tensor starts aligned for any dtype's view
 
 
 class KeepBudget:
@@ -47,7 +47,7 @@ class Kept:
 
     def __init__(self, items: list[Item], budget: KeepBudget):
         self._budget, self._views, self._items = budget, {}, {}
-        total = sum(-(-it.nbytes // _ALIGN) * _ALIGN for it in items)
+        total = sum(align_up(it.nbytes) for it in items)
         self.nbytes = 0
         self.why: str | None = None
         self._left = 0  # the chosen bytes not yet taken
@@ -62,11 +62,11 @@ class Kept:
         if not self._left:
             self._settled.set()
         self.nbytes = total
-        buffer, offset = torch.empty(total, dtype=torch.uint8), 0
+        buffer, offset = aligned_empty(total), 0
         for it in items:
             self._views[it.id] = buffer[offset:offset + it.nbytes]
             self._items[it.id] = it
-            offset += -(-it.nbytes // _ALIGN) * _ALIGN
+            offset += align_up(it.nbytes)
 
     def take(self, buffer: torch.Tensor, segments: list) -> None:
         """The flusher's hand-over: the chunks of chosen items among a slot's (offset, length, item, chunk index)

@@ -20,7 +20,7 @@ import torch
 
 from . import _native, codecs
 from .errors import CheckpointCorruptError, CheckpointError
-from .save_plan import ALIGN
+from .save_plan import aligned_empty
 from .problems import Problems
 from .schema import Item
 from .copies import CopyBackend
@@ -110,12 +110,6 @@ def decode_passed(item: Item, first: int, last: int, stored: torch.Tensor, dst: 
 
 def _crcs_of(decoded: Future) -> list[int]:
     return decoded.result()[0]
-
-
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes]
 
 
 @dataclasses.dataclass

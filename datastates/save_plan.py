@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from .schema import Item, Kind
 
 ALIGN = 4096
@@ -17,6 +19,13 @@ ALIGN = 4096
 
 def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """Bytes starting on an ALIGN boundary: what O_DIRECT reads into and writes from without a bounce copy."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]
 
 
 @dataclasses.dataclass

@@ -256,6 +256,30 @@ def test_round_trip_20mib_aligned_and_unaligned_pieces(tmp_path):
     pool.close()  # idempotent
 
 
+def test_write_from_unaligned_addresses_goes_direct_through_a_copy(tmp_path):
+    """Bytes at an address whose offset within a block differs from the file's (a safetensors tensor after an
+    odd-sized one) are written right, and with O_DIRECT: only the pages of the unaligned ends are left in the
+    page cache, where the same write with O_DIRECT off leaves every page."""
+    if not accepts_o_direct(tmp_path):
+        pytest.skip("this file system does not accept O_DIRECT")
+    n = native.CHUNK_BYTES + 5 * MiB + 777  # a chunk, then a piece longer than one bounce copy, and a short tail
+    src = random_tensor(n + 100, seed=13)[100:]  # 100 bytes past a block boundary
+    at = 3 * ALIGN + 300  # 300 past one in the file
+    pool = native.IOPool(2)
+    for direct in ("auto", "off"):
+        f = native.File(tmp_path / direct, "w", direct)
+        assert pool.wait(pool.submit_write(f, src.data_ptr(), n, at, [(0, n)])) == [crc_of(src)]
+        assert f.direct == (direct == "auto")  # O_DIRECT stayed in use
+        f.fsync()
+        f.close()
+    pool.close()
+    # the pool writes it in two chunks: a page at its start, one where the chunks meet, one at its end
+    assert resident_pages(tmp_path / "auto") <= 3
+    assert resident_pages(tmp_path / "off") >= -(-(at + n) // ALIGN) - 3
+    for direct in ("auto", "off"):
+        assert (tmp_path / direct).read_bytes()[at:] == src.numpy().tobytes(), direct
+
+
 def test_single_large_request_crcs_span_chunks(tmp_path):
     n = 3 * native.CHUNK_BYTES + 12345
     src = random_tensor(n, seed=3)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from datastates import Storage, fsync_dir, join_path
+from datastates import Storage, aligned_empty, fsync_dir, join_path
 
 from . import HFError
 
@@ -28,6 +28,10 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL"}
 INDEX = "model.safetensors.index.json"
+# The header is padded with spaces (as the format allows) so that the tensors' bytes start on a 4 KiB boundary:
+# a tensor held at a block-aligned address is then written with O_DIRECT straight from its pages, and readers
+# that map or O_DIRECT-read the file find block-aligned data.
+DATA_ALIGN = 4096
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def _header(entries: list[Planned]) -> bytes:
                         "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)  # the data starts at a block boundary (see DATA_ALIGN)
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -112,7 +116,10 @@ class ShardedWriter:
             raise HFError(f"internal: got {name!r} {tuple(tensor.shape)} {tensor.dtype}, planned {planned}")
         if shard != self._shard:
             self._open(shard)
-        self._submit(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        tensor = tensor.detach()
+        if not tensor.is_contiguous():  # a split's strided view: copied where O_DIRECT writes it from its pages
+            tensor = aligned_empty(planned.nbytes).view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self._submit(tensor.reshape(-1).view(torch.uint8))
         self._next += 1
         if self.progress is not None:
             self.progress.update(planned.nbytes)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from datastates import Box, CheckpointError, dtype_from_name
+from datastates import Box, CheckpointError, aligned_empty, dtype_from_name
 
 
 class Piece(NamedTuple):
@@ -172,7 +172,7 @@ class StagedSource:
         if not pending and len(overlaps) == 1 and overlaps[0][0].rank == self.rank and overlaps[0][0].box == unit:
             # the unit is one piece this rank kept: its pages, not a copy (the export's splits change nothing in place)
             return self._kept.tensor(overlaps[0][0].id).reshape(shape[len(index):])
-        out = torch.empty(unit.shape, dtype=dtype)
+        out = aligned_empty(unit.volume() * dtype.itemsize).view(dtype).reshape(unit.shape)
         covered = 0
         for shard, box in overlaps:
             covered += box.volume()

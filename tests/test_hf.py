@@ -270,3 +270,69 @@ def test_an_export_with_no_exact_equivalent_is_refused():
         geometry_from_args(Namespace(**llama, apply_layernorm_1p=True), {}, "ckpt")
     with pytest.raises(HFError, match="Mixtral \\(MixtralForCausalLM\\) differs: --normalization is 'LayerNorm'"):
         geometry_from_args(Namespace(**vars(args), num_experts=8), {}, "ckpt")
+
+
+def _odd_tensors() -> dict:
+    """Tensors whose sizes are no multiple of a block: every one after the first starts off a block boundary."""
+    g = torch.Generator().manual_seed(5)
+    return {"a.weight": torch.randn(3, 1000, generator=g), "b.bias": torch.randn(777, generator=g).to(torch.bfloat16),
+            "c.weight": torch.randn(1 << 18, generator=g), "d.weight": torch.randn(5, 333, generator=g).t()}
+
+
+def _write(storage, directory: str, tensors: dict, max_bytes: int, in_flight_bytes: int) -> None:
+    from tools.hf.writer import Planned, ShardedWriter, plan_shards
+    shards = plan_shards([Planned(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], max_bytes)
+    writer = ShardedWriter(storage, directory, shards, in_flight_bytes=in_flight_bytes)
+    try:
+        for name, t in tensors.items():
+            writer.write(name, t)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+@pytest.mark.parametrize("in_flight_bytes", [0, 1 << 20], ids=["one-at-a-time", "in-flight"])
+def test_sharded_files_load_as_written_with_their_data_on_a_block(tmp_path, in_flight_bytes):
+    """Odd sizes, bf16 beside fp32, a transposed (strided) tensor, files of one tensor and of several, writes one
+    at a time or several in flight: safetensors loads every tensor as written, and each file's data starts on a
+    4 KiB boundary (what lets O_DIRECT write a tensor from its pages)."""
+    from datastates import storage_for
+    tensors = _odd_tensors()
+    out = str(tmp_path / "hf")
+    os.makedirs(out)
+    _write(storage_for(out), out, tensors, 20_000, in_flight_bytes)
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == 3
+    loaded = {}
+    for name in files:
+        with open(os.path.join(out, name), "rb") as f:
+            assert (8 + int.from_bytes(f.read(8), "little")) % 4096 == 0, name
+        loaded.update(load_file(os.path.join(out, name)))
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+
+
+def test_a_failure_while_writes_are_in_flight_ends_them_and_is_raised(tmp_path):
+    """A 2 MiB disk has room for the first of three 1 MiB files: opening the second fails while the first's writes
+    may still be in flight. The disk's error is raised, naming the second file, once every write handed over has
+    ended: the first file holds all its bytes."""
+    import errno
+    import subprocess
+    from datastates import storage_for
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        storage = storage_for(str(mnt))
+        tensors = {f"t{k}": torch.full((1 << 18,), float(k + 1)) for k in range(3)}
+        with pytest.raises(OSError) as failure:
+            _write(storage, str(mnt), tensors, 1 << 20, 8 << 20)
+        assert failure.value.errno == errno.ENOSPC and "model-00002-of-00003.safetensors" in str(failure.value)
+        assert torch.equal(load_file(str(mnt / "model-00001-of-00003.safetensors"))["t0"], tensors["t0"])
+        storage.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -197,14 +197,16 @@ def _progress_bar(total: int, shown: bool):
 
 
 def write_tensors(plan: ExportPlan, storage: Storage, directory: str, shards: list[list[Planned]],
-                  mine: set[int] | None = None, progress: bool = False) -> None:
-    """The safetensors files of `shards` in `directory` of `storage` (only those numbered in `mine`, and then no index: each process of the
-    trainer's export writes its share); a megatron-core unit is read only when one of its tensors is to be written."""
+                  mine: set[int] | None = None, progress: bool = False, in_flight_bytes: int = 0) -> None:
+    """The safetensors files of `shards` in `directory` of `storage` (only those numbered in `mine`, and then no
+    index: each process of the trainer's export writes its share); a megatron-core unit is read only when one of
+    its tensors is to be written. `in_flight_bytes`: `ShardedWriter`'s (more than 0 only for a source whose units
+    stay valid after the next read)."""
     wanted = None if mine is None else {e.name for k in mine for e in shards[k]}
     total = sum(e.nbytes for k, shard in enumerate(shards) for e in shard if mine is None or k in mine)
     source, geo = plan.source, plan.geo
     with _progress_bar(total, progress) as bar:
-        writer = ShardedWriter(storage, directory, shards, bar, mine)
+        writer = ShardedWriter(storage, directory, shards, bar, mine, in_flight_bytes)
         try:
             for rule, index in _units(plan.rules, geo):
                 names = rule.names(index)

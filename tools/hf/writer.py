@@ -10,11 +10,13 @@ files are `write_bytes`, so one writer serves a file system and s3:// / msc:// a
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
 import struct
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -91,10 +93,15 @@ class ShardedWriter:
     `directory` of `storage`.
 
     `mine`: only these shards (by index), and no index: several processes each write their share of one model's
-    files (the trainer's --save-hf), and one writes the index once all are done."""
+    files (the trainer's --save-hf), and one writes the index once all are done.
+
+    `in_flight_bytes`: how many bytes of tensors already handed over may still be being written when `write`
+    returns. 0 (the default): none, for a caller that reuses a tensor's memory once `write` returns. More keeps
+    several writes in flight (an O_DIRECT write waits for the device: one at a time, small files would wait on
+    its latency), for a caller whose tensors stay valid until `close` (the trainer's kept weights)."""
 
     def __init__(self, storage: Storage, directory: str, shards: list[list[Planned]], progress=None,
-                 mine: set[int] | None = None):
+                 mine: set[int] | None = None, in_flight_bytes: int = 0):
         if sys.byteorder != "little":
             raise HFError("safetensors stores little-endian bytes; this host is big-endian")
         self.storage, self.directory, self.shards, self.progress, self.mine = storage, directory, shards, progress, mine
@@ -104,9 +111,14 @@ class ShardedWriter:
         self._sink = None  # the open shard's data object
         self._offset = 0
         self._shard = -1
-        # a finished file is closed (made durable: fsync, or an upload completed) while the next one is written
+        # a finished file is closed (made durable: fsync, or an upload completed) once its writes are done, while
+        # the next ones are written
         self._closer = ThreadPoolExecutor(1, thread_name_prefix="hf-close")
         self._closing: list = []
+        self._in_flight_bytes = in_flight_bytes
+        self._writes: collections.deque[_Write] = collections.deque()  # in flight, oldest first
+        self._writing = 0  # their bytes
+        self._file_writes: list[_Write] = []  # the open file's
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._queue):
@@ -125,9 +137,16 @@ class ShardedWriter:
             self.progress.update(planned.nbytes)
 
     def _submit(self, data: torch.Tensor) -> None:
-        """Written before returning: the caller's tensor may be a view of a buffer its reader reuses."""
-        self._sink.submit(data, self._offset, [])()
+        """Returns once at most `in_flight_bytes` of what was handed over is still being written."""
+        write = _Write(self._sink.submit(data, self._offset, []), data)
+        self._writes.append(write)
+        self._file_writes.append(write)
         self._offset += data.numel()
+        self._writing += data.numel()
+        while self._writes and self._writing > self._in_flight_bytes:
+            write = self._writes.popleft()
+            self._writing -= write.nbytes
+            write.wait()
 
     def _open(self, shard: int) -> None:
         self._close_sink()
@@ -139,13 +158,19 @@ class ShardedWriter:
 
     def _close_sink(self) -> None:
         if self._sink is not None:
-            sink, self._sink = self._sink, None
-            self._closing.append(self._closer.submit(sink.close, self._offset))  # durable where the storage syncs
+            sink, self._sink, writes, self._file_writes = self._sink, None, self._file_writes, []
+            self._closing.append(self._closer.submit(_close_after, sink, writes, self._offset))
 
     def _closed(self) -> None:
-        """Wait for every file's close; raise the first failure."""
+        """Wait for every write and every file's close; raise the first failure."""
         closing, self._closing = self._closing, []
-        self._closer.shutdown()
+        try:
+            while self._writes:
+                self._writes.popleft().wait()
+        finally:
+            self._closer.shutdown()
+            self._writes.clear()
+            self._writing = 0
         for done in closing:
             done.result()
 
@@ -162,10 +187,39 @@ class ShardedWriter:
         if self._sink is not None:
             self._sink.discard()
             self._sink = None
+        for write in self._writes:  # every write handed over ends before its bytes are let go
+            write.wait(raises=False)
         try:
             self._closed()
         except Exception:  # noqa: BLE001 - the export failed already: its own error is the one raised
             pass
+
+
+class _Write:
+    """A write in flight, with its bytes: waited for once, by the writer (its window) or its file's close."""
+
+    def __init__(self, done, data: torch.Tensor):
+        self._done, self._data, self.nbytes = done, data, data.numel()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def wait(self, raises: bool = True) -> None:
+        with self._lock:
+            if self._done is not None:
+                try:
+                    self._done()
+                except BaseException as e:  # noqa: BLE001 - raised to whichever waiter asks
+                    self._error = e
+                self._done = self._data = None  # written: its bytes are let go
+        if self._error is not None and raises:
+            raise self._error
+
+
+def _close_after(sink, writes: list[_Write], nbytes: int) -> None:
+    """Close a file once its writes are done (durable where the storage syncs)."""
+    for write in writes:
+        write.wait()
+    sink.close(nbytes)
 
 
 def write_json(storage: Storage, directory: str, name: str, doc: dict) -> None:

@@ -47,6 +47,9 @@ from .state import saveable_args
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
+# the bytes of the export's writes in flight at once: the units of the weights kept stay valid until the export
+# ends, so their writes need not wait for each other (each O_DIRECT write waits for the device)
+IN_FLIGHT_BYTES = 64 << 20
 NICE = 10  # the export thread's niceness: it yields the cores to training, the snapshot and the checkpoint's writes
 INDEX = "model.safetensors.index.json"
 # a model being written on a file system (under the checkpoints' own PARTIAL suffix) or retired (DELETING, with the
@@ -351,7 +354,7 @@ class HFPublisher:
             k % self.world_size for k in range(len(shards))]  # read back from storage: any rank reads any unit
         mine = {k for k, r in enumerate(owners) if r == self.rank}
         if mine:
-            write_tensors(plan, self.storage, directory, shards, mine)
+            write_tensors(plan, self.storage, directory, shards, mine, in_flight_bytes=IN_FLIGHT_BYTES)
         if self.rank == 0:
             write_metadata(plan, self.storage, directory)
 

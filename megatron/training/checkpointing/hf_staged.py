@@ -159,7 +159,7 @@ class StagedSource:
     def read(self, name: str, index: tuple = ()) -> torch.Tensor:
         """One unit (as the checkpoint reader's `read`): this rank's own pieces copied, the others received; the
         next unit's receives are posted before this one is assembled, so that its bytes travel while this one is
-        written."""
+        written. A unit stays valid after the next read (kept pages, or a tensor of its own), until `close`."""
         shape, dtype = self.tensors[name]
         index = tuple(index)
         unit = self._pieces.unit(name, index)

@@ -12,6 +12,8 @@ Reports (docs/huggingface.md, "Published while training"; issue 44's targets):
   is the wait for the checkpoint to be published), and the offline converter on the same checkpoint:
   `convert_checkpoint.py --to hf` as a process (wall) and its export call in this process;
 - the storage's floor for the same safetensors files: written and fsynced from 1 thread and from one per rank;
+- the checkpoints' own time to durable with the export and without it (what the export's writes, on the same
+  storage, cost the checkpoint's);
 - the bytes of kept weights passed between the ranks per export (the rest each rank kept itself);
 - peak host memory of the run's process tree (PSS, psutil) with and without, against the staging budget.
 Runs alternate (without, with, with, without, ...); medians over --rounds.
@@ -31,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 RE_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
+RE_DURABLE = re.compile(r"checkpoint summary iteration\s+(\d+) \|.*max time to durable ms: ([\d.]+)")
 RE_HF = re.compile(r"published the Hugging Face model of iteration\s+(\d+): \S+ \| export ms: ([\d.]+) \| files "
                    r"written ms: ([\d.]+) \| ms from the save call: ([\d.]+) \| checkpoint's time to durable ms: "
                    r"([\d.]+) \| bytes passed between ranks: (\d+|-)")
@@ -74,7 +77,7 @@ def one_run(ranks: int, flags: list[str], work: str, hf: bool, shard: int) -> di
     # (at a fixed 20 ms, reading a 1 GB model's run took most of a core from the nice +10 export on 2 cores)
     memory = MemorySampler(max_share=0.1).start()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    iters, exports, tail, first, done = {}, [], [], None, None
+    iters, durable, exports, tail, first, done = {}, {}, [], [], None, None
     for line in proc.stdout:
         now = time.perf_counter()
         tail = (tail + [line])[-20:]
@@ -82,6 +85,8 @@ def one_run(ranks: int, flags: list[str], work: str, hf: bool, shard: int) -> di
             iters[int(m[1])] = float(m[2])
             if first is None:
                 first = now - float(m[2]) / 1e3
+        elif m := RE_DURABLE.search(line):
+            durable[int(m[1])] = float(m[2])
         elif m := RE_HF.search(line):
             exports.append({"iteration": int(m[1]), "export_ms": float(m[2]), "written_ms": float(m[3]),
                             "from_save_ms": float(m[4]), "durable_ms": float(m[5]),
@@ -91,7 +96,8 @@ def one_run(ranks: int, flags: list[str], work: str, hf: bool, shard: int) -> di
     peak = memory.stop()
     if proc.wait() != 0 or done is None:
         raise SystemExit(f"the run failed ({'with' if hf else 'without'} --save-hf):\n" + "".join(tail))
-    return {"iters": iters, "total_s": done - first, "exports": exports, "peak_bytes": peak, "save": save}
+    return {"iters": iters, "durable": durable, "total_s": done - first, "exports": exports, "peak_bytes": peak,
+            "save": save}
 
 
 def offline(save: str, work: str, shard: int) -> tuple[float, float, list[int]]:
@@ -167,6 +173,9 @@ def main(argv=None) -> None:
           f"median from the save call to published {statistics.median(e['from_save_ms'] for e in exports):.0f} ms "
           f"vs the checkpoint's time to durable {statistics.median(e['durable_ms'] for e in exports):.0f} ms: ratio "
           f"{statistics.median(e['from_save_ms'] / e['durable_ms'] for e in exports):.2f}")
+    dw, do = (statistics.median(ms for x in runs[k] for ms in x["durable"].values()) for k in (True, False))
+    print(f"the checkpoints' time to durable (median, every checkpoint): {dw:.0f} ms with, {do:.0f} ms without: "
+          f"ratio {dw / do:.2f} (what the export's writes cost the checkpoint's)")
     written = statistics.median(e["written_ms"] for e in exports) / 1e3
     print(f"offline converter on the last checkpoint: {wall:.2f} s as a process, {call:.2f} s its export call; the "
           f"trainer's files written in {written:.2f} s (median, from the weights kept): {wall / written:.1f}x and "

@@ -12,8 +12,10 @@ the next start removes the leftovers. What the offline tool refuses is refused a
 import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -348,20 +350,33 @@ def test_ckpt_keep_last_1_retires_checkpoints_whose_export_is_still_to_come(tmp_
         assert_same_bytes(os.path.join(hf, f"iter_{it:07d}"), offline)
 
 
-def test_a_checkpoint_that_fails_after_its_model_files_were_written_publishes_no_model(tmp_path):
-    """The export writes its files while the checkpoint is written, and publishes only once it is: rank 1's save
-    of iteration 2 fails when its data file is closed, 2 s after every byte of it (its kept weights too) was
-    written, so the model's files are written by then. They are removed, no model of iteration 2 is ever named,
-    nothing is reported for its export (the save's failure is, under --ckpt-on-failure warn), and the next
-    checkpoints' models are published as usual."""
-    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+@pytest.mark.parametrize("where", ["another-storage", "the-checkpoints-storage"])
+def test_a_failed_checkpoint_publishes_no_model(tmp_path, where, request):
+    """Rank 1's save of iteration 2 fails when its data file is closed, 2 s after every byte of it (its kept
+    weights too) was written. On another storage than the checkpoints' (/dev/shm) the export writes its files
+    while the checkpoint is written, and publishes only once it is: the model's files are written by then, and
+    removed. On the checkpoints' own storage the export starts once the save has ended: it writes nothing. Either
+    way no model of iteration 2 is ever named, nothing is reported for its export (the save's failure is, under
+    --ckpt-on-failure warn), and the next checkpoints' models are published as usual."""
+    save = str(tmp_path / "ckpt")
+    if where == "another-storage":
+        if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+            pytest.skip("no /dev/shm on another device than the test's directory")
+        hf = tempfile.mkdtemp(dir="/dev/shm", prefix="hf-publish-")
+        request.addfinalizer(lambda: shutil.rmtree(hf, ignore_errors=True))
+    else:
+        hf = str(tmp_path / "hf")
     job = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
         "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt",
         "--ckpt-on-failure", "warn", "--save", save, "--save-hf", hf, "--save-hf-max-shard-size", SHARD]
     _, log = torchrun(2, job, faults=True, env={"FAULT_FAIL_CLOSE": "1:2:2"})
     assert "checkpoint of iteration 2 failed, training goes on" in log, log[-4000:]
     assert "injected failure closing" in log, log[-4000:]
-    assert "the checkpoint of iteration 2 failed: the model files written beside it are removed" in log, log[-4000:]
+    removed = "the checkpoint of iteration 2 failed: the model files written beside it are removed"
+    if where == "another-storage":
+        assert f"--save-hf: {hf} is on another storage than --save" in log and removed in log, log[-4000:]
+    else:
+        assert f"--save-hf: {hf} shares the storage of --save" in log and removed not in log, log[-4000:]
     assert "Hugging Face export of iteration 2" not in log, log[-4000:]
     assert sorted(os.listdir(hf)) == ["iter_0000001", "iter_0000003", "iter_0000004", "latest"], log[-3000:]
     assert open(os.path.join(hf, "latest")).read() == "iter_0000004\n"

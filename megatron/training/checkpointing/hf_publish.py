@@ -35,6 +35,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 
@@ -47,8 +48,8 @@ from .state import saveable_args
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
-# the bytes of the export's writes in flight at once: the units of the weights kept stay valid until the export
-# ends, so their writes need not wait for each other (each O_DIRECT write waits for the device)
+# the bytes of the export's writes in flight at once when it writes from the weights kept: their units stay valid
+# until the export ends, so their writes need not wait for each other (each O_DIRECT write waits for the device)
 IN_FLIGHT_BYTES = 64 << 20
 NICE = 10  # the export thread's niceness: it yields the cores to training, the snapshot and the checkpoint's writes
 INDEX = "model.safetensors.index.json"
@@ -77,8 +78,8 @@ class Exported:
     at: float = 0.0  # time.perf_counter() when it ended
     seconds: float = 0.0  # how long the export took, from its weights kept (its start) to the model published
     newest: str | None = None  # the model `latest` named when it ended (the one that stays newest on a failure)
-    written: float | None = None  # from its start to every rank's files written (the export's own work; the
-    # rest is the wait for its checkpoint to be published); None when it wrote none (published already)
+    written: float | None = None  # from the start of its writes to every rank's files written (the export's own
+    # work; the rest is waiting for its checkpoint); None when it wrote none (published already)
     passed: int | None = None  # bytes of kept weights passed between the ranks (None: read back from storage)
 
 
@@ -147,6 +148,13 @@ class HFPublisher:
         if rank == 0:  # before any export of this job: a rank exports only a checkpoint published after this
             for path in clean_leftovers(self.storage, self.root):
                 log.info("--save-hf: removed the leftovers of an unfinished export: %s", path)
+        # on the checkpoints' own storage (as any rank sees it), each export starts once its save has ended (the
+        # storage's bandwidth goes to the checkpoint first); on another, at once
+        self.behind = any(self._gather(shares_storage(self.root, args.save)))
+        if rank == 0:
+            log.info("--save-hf: %s %s: each model is exported %s", self.root,
+                     "shares the storage of --save" if self.behind else "is on another storage than --save",
+                     "once its checkpoint is saved" if self.behind else "while its checkpoint is saved")
         self._queue: queue.Queue = queue.Queue()
         self._done: list[Exported] = []
         self._lock = threading.Lock()
@@ -232,15 +240,20 @@ class HFPublisher:
                 if self.rank == 0:  # the job's verdict
                     with self._lock:
                         self._done.append(Exported(iteration, final, error, now, now - t0, self.newest(),
-                                                   None if written is None else written - t0, passed))
+                                                   None if written is None else written[1] - written[0], passed))
             finally:
                 self._queue.task_done()
 
     def _export(self, ckpt_dir: str, final: str, kept, filled: bool, last: bool, saved) -> tuple:
-        """The files are written as soon as every rank's kept weights are complete (`filled` on this rank), while
-        the checkpoint itself is still being written; the model is published (index, rename, `latest`) once the
-        checkpoint is. On rank 0: when every rank's files were written (None: it wrote none), and the bytes the
-        ranks passed each other (None: read back from storage)."""
+        """The export starts once this rank's save has ended when the model shares the checkpoint's storage
+        (`behind`), else at once; its files are written as soon as every rank's kept weights are complete
+        (`filled` on this rank); the model is
+        published (index, rename, `latest`) once the checkpoint is. On rank 0: (when its writes began, when every
+        rank's files were written) (None: it wrote none), and the bytes the ranks passed each other (None: read
+        back from storage)."""
+        if self.behind:  # its work would slow the checkpoint's writes: it comes after them, for a save that held
+            self._outcome(saved)
+        began = time.perf_counter()
         iteration = iteration_of(final)
         why = None if filled else ("its save was not due for an export" if kept is None else
                                    kept.why or "its save ended before all its weights were kept")
@@ -278,7 +291,7 @@ class HFPublisher:
             passed = self._agree(iteration, error, received)
             if self.rank != 0:
                 return None, None
-            written = time.perf_counter()
+            written = (began, time.perf_counter())
             if saved is not None and saved.join() and saved.error is not None:  # rank 0 publishes the checkpoint
                 log.info("--save-hf: the checkpoint of iteration %d failed: the model files written beside it are "
                          "removed", iteration)
@@ -350,11 +363,12 @@ class HFPublisher:
         """This rank's safetensors files (and rank 0's config.json and tokenizer), through the offline tool's own
         writer: one mapping, the same bytes (rank 0 indexes them once all are written)."""
         from tools.hf.export import write_metadata, write_tensors
-        owners = plan.source.owners if isinstance(plan.source, StagedSource) else [
+        staged = isinstance(plan.source, StagedSource)
+        owners = plan.source.owners if staged else [
             k % self.world_size for k in range(len(shards))]  # read back from storage: any rank reads any unit
         mine = {k for k, r in enumerate(owners) if r == self.rank}
-        if mine:
-            write_tensors(plan, self.storage, directory, shards, mine, in_flight_bytes=IN_FLIGHT_BYTES)
+        if mine:  # a unit read back from storage is valid only until the next read: its writes are waited for
+            write_tensors(plan, self.storage, directory, shards, mine, in_flight_bytes=IN_FLIGHT_BYTES if staged else 0)
         if self.rank == 0:
             write_metadata(plan, self.storage, directory)
 
@@ -400,6 +414,21 @@ class HFPublisher:
             self.storage.remove(join_path(path, INDEX))
             self.storage.remove(path)
             log.info("--save-hf-keep-last %d: removed %s", self.keep_last, path)
+
+
+def shares_storage(a: str, b: str) -> bool:
+    """Whether two roots share one storage's bandwidth: a file system (the device of their nearest existing
+    directories), or a bucket (an MSC profile) of one kind of object store."""
+    if url_scheme(a) or url_scheme(b):
+        return url_scheme(a) == url_scheme(b) and urlsplit(a).netloc == urlsplit(b).netloc
+    return os.stat(_existing(a)).st_dev == os.stat(_existing(b)).st_dev
+
+
+def _existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def check_save_hf(args) -> str | None:

@@ -12,16 +12,10 @@ import pytest
 import torch
 
 from datastates import _native as native
+from datastates import aligned_empty  # O_DIRECT's alignment, so the direct path is exercised
 
 MiB = 1 << 20
 ALIGN = 4096
-
-
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor whose data starts on a 4096-byte boundary (so the O_DIRECT path is exercised)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip : skip + nbytes]
 
 
 def random_tensor(nbytes: int, seed: int = 0) -> torch.Tensor:

@@ -245,13 +245,12 @@ class HFPublisher:
                 self._queue.task_done()
 
     def _export(self, ckpt_dir: str, final: str, kept, filled: bool, last: bool, saved) -> tuple:
-        """The export starts once this rank's save has ended when the model shares the checkpoint's storage
-        (`behind`), else at once; its files are written as soon as every rank's kept weights are complete
-        (`filled` on this rank); the model is
-        published (index, rename, `latest`) once the checkpoint is. On rank 0: (when its writes began, when every
-        rank's files were written) (None: it wrote none), and the bytes the ranks passed each other (None: read
-        back from storage)."""
-        if self.behind:  # its work would slow the checkpoint's writes: it comes after them, for a save that held
+        """The export starts once the save has ended (and only if it held) when the model shares the checkpoint's
+        storage (`behind`), else at once; its files are written as soon as every rank's kept weights are complete
+        (`filled` on this rank); the model is published (index, rename, `latest`) once the checkpoint is. On rank
+        0: (when the export started, when every rank's files were written) (None: it wrote none), and the bytes
+        the ranks passed each other (None: read back from storage)."""
+        if self.behind:  # its work would slow the checkpoint's writes: it comes after them
             self._outcome(saved)
         began = time.perf_counter()
         iteration = iteration_of(final)

@@ -1,4 +1,6 @@
 """Fixtures shared by test modules."""
+import subprocess
+
 import pytest
 
 from s3_store import s3_server  # noqa: F401  one SeaweedFS for the whole run, started by the first test that asks
@@ -18,3 +20,24 @@ def gloo(tmp_path_factory):
     dist.destroy_process_group()
     if not was:
         cpu_shim.uninstall()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size) -> a new tmpfs of `size` ("2m") under tmp_path, to fill up or remount; the test is skipped
+    where mounting is not allowed (it needs root); unmounted after the test."""
+    mounted = []
+
+    def mount(size: str):
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)])

@@ -315,24 +315,17 @@ def test_sharded_files_load_as_written_with_their_data_on_a_block(tmp_path, in_f
         assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
 
 
-def test_a_failure_while_writes_are_in_flight_ends_them_and_is_raised(tmp_path):
+def test_a_failure_while_writes_are_in_flight_ends_them_and_is_raised(tmpfs):
     """A 2 MiB disk has room for the first of three 1 MiB files: opening the second fails while the first's writes
     may still be in flight. The disk's error is raised, naming the second file, once every write handed over has
     ended: the first file holds all its bytes."""
     import errno
-    import subprocess
     from datastates import storage_for
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        storage = storage_for(str(mnt))
-        tensors = {f"t{k}": torch.full((1 << 18,), float(k + 1)) for k in range(3)}
-        with pytest.raises(OSError) as failure:
-            _write(storage, str(mnt), tensors, 1 << 20, 8 << 20)
-        assert failure.value.errno == errno.ENOSPC and "model-00002-of-00003.safetensors" in str(failure.value)
-        assert torch.equal(load_file(str(mnt / "model-00001-of-00003.safetensors"))["t0"], tensors["t0"])
-        storage.close()
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    mnt = tmpfs("2m")
+    storage = storage_for(str(mnt))
+    tensors = {f"t{k}": torch.full((1 << 18,), float(k + 1)) for k in range(3)}
+    with pytest.raises(OSError) as failure:
+        _write(storage, str(mnt), tensors, 1 << 20, 8 << 20)
+    assert failure.value.errno == errno.ENOSPC and "model-00002-of-00003.safetensors" in str(failure.value)
+    assert torch.equal(load_file(str(mnt / "model-00001-of-00003.safetensors"))["t0"], tensors["t0"])
+    storage.close()

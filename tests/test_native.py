@@ -3,7 +3,6 @@
 import errno
 import os
 import random
-import subprocess
 import threading
 import time
 
@@ -49,17 +48,9 @@ def accepts_o_direct(directory) -> bool:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 4 MiB tmpfs, to run out of space on. Needs root (mount)."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 4 MiB tmpfs to fill up (needs root): {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+def small_tmpfs(tmpfs):
+    """A 4 MiB tmpfs, to run out of space on."""
+    return tmpfs("4m")
 
 
 # ------------------------------------------------------------------------------------------- crc32c

@@ -19,23 +19,36 @@ from .schema import Item, dtype_from_name
 
 
 class KeepBudget:
-    """The bytes every save's kept tensors may hold at once; taken without waiting, given back on release."""
+    """The bytes every save's kept tensors may hold at once; taken without waiting, given back on release.
+
+    The largest buffer given back since the last take waits for the next one (`idle`); a take reuses it when it is
+    large enough and frees it otherwise, so what is held, in use or idle, never exceeds the budget."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.used = 0
+        self.idle: torch.Tensor | None = None
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> bool:
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A block-aligned buffer of at least `nbytes`, counted whole, or None when they do not fit in what is
+        left (the idle buffer then stays)."""
         with self._lock:
+            idle = self.idle
+            if nbytes and idle is not None and idle.numel() >= nbytes:  # used + idle never exceeds the budget
+                self.idle, self.used = None, self.used + idle.numel()
+                return idle
             if self.used + nbytes > self.budget_bytes:
-                return False
-            self.used += nbytes
-            return True
+                return None
+            self.idle, self.used = None, self.used + nbytes
+        del idle  # freed before the new buffer is allocated
+        return aligned_empty(nbytes)
 
-    def give(self, nbytes: int) -> None:
+    def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
-            self.used -= nbytes
+            self.used -= buffer.numel()
+            if self.idle is None or buffer.numel() > self.idle.numel():
+                self.idle = buffer
 
 
 class Kept:
@@ -52,7 +65,9 @@ class Kept:
         self.why: str | None = None
         self._left = 0  # the chosen bytes not yet taken
         self._settled = threading.Event()  # every chosen byte taken, or the bytes given back first
-        if not budget.take(total):
+        self._lock = threading.Lock()  # a release waits for a take under way: the buffer may be the next save's
+        self._buffer = budget.take(total)
+        if self._buffer is None:
             self.why = (f"its {total / 2**20:.1f} MiB of tensors to keep do not fit in the "
                         f"{(budget.budget_bytes - budget.used) / 2**20:.1f} MiB left of the "
                         f"{budget.budget_bytes / 2**20:.1f} MiB staging budget")
@@ -61,24 +76,25 @@ class Kept:
         self._left = sum(it.nbytes for it in items)
         if not self._left:
             self._settled.set()
-        self.nbytes = total
-        buffer, offset = aligned_empty(total), 0
+        self.nbytes = self._buffer.numel()
+        offset = 0
         for it in items:
-            self._views[it.id] = buffer[offset:offset + it.nbytes]
+            self._views[it.id] = self._buffer[offset:offset + it.nbytes]
             self._items[it.id] = it
             offset += align_up(it.nbytes)
 
     def take(self, buffer: torch.Tensor, segments: list) -> None:
         """The flusher's hand-over: the chunks of chosen items among a slot's (offset, length, item, chunk index)
         segments, copied before the slot is written."""
-        for start, n, item, index in segments:
-            view = self._views.get(item.id)
-            if view is not None:
-                at = index * (item.chunk_bytes or item.nbytes)
-                view[at:at + n].copy_(buffer[start:start + n])
-                self._left -= n
-                if not self._left:
-                    self._settled.set()
+        with self._lock:
+            for start, n, item, index in segments:
+                view = self._views.get(item.id)
+                if view is not None:
+                    at = index * (item.chunk_bytes or item.nbytes)
+                    view[at:at + n].copy_(buffer[start:start + n])
+                    self._left -= n
+                    if not self._left:
+                        self._settled.set()
 
     def wait_filled(self, timeout: float | None = None) -> bool:
         """Wait until every chosen byte is kept (True), or until the save ended or gave the bytes back before that,
@@ -105,7 +121,9 @@ class Kept:
 
     def release(self) -> None:
         """Give the bytes back to the budget (once; later calls do nothing)."""
-        if self._views:
-            self._views, self._items = {}, {}
-            self._budget.give(self.nbytes)
+        with self._lock:
+            if self._buffer is not None:
+                self._views, self._items = {}, {}
+                self._budget.give(self._buffer)
+                self._buffer = None
         self._settled.set()

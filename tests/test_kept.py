@@ -127,3 +127,30 @@ def test_a_failed_or_refused_save_gives_its_kept_bytes_back(tmp_path):
         with pytest.raises(CheckpointError):
             eng.save(state, paths.checkpoint_dir(str(blocked), 1), keep=_models)
         assert eng.keep_budget.used == 0
+
+
+def test_a_released_buffer_is_the_next_save_s_and_what_is_held_stays_within_the_budget(tmp_path):
+    """The next save copies into the pages the last one gave back (no fresh pages to fault in on the flusher), with
+    its own bytes; a save keeping more than that buffer holds frees it first, so what is in use plus what waits
+    idle never exceeds the staging budget."""
+    state = _state()
+    with _engine() as eng:
+        first = eng.save(state, paths.checkpoint_dir(str(tmp_path), 1), keep=_models)
+        first.wait()
+        pages = first.kept.tensor("model.w@(0, 0)").data_ptr()
+        first.kept.release()
+        assert eng.keep_budget.used == 0 and eng.keep_budget.idle is not None
+        state["model.w"].data.mul_(-1)
+        second = eng.save(state, paths.checkpoint_dir(str(tmp_path), 2), keep=_models)
+        second.wait()
+        kept = _kept_by_name(second, state)
+        assert kept["model.w"].data_ptr() == pages and eng.keep_budget.idle is None
+        assert torch.equal(kept["model.w"], state["model.w"].data)
+        second.kept.release()
+        state["model.w2"] = Piece("model.w2", torch.ones(MiB // 4), (0,), (MiB // 4,))  # 4 MiB to keep now
+        third = eng.save(state, paths.checkpoint_dir(str(tmp_path), 3), keep=_models)
+        third.wait()
+        assert third.kept.why is None and third.kept.tensor("model.w@(0, 0)").data_ptr() != pages
+        assert eng.keep_budget.idle is None and eng.keep_budget.used == third.kept.nbytes <= eng.keep_budget.budget_bytes
+        third.kept.release()
+        assert eng.keep_budget.used == 0 and eng.keep_budget.idle.numel() == third.kept.nbytes

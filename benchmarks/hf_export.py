@@ -4,7 +4,8 @@
     python benchmarks/hf_export.py [--quick | --large | --gigabyte] [--ranks N] [--out DIR]
 
 Reports (docs/huggingface.md, "Published while training"; issue 44's targets):
-- loop ratio: the median `elapsed time per iteration` (iterations 2..N) with the export over without it;
+- loop ratio: the median `elapsed time per iteration` (iterations 2..N) with the export over without it (and each
+  round's, the spread a single ratio hides);
 - end-to-end ratio: first iteration's start to "> training done" (every checkpoint and export finished);
 - publish latency: from the save call to the model published, against the checkpoint's own time to durable
   (the trainer's `published the Hugging Face model` line);
@@ -162,11 +163,12 @@ def main(argv=None) -> None:
 
     def loop(rs):
         return statistics.median(ms for x in rs for i, ms in x["iters"].items() if i > 1)
+    by_round = ", ".join(f"{loop([w]) / loop([o]):.3f}" for w, o in zip(runs[True], runs[False]))
     exports = [e for x in runs[True] for e in x["exports"]]
     print(f"\n{'quick: ' if a.quick else ''}{a.ranks} rank(s), {iters} iterations, a checkpoint (and an export) every "
           f"{interval}, staging budget {budget:g} GiB, safetensors files of {a.shard_mb:g} MiB, rounds {rounds}")
     print(f"loop: median iteration {loop(runs[True]):.1f} ms with, {loop(runs[False]):.1f} ms without: ratio "
-          f"{loop(runs[True]) / loop(runs[False]):.3f}")
+          f"{loop(runs[True]) / loop(runs[False]):.3f} (each round's: {by_round})")
     tw, to = (statistics.median(x["total_s"] for x in runs[k]) for k in (True, False))
     print(f"end to end (all checkpoints and exports done): {tw:.2f} s with, {to:.2f} s without: ratio {tw / to:.3f}")
     print(f"exports: {len(exports)}; median export {statistics.median(e['export_ms'] for e in exports):.0f} ms; "

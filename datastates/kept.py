@@ -33,9 +33,11 @@ class KeepBudget:
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A block-aligned buffer of at least `nbytes`, counted whole, or None when they do not fit in what is
         left (the idle buffer then stays)."""
+        if not nbytes:
+            return aligned_empty(0)
         with self._lock:
             idle = self.idle
-            if nbytes and idle is not None and idle.numel() >= nbytes:  # used + idle never exceeds the budget
+            if idle is not None and idle.numel() >= nbytes:  # used + idle never exceeds the budget
                 self.idle, self.used = None, self.used + idle.numel()
                 return idle
             if self.used + nbytes > self.budget_bytes:
@@ -47,7 +49,7 @@ class KeepBudget:
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self.used -= buffer.numel()
-            if self.idle is None or buffer.numel() > self.idle.numel():
+            if buffer.numel() > (0 if self.idle is None else self.idle.numel()):
                 self.idle = buffer
 
 

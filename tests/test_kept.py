@@ -147,8 +147,12 @@ def test_a_released_buffer_is_the_next_save_s_and_what_is_held_stays_within_the_
         assert kept["model.w"].data_ptr() == pages and eng.keep_budget.idle is None
         assert torch.equal(kept["model.w"], state["model.w"].data)
         second.kept.release()
+        nothing = eng.save(state, paths.checkpoint_dir(str(tmp_path), 3), keep=lambda name: False)
+        nothing.wait()
+        nothing.kept.release()
+        assert eng.keep_budget.idle.data_ptr() == pages  # a save keeping nothing leaves the buffer to the next
         state["model.w2"] = Piece("model.w2", torch.ones(MiB // 4), (0,), (MiB // 4,))  # 4 MiB to keep now
-        third = eng.save(state, paths.checkpoint_dir(str(tmp_path), 3), keep=_models)
+        third = eng.save(state, paths.checkpoint_dir(str(tmp_path), 4), keep=_models)
         third.wait()
         assert third.kept.why is None and third.kept.tensor("model.w@(0, 0)").data_ptr() != pages
         assert eng.keep_budget.idle is None and eng.keep_budget.used == third.kept.nbytes <= eng.keep_budget.budget_bytes

@@ -59,12 +59,17 @@ def default_copy_threads() -> int:
 class CopyBackend:
     """The protocol, with completions as callables that block until their copies landed."""
 
+    device: torch.device | None = None  # the accelerator whose tensors it copies (None: host memory only)
+
     def __init__(self):
         self._issued: list[Callable[[], None]] = []  # completions not yet attached to a slot
         self._unfinished: list[Callable[[], None]] = []  # every completion since the last finish()
 
     def begin(self):
         return None
+
+    def bind_thread(self) -> None:
+        """Called first on every thread that runs the protocol (the engine's stage threads)."""
 
     def check(self, tensor: torch.Tensor, where: str) -> None:
         """Refuse, before anything is copied, a tensor this backend cannot copy."""
@@ -103,25 +108,48 @@ class CopyBackend:
 
 
 class HostCopyBackend(CopyBackend):
-    """Host memory: contiguous copies are memcpy'd on native threads, strided ones by torch in the caller."""
+    """Host memory: contiguous copies are memcpy'd on native threads, strided ones by torch in the caller.
+    Copies that continue one another in source and destination (a tensor's chunks in one slot, tensors laid
+    out back to back in both) go as one."""
 
     def __init__(self, threads: int | None = None):
         super().__init__()
         self.pool = _native.CopyPool(threads or default_copy_threads())
         self._batch: _native.CopyBatch | None = None
+        self._run: list[int] | None = None  # [dst, src, nbytes] of the contiguous copy being gathered
 
     def copy(self, dst, src, ordering):
         if src.device.type == dst.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous():
-            if self._batch is None:
-                self._batch = _native.CopyBatch()
-                self._completes(self._batch.wait)
-            self.pool.copy(self._batch, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+            self._gather(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
         else:
             dst.copy_(src)  # strided views: torch copies them in place, synchronously
 
+    def _gather(self, dst: int, src: int, nbytes: int) -> None:
+        run = self._run
+        if run is not None and run[0] + run[2] == dst and run[1] + run[2] == src:
+            run[2] += nbytes
+            return
+        self._issue()
+        self._run = [dst, src, nbytes]
+
+    def _issue(self) -> None:
+        """Queue the gathered copy on the native threads."""
+        if self._run is None:
+            return
+        if self._batch is None:
+            self._batch = _native.CopyBatch()
+            self._completes(self._batch.wait)
+        self.pool.copy(self._batch, *self._run)
+        self._run = None
+
     def mark(self, slot):
+        self._issue()
         self._batch = None
         super().mark(slot)
+
+    def finish(self):
+        self._issue()
+        super().finish()
 
     def close(self):
         self.pool.close()
@@ -136,6 +164,12 @@ class CudaCopyBackend(HostCopyBackend):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self._event_pending = False
+        self._device_run: tuple[torch.Tensor, torch.Tensor] | None = None  # (dst, src) being gathered, as bytes
+        self._ordered = None  # the ordering event the side stream waits for already
+
+    def bind_thread(self):
+        """A thread that touches CUDA without a device set would make a context of its own on device 0."""
+        torch.cuda.set_device(self.device)
 
     def begin(self):
         """Called on the training thread at save() (or load()): everything queued so far on the compute stream
@@ -156,27 +190,66 @@ class CudaCopyBackend(HostCopyBackend):
         if not (src.is_cuda or dst.is_cuda):
             super().copy(dst, src, ordering)
             return
+        if ordering is not None and ordering is not self._ordered:  # once per save: the stream stays ordered
+            self._issue_device()
+            self.stream.wait_event(ordering)
+            self._ordered = ordering
+        if src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype:
+            dst, src = _bytes_of(dst), _bytes_of(src)
+            run = self._device_run
+            if run is not None and _continues(run[0], dst) and _continues(run[1], src):
+                self._device_run = (_extend(run[0], dst), _extend(run[1], src))
+                return
+            self._issue_device()
+            self._device_run = (dst, src)
+            return
+        self._issue_device()
         with torch.cuda.stream(self.stream):
-            if ordering is not None:
-                self.stream.wait_event(ordering)
             dst.copy_(src, non_blocking=True)
         self._event_pending = True
 
-    def mark(self, slot):
-        if self._event_pending:
-            event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
-            event.record(self.stream)
-            self._completes(event.synchronize)
-            self._event_pending = False
-        super().mark(slot)
+    def _issue_device(self) -> None:
+        """Queue the gathered device copy on the side stream: one copy per contiguous run."""
+        if self._device_run is None:
+            return
+        dst, src = self._device_run
+        self._device_run = None
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        self._event_pending = True
 
-    def finish(self):
+    def _record(self) -> None:
+        """One event after the copies issued so far (waiters sleep on it instead of spinning)."""
+        self._issue_device()
         if self._event_pending:
             event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
             self._completes(event.synchronize)
             self._event_pending = False
+
+    def mark(self, slot):
+        self._record()
+        super().mark(slot)
+
+    def finish(self):
+        self._record()
         super().finish()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _continues(run: torch.Tensor, t: torch.Tensor) -> bool:
+    """The bytes `t` start where the bytes `run` end, in the same storage (a copy never spans two allocations)."""
+    return (t.device == run.device and t.untyped_storage().data_ptr() == run.untyped_storage().data_ptr() and
+            t.data_ptr() == run.data_ptr() + run.numel())
+
+
+def _extend(run: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `run` and then `t`, one view of their storage."""
+    return run.as_strided((run.numel() + t.numel(),), (1,))
 
 
 def make_backend(copy_threads: int | None = None) -> CopyBackend:

@@ -44,13 +44,17 @@ class CheckpointEngine:
                  rank: int | None = None, world_size: int | None = None, keep_last: int | None = None,
                  publish_timeout_s: float = 600.0, registry: ProviderRegistry | None = None,
                  copy_threads: int | None = None, copy_backend: CopyBackend | None = None,
-                 store: torch.distributed.Store | None = None, compress: str = "off", encode_threads: int = 2):
+                 store: torch.distributed.Store | None = None, compress: str = "off", encode_threads: int = 2,
+                 stage_ahead: bool | None = None):
         """`storage` is where checkpoints are saved and loaded: a backend (`storage.storage_for`), or the options
         of a POSIX file system (`PosixOptions`: fsync, O_DIRECT, threads, read mode) to use one with; its
         `writer_threads` also size the staging slots. `store` (a torch.distributed Store shared by the ranks)
         carries the agreement on each save; by default the default process group's. `copy_backend` replaces the
         device backend (see `copies`). `compress`: "off", "auto" (what pays on this storage,
-        `codecs.for_storage`) or a codec's name; tensor chunks are encoded on `encode_threads` threads."""
+        `codecs.for_storage`) or a codec's name; tensor chunks are encoded on `encode_threads` threads.
+        `stage_ahead`: make the whole staging budget now, in the background (mapped, faulted in and, with CUDA,
+        pinned), so that no save allocates or pins on its way; by default with CUDA, where pinning as saves go
+        cost the first saves most of their speed. Size `host_buffer_bytes` to what a save holds when it is on."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -62,8 +66,11 @@ class CheckpointEngine:
         if store is None and self.world_size > 1 and initialized:
             store = default_store()
         self.backend = copy_backend or make_backend(copy_threads)
-        self.pool = StagingPool(host_buffer_bytes, self.storage.options.writer_threads,
-                                pinned=torch.cuda.is_available())
+        pinned = torch.cuda.is_available()
+        self.pool = StagingPool(host_buffer_bytes, self.storage.options.writer_threads, pinned=pinned,
+                                device=getattr(self.backend, "device", None))
+        if pinned if stage_ahead is None else stage_ahead:
+            self.pool.prepare()
         self.keep_budget = KeepBudget(host_buffer_bytes)  # what saves keep past themselves (`save(keep=)`)
         self.codec = codecs.for_storage(compress, self.storage)
         self.pipeline = SavePipeline(self.rank, self.world_size, self.storage, self.pool, self.backend, store,
@@ -111,6 +118,11 @@ class CheckpointEngine:
         self._pending.append(handle)
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle
+
+    def staging_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the staging made ahead (`stage_ahead`) is ready; False if `timeout` seconds passed first.
+        Saves need not call it: the first one waits by itself if it must."""
+        return self.pool.prepared(timeout)
 
     @property
     def publish_timeout_s(self) -> float:

@@ -193,7 +193,8 @@ class SavePipeline:
         self._jobs_lock = threading.Lock()
         self._broken: CheckpointError | None = None
         self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete")  # retention, off the save path
+        # retention, off the save path (the memory tier's unpins its pages: bound to the engine's device)
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete", initializer=backend.bind_thread)
         self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
         self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
                          for name, fn in (
@@ -265,6 +266,7 @@ class SavePipeline:
     def _guard(self, name: str, stage) -> None:
         """Run a stage; if it dies (an error outside its handlers), fail everything pending instead of hanging."""
         try:
+            self.backend.bind_thread()
             stage()
         except BaseException as e:  # noqa: BLE001
             self._die(name, e)
@@ -314,7 +316,7 @@ class SavePipeline:
         def copy_tensors():
             if job.source is not None:
                 self._write_from_pages(job)
-            elif job.data.pages is not None:
+            elif job.data is not None:
                 self._copy_into_pages(job)
             else:
                 for e in self._tensors(job):
@@ -337,8 +339,8 @@ class SavePipeline:
         """Run `copy_tensors()` and wait for the pickles: then nothing of this save reads the live state any
         more and the fence opens. Returns the pickled objects (none if the save failed)."""
         try:
-            job.data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region,
-                                                packed=job.codec is not None)
+            if self.lends_pages and job.codec is None and job.source is None:  # the snapshot lands in its pages
+                self._sink(job)
             copy_tensors()
             self.backend.finish()
             pickled = [(e, f.result()) for e, f in job.objects]
@@ -351,6 +353,14 @@ class SavePipeline:
         job.handle.stats.snapshot_s = time.perf_counter() - job.t0
         job.handle._snapshot_done.set()
         return pickled
+
+    def _sink(self, job: Job) -> DataSink:
+        """This rank's data of `job`, opened by the first stage that needs it: the copier where the snapshot lands
+        in the sink's pages, else the flusher, so that making the file is not on the snapshot's path."""
+        if job.data is None:
+            job.data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region,
+                                                packed=job.codec is not None)
+        return job.data
 
     def _tensors(self, job: Job):
         return [e for e in job.entries if e.item.kind == Kind.TENSOR and e.item.write]
@@ -408,6 +418,11 @@ class SavePipeline:
             if isinstance(slot, Job) or slot.job.failed:
                 while encoding:
                     complete_q.put(self._write_encoded(*encoding.popleft()))
+                if isinstance(slot, Job) and not slot.failed:
+                    try:
+                        self._sink(slot)  # a save with nothing to write still has its (empty) data
+                    except BaseException as e:  # noqa: BLE001
+                        slot.fail(e)
                 if isinstance(slot, Job) and slot.codec is not None:  # every slot is packed: the offsets move
                     slot.size = slot.position
                     for e in slot.entries:  # nothing stored: no planned offset may lie past the packed bytes
@@ -419,6 +434,7 @@ class SavePipeline:
                 continue
             done = None
             try:
+                self._sink(slot.job)
                 self.backend.ready(slot)
                 if slot.job.handle.kept is not None:  # before the slot is encoded, written and reused
                     slot.job.handle.kept.take(slot.buffer, slot.segments)

@@ -69,21 +69,29 @@ def test_save_returns_before_the_copy_and_the_fence_waits_for_it(tmp_path):
         eng.wait()
 
 
-def test_pinned_staging_is_exactly_the_budget_and_copies_overlap(tmp_path):
-    """Slots are pinned in place (cudaHostRegister), not through the power-of-two caching host allocator, and
-    save() returns while the side-stream copies are still running."""
-    _, state = _host_and_device(8, 16 << 20)  # 512 MiB on the device
+def test_pinned_staging_is_exactly_the_budget_pinned_at_start_and_copies_overlap(tmp_path):
+    """The whole budget is pinned in place (cudaHostRegister, not the power-of-two caching host allocator) when the
+    engine starts, by default with CUDA; saves pin nothing more, and save() returns while the side-stream copies
+    are still running."""
+    host, state = _host_and_device(8, 16 << 20)  # 512 MiB on the device
     budget = 96 << 20
     with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2)) as eng:
-        assert eng.pool.pinned
-        handle = eng.save(state, str(tmp_path / "iter_0000001"))
-        assert not handle.snapshot_done, "save() waited for the device->host copies"
-        eng.wait_for_snapshot()
-        stats = eng.wait()[0]
-        assert stats.peak_staging_bytes <= budget
-        assert stats.staging_pinned_bytes == stats.staging_allocated_bytes <= budget
-        assert eng.pool.pinned_bytes == eng.pool.allocated_bytes <= budget
+        assert eng.pool.pinned and eng.staging_ready(timeout=60)
+        pinned = eng.pool.pinned_bytes
+        assert pinned == eng.pool.allocated_bytes == eng.pool.max_slots * eng.pool.slot_bytes
+        assert budget - eng.pool.slot_bytes < pinned <= budget
+        for it in (1, 2):
+            handle = eng.save(state, str(tmp_path / f"iter_{it:07d}"))
+            assert not handle.snapshot_done, "save() waited for the device->host copies"
+            eng.wait_for_snapshot()
+            stats = eng.wait()[0]
+            assert stats.peak_staging_bytes <= budget
+            assert stats.staging_pinned_bytes == stats.staging_allocated_bytes == pinned, "a save pinned more"
+        assert eng.pool.pinned_bytes == pinned
         assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == 0
+        out = eng.load(str(tmp_path / "iter_0000002"))
+    for k, v in host.items():
+        assert torch.equal(out[k].cpu(), v), k
 
 
 def test_load_lands_in_the_device_tensors_given(tmp_path):
@@ -124,3 +132,30 @@ def test_tensor_on_another_device_is_refused(tmp_path):
     with CheckpointEngine(host_buffer_bytes=16 << 20, storage=PosixOptions(writer_threads=1)) as eng:
         with pytest.raises(CheckpointError, match=r"'w'.*cuda:1.*one engine per device"):
             eng.save({"w": torch.ones(4, device="cuda:1")}, str(tmp_path / "iter_0000001"))
+
+
+def test_views_of_one_device_buffer_land_exactly_whether_their_copies_join_or_not(tmp_path):
+    """Device tensors back to back in one buffer (megatron-core's parameter buffers) go as one side-stream copy
+    where their slot offsets continue too, one by one where they do not; every byte lands where it belongs, in
+    both directions."""
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(3_000_000, generator=g)
+    sizes = [1024, 2048, 1024 * 700, 1000, 3, 1024 * 1000, 77_777, 1024]
+    host, pos = {}, 0
+    for i, n in enumerate(sizes):
+        host[f"v{i}"] = flat[pos:pos + n]
+        pos += n
+        if i == 1:
+            host["jump"] = flat[-1024:]  # its slot offset continues the run, its source does not
+    device_flat = flat.cuda()
+    state = {k: device_flat[v.storage_offset():v.storage_offset() + v.numel()] for k, v in host.items()}
+    torch.cuda.synchronize()
+    with CheckpointEngine(host_buffer_bytes=8 << 20, storage=PosixOptions(writer_threads=2)) as eng:
+        eng.save(state, str(tmp_path / "iter_0000001"))
+        eng.wait_for_snapshot()
+        device_flat.add_(1)  # after the fence: not seen by the save
+        eng.wait()
+        device_flat.zero_()
+        eng.load(str(tmp_path), template=state)
+    for k, v in host.items():
+        assert torch.equal(state[k].cpu(), v), k

@@ -178,3 +178,58 @@ def test_tensor_the_backend_cannot_copy_is_refused_at_save(tmp_path):
         with pytest.raises(CheckpointError, match=r"iter_0000001.*'w'.*meta"):
             eng.save({"w": torch.empty(4, device="meta")}, str(tmp_path / "iter_0000001"))
     assert not (tmp_path / "iter_0000001").exists()
+
+
+def _shmem_rss() -> int:
+    """This process's resident shared memory (where the anonymous shared slot mappings are counted), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem:"))
+
+
+def test_staging_made_ahead_is_the_whole_budget_resident_and_saves_add_none(tmp_path):
+    """stage_ahead: the whole budget is mapped and faulted in before any save; saves larger than it (back-
+    pressure) and later saves take only those slots, and what they wrote loads back."""
+    budget = 8 << 20
+    before = _shmem_rss()
+    with CheckpointEngine(host_buffer_bytes=budget, storage=PosixOptions(writer_threads=2), stage_ahead=True) as eng:
+        assert eng.staging_ready(timeout=60)
+        made = eng.pool.allocated_bytes
+        assert made == eng.pool.max_slots * eng.pool.slot_bytes > budget - eng.pool.slot_bytes
+        assert _shmem_rss() - before >= made, "the slots were mapped but not faulted in"
+        state = _state(11)
+        state["large"] = torch.randn(3 * budget // 4, generator=torch.Generator().manual_seed(3))  # 3x the budget
+        for it in (1, 2):
+            eng.save(state, str(tmp_path / f"iter_{it:07d}"))
+            stats = eng.wait()[0]
+            assert stats.staging_allocated_bytes == eng.pool.allocated_bytes == made
+            assert stats.peak_staging_bytes <= made
+        _assert_equal(eng.load(str(tmp_path / "iter_0000002")), _expected(state))
+
+
+def test_staging_is_made_as_saves_take_it_without_stage_ahead():
+    """Without stage_ahead (the default without CUDA) a pool makes a slot only when a save first takes it."""
+    with CheckpointEngine(host_buffer_bytes=8 << 20, storage=PosixOptions(writer_threads=2)) as eng:
+        assert eng.staging_ready(timeout=0) and eng.pool.allocated_bytes == 0
+
+
+def test_views_of_one_buffer_load_as_saved_whether_their_copies_join_or_not(tmp_path):
+    """Tensors laid out back to back in one buffer (megatron-core's parameter and gradient buffers) are copied as
+    one run where their slot offsets continue too (sizes a multiple of 4 KiB), one by one where they do not (odd
+    sizes leave padding in the slot), and across slot boundaries; every byte lands where the plan put it."""
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(600_000, generator=g)
+    sizes = [1024, 2048, 1024 * 70, 1000, 3, 1024 * 100, 77_777, 1024]  # 4 KiB multiples, odd ones, > a slot
+    views, pos = {}, 0
+    for i, n in enumerate(sizes):
+        views[f"v{i}"] = flat[pos:pos + n]
+        pos += n
+        if i == 1:
+            views["jump"] = flat[-1024:]  # its slot offset continues the run, its source does not
+    views["rest"] = flat[pos:pos + 7 * 40_000].view(-1, 7)[:, 2]  # strided: copied apart, between runs
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), copy_threads=2) as eng:
+        want = {k: v.clone() for k, v in views.items()}
+        eng.save(views, str(tmp_path / "iter_0000001"))
+        eng.wait_for_snapshot()
+        flat.add_(1)  # the optimizer step: after the fence, not seen by the save
+        eng.wait()
+        _assert_equal(eng.load(str(tmp_path / "iter_0000001")), want)

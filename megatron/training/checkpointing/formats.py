@@ -30,7 +30,7 @@ from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sh
 
 from ..virtual_pipeline import chunk_keys
 from .hf_ownership import FileAlignedWriters
-from .state import get_rng_state, state_nbytes
+from .state import get_rng_state, saved_bytes_bound, state_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class DatastatesFormat(CheckpointFormat):
             self.root == args.save else None
         self.ownership = ReplicaOwnership(group=group, prefer=prefer)
         if engine is None and self.root:
-            self.engine = _engine(args, self.ownership, self.root)
+            self.engine = _engine(args, self.ownership, self.root, model)
             if self.root == args.save and clean_leftovers:
                 _clean_leftovers(args.save)
 
@@ -385,7 +385,15 @@ def storage_of(path: str) -> tuple[str, str] | None:
     return (scheme, path.split("://", 1)[1].split("/")[0] if scheme == "msc" else "") if scheme else None
 
 
-def _engine(args, ownership: ReplicaOwnership, root: str) -> CheckpointEngine:
+def staging_bytes(args, model: list | None) -> int:
+    """One engine's host staging: what this rank's save holds at most, a tenth and 64 MiB more for packing chunks
+    into slots and for the objects, and never more than --ckpt-host-buffer-gb. Made when the engine starts
+    (`CheckpointEngine(stage_ahead=)`), so it costs what the saves use, not the flag's 4 GB."""
+    cap = int(args.ckpt_host_buffer_gb * (1 << 30))
+    return cap if model is None else min(cap, saved_bytes_bound(args, model) * 11 // 10 + (64 << 20))
+
+
+def _engine(args, ownership: ReplicaOwnership, root: str, model: list | None) -> CheckpointEngine:
     """The engine the --ckpt-* flags describe, on the storage of `root` (--save's, or --load's where that is
     another storage: each is read and written through its own)."""
     read_threads = args.ckpt_read_threads or DEFAULT_READ_THREADS
@@ -393,7 +401,7 @@ def _engine(args, ownership: ReplicaOwnership, root: str) -> CheckpointEngine:
                           writer_threads=args.ckpt_writer_threads, read_threads=read_threads,
                           read_mode=args.ckpt_read_mode)
     return CheckpointEngine(
-        host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
+        host_buffer_bytes=staging_bytes(args, model), stage_ahead=True,
         keep_last=args.ckpt_keep_last, publish_timeout_s=args.ckpt_publish_timeout_s,
         registry=make_registry(ownership), storage=storage, compress=args.ckpt_compress)
 

@@ -28,9 +28,9 @@ from datastates import (LocalTier, SaveHandle, SaveStats, check_fits, checkpoint
 from datastates.megatron import make_registry, save_sharded
 
 from .loading import CheckpointLoader
-from .formats import Written, format_class
+from .formats import Written, format_class, staging_bytes
 from .hf_publish import REFUSED, ExportDropped, Exported, HFPublisher
-from .state import build_state, current_layout
+from .state import build_state, current_layout, saved_bytes_bound
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +79,16 @@ class CheckpointManager:
         world = torch.distributed.get_world_size()
         factor = args.replication_factor if args.replication else 1
         # newest 2 kept + 1 being written + 1 retired but still written to storage from (at most one storage
-        # save is in flight on the tier's pages), per copy, for every rank of the node: params, two fp32 Adam moments
-        # and, with 16-bit params, fp32 main params (an upper bound: the distributed optimizer shards them)
-        params = [p for chunk in self.model for p in chunk.parameters()]
-        per_copy = sum(p.numel() * p.element_size() for p in params)
-        if not args.no_save_optim:
-            per_copy += sum(p.numel() for p in params) * 4 * (3 if (args.bf16 or args.fp16) else 2)
+        # save is in flight on the tier's pages), per copy, for every rank of the node
+        per_copy = saved_bytes_bound(args, self.model)
         copies = 4 if args.save and args.save_interval else 3
         check_fits(args.non_persistent_local_ckpt_dir, copies * per_copy * factor * node_of(self.rank, world)[1])
         return LocalTier(args.non_persistent_local_ckpt_dir, job_id(args.save), self.rank, world,
                          list(current_layout()), keep=2, replication_factor=factor,
                          replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
-                         host_buffer_bytes=int(args.ckpt_host_buffer_gb * (1 << 30)),
-                         writer_threads=args.ckpt_writer_threads, registry=make_registry(self_contained=True),
+                         host_buffer_bytes=staging_bytes(args, self.model),
+                         # its snapshot lands in its own pages: it stages objects, loads and a compressed save's tensors
+                         stage_ahead=args.ckpt_compress != "off", writer_threads=args.ckpt_writer_threads, registry=make_registry(self_contained=True),
                          compress=args.ckpt_compress)
 
     def _engines(self):

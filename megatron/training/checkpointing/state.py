@@ -109,6 +109,16 @@ def build_state(args, model: list, optimizer, scheduler, iteration: int, consume
     return state
 
 
+def saved_bytes_bound(args, model: list) -> int:
+    """What one rank's save holds at most: its parameters and, with the optimizer, two fp32 Adam moments and (with
+    16-bit parameters) fp32 main parameters. An upper bound: the distributed optimizer shards those."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    if not args.no_save_optim:
+        nbytes += sum(p.numel() for p in params) * 4 * (3 if (args.bf16 or args.fp16) else 2)
+    return nbytes
+
+
 def state_nbytes(state) -> int:
     """The bytes of every tensor in a sharded state dict."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values

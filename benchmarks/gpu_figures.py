@@ -41,24 +41,70 @@ def figures(side: dict, large: dict) -> dict:
                                 "restore_s": side.get("restore", {}).get(name, {}).get("seconds"),
                                 "restore_samples": side.get("restore", {}).get(name, {}).get("samples"),
                                 "restored_bit_exact": side.get("restore", {}).get(name, {}).get("verified")}
-        snap = _median(rec, "engine_snapshot_s")
-        if snap:
-            out["systems"][name]["snapshot_gbps"] = side["state_bytes"] / snap / 1e9
+        out["systems"][name].update(_snapshot_figures(rec, side["state_bytes"]))
     loop = side.get("loop") or {}
     base = loop.get("baseline_s")
     for run in loop.get("runs", []):
         if base and run.get("total_s") and run["system"] in out["systems"]:
             out["systems"][run["system"]]["loop_ratio"] = run["total_s"] / base
-    out["loop"] = {"iters": loop.get("iters"), "compute_s": loop.get("compute_s"), "baseline_s": base}
+            if run.get("floor_s"):
+                out["systems"][run["system"]]["loop_floor_ratio"] = run["total_s"] / run["floor_s"]
+    out["loop"] = {"iters": loop.get("iters"), "compute_s": loop.get("compute_s"), "baseline_s": base,
+                   **(loop.get("floor_inputs") or {})}
     out["state_bytes"] = side.get("state_bytes")
     lazy_large = large.get("save", {}).get("engine_lazy")
     if lazy_large:
-        snap = _median(lazy_large, "engine_snapshot_s")
         out["large"] = {"state_bytes": large["state_bytes"], "blocking_s": _median(lazy_large, "blocking_s"),
                         "durable_s": _median(lazy_large, "durable_s"),
-                        "snapshot_gbps": large["state_bytes"] / snap / 1e9 if snap else None,
-                        "restored_bit_exact": large.get("restore", {}).get("engine_lazy", {}).get("verified")}
+                        "restored_bit_exact": large.get("restore", {}).get("engine_lazy", {}).get("verified"),
+                        **_snapshot_figures(lazy_large, large["state_bytes"])}
     return out
+
+
+def _snapshot_figures(rec: dict, nbytes: int) -> dict:
+    """The engine's snapshot GB/s (median, the first timed save's and the later ones'), and its pinned staging
+    at each save."""
+    samples = rec.get("engine_snapshot_s", {}).get("samples") or []
+    if not samples:
+        return {}
+    gbps = [nbytes / s / 1e9 for s in samples]
+    return {"snapshot_gbps": nbytes / _median(rec, "engine_snapshot_s") / 1e9, "snapshot_first_gbps": gbps[0],
+            "snapshot_later_gbps": sorted(gbps[1:])[len(gbps[1:]) // 2] if len(gbps) > 1 else None,
+            "blocking_samples_s": rec.get("blocking_s", {}).get("samples"),
+            "pinned_bytes_samples": rec.get("engine_staging_pinned_bytes", {}).get("samples")}
+
+
+def targets(fig: dict) -> list[str]:
+    """Issue 58's targets, one line each, met or not (figures, never a failure of the check)."""
+    d2h, lines = fig.get("d2h_pinned_gbps"), []
+    runs = [(f"{fig.get('state_bytes', 0) / 1e9:.0f} GB", fig["systems"].get("engine_lazy", {}), fig.get("state_bytes")),
+            (f"{(fig.get('large') or {}).get('state_bytes', 0) / 1e9:.0f} GB", fig.get("large") or {},
+             (fig.get("large") or {}).get("state_bytes"))]
+    for name, r, nbytes in runs:
+        if not (d2h and r.get("snapshot_first_gbps")):
+            continue
+        snaps = [r["snapshot_first_gbps"]] + ([r["snapshot_later_gbps"]] if r.get("snapshot_later_gbps") else [])
+        lines.append(_target(f"{name}: snapshot >= 80% of the plain copy ({d2h:.1f} GB/s), first and later saves",
+                             ", ".join(f"{g:.1f} GB/s ({100 * g / d2h:.0f}%)" for g in snaps),
+                             min(snaps) >= 0.8 * d2h))
+        plain_s = nbytes / d2h / 1e9
+        block = r.get("blocking_samples_s") or []
+        if block:
+            lines.append(_target(f"{name}: blocking <= 1.25x the plain copy's {plain_s:.3f} s",
+                                 ", ".join(f"{b:.3f} s" for b in block), max(block) <= 1.25 * plain_s))
+        pinned = [p for p in r.get("pinned_bytes_samples") or [] if p is not None]
+        if pinned:
+            lines.append(_target(f"{name}: pinned staging the same at every save (made at start)",
+                                 ", ".join(f"{p / 2**30:.2f} GiB" for p in pinned), len(set(pinned)) == 1))
+    lazy = fig["systems"].get("engine_lazy", {})
+    if lazy.get("loop_floor_ratio"):
+        lines.append(_target("the loop <= 1.05x its floor", f"{lazy['loop_floor_ratio']:.3f}x",
+                             lazy["loop_floor_ratio"] <= 1.05))
+    return lines
+
+
+def _target(what: str, measured: str, met: bool) -> str:
+    return f"TARGET {what}: {measured}: {'met' if met else 'NOT met'}"
 
 
 def verdict(fig: dict) -> tuple[bool, str]:
@@ -85,7 +131,7 @@ def verdict(fig: dict) -> tuple[bool, str]:
              f"loop ratio lazy {lazy['loop_ratio']:.2f}"
              + (f", best peer {best} {peers[best]['loop_ratio']:.2f}" if best else ", no peer's loop"),
              f"{large['state_bytes'] / 1e9:.1f} GB: stall {large['blocking_s']:.3f} s, durable {large['durable_s']:.2f} s"
-             f", snapshot {large['snapshot_gbps'] or 0:.1f} GB/s"]
+             f", snapshot {large.get('snapshot_gbps') or 0:.1f} GB/s"]
     if fig["errors"]:
         parts.append("failed: " + ", ".join(fig["errors"]))
     return True, "; ".join(parts)
@@ -122,6 +168,8 @@ def markdown(check: dict) -> str:
         if restores:
             out += ["", "Each restore, in the order they ran (the second round runs the systems in reverse): "
                     + "; ".join(f"{n} " + " / ".join(f"{x:.3f}" for x in v) + " s" for n, v in restores.items()) + "."]
+    if fig.get("targets"):
+        out += ["", "Issue 58's targets on this card:", "", *[f"- {t[len('TARGET '):]}" for t in fig["targets"]]]
     out += _profile_markdown(check.get("d_snapshot_profile")) + _codecs_markdown(check.get("d_gpu_codecs"))
     return "\n".join(out) + "\n"
 
@@ -173,8 +221,11 @@ def main() -> int:
         ap.error("give SIDE_BY_SIDE_OUT LARGE_OUT --json FIGURES.json, or --markdown FIGURES_JSON")
     fig = figures(_raw(a.side_by_side), _raw(a.large))
     ok, line = verdict(fig)
+    fig["targets"] = targets(fig) if ok else []
     with open(a.json, "w") as f:
         json.dump(fig, f, indent=1)
+    for target in fig["targets"]:
+        print(target)
     print(("SUMMARY PASS " if ok else "SUMMARY FAIL ") + line)
     return 0 if ok else 1
 

@@ -84,7 +84,9 @@ def main():
     ap.add_argument("--engine-buffer-gb", type=float, default=4.0, help="engine staging budget per rank (GiB)")
     ap.add_argument("--engine-writer-threads", type=int, default=4)
     ap.add_argument("--loop-config", default="1x1", help="SIZExRANKS that also runs the compute loop ('' = none)")
-    ap.add_argument("--loop-iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="saves per system before the timed ones (0: the first "
+                    "save is timed too)")
+    ap.add_argument("--loop-iters", type=int, default=12, help="enough that the last checkpoint's drain is a small part")
     ap.add_argument("--loop-compute-s", type=float, default=0.7)
     ap.add_argument("--loop-intervals", default="1,3")
     ap.add_argument("--mem-config", default="1x1",
@@ -177,7 +179,7 @@ def main():
         cfg = {
             "tag": tag, "size_gb": size, "ranks": ranks, "port": random.randint(20000, 40000),
             "ckpt_dir": os.path.join(ckpt_dir, tag), "out": a.out, "systems": names,
-            "warmup": 1, "reps": a.reps if size <= 1 else max(2, a.reps - 1), "restore_reps": a.restore_reps,
+            "warmup": a.warmup, "reps": a.reps if size <= 1 else max(2, a.reps - 1), "restore_reps": a.restore_reps,
             "engine_buffer_bytes": int(a.engine_buffer_gb * 2**30),
             "engine_writer_threads": a.engine_writer_threads,
             "loop_iters": a.loop_iters if is_loop else 0, "loop_compute_s": a.loop_compute_s,

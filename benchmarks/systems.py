@@ -15,6 +15,7 @@ harness fsyncs every file of the checkpoint for every system alike (cheap when a
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import torch
@@ -267,18 +268,25 @@ class DCPAsync(_DCPBase):
 # --------------------------------------------------------------------------------------------------------
 class _EngineBase(System):
     """This project's engine. Both modes share one CheckpointEngine per process (one staging pool), which is
-    how a trainer would use it."""
+    how a trainer would use it: staging sized to the state (capped by the budget) and made when the engine
+    starts, ready before the first save as it is in a trainer, where building the model takes longer."""
 
     def setup(self, ctx):
         super().setup(ctx)
         if "engine" not in ctx:
             from datastates import CheckpointEngine, PosixOptions
 
+            budget = int(ctx.get("engine_buffer_bytes", 4 << 30))
+            if "state_bytes" in ctx:
+                budget = min(budget, ctx["state_bytes"] * 11 // 10 + (64 << 20))
             ctx["engine"] = CheckpointEngine(
-                host_buffer_bytes=int(ctx.get("engine_buffer_bytes", 4 << 30)),
+                host_buffer_bytes=budget,
                 storage=PosixOptions(writer_threads=int(ctx.get("engine_writer_threads", 4)), direct_io="auto",
                                      fsync=True),
-                rank=self.rank, world_size=self.world)
+                rank=self.rank, world_size=self.world, stage_ahead=True)
+            t0 = time.perf_counter()
+            ctx["engine"].staging_ready()
+            ctx["engine_staging_s"] = time.perf_counter() - t0
         self.eng = ctx["engine"]
         self.handle = None
 

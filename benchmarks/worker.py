@@ -129,7 +129,7 @@ def _run(rank, world, cfg):
     _log(rank, f"[{tag}] state {nbytes / 1e9:.3f} GB over {world} rank(s)")
 
     ctx = {"rank": rank, "world": world, "engine_buffer_bytes": cfg["engine_buffer_bytes"],
-           "engine_writer_threads": cfg["engine_writer_threads"]}
+           "engine_writer_threads": cfg["engine_writer_threads"], "state_bytes": common.state_bytes(state)}
     systems = []
     for name in cfg["systems"]:
         s = S.REGISTRY[name]()
@@ -293,7 +293,7 @@ def _memory(rank, world, cfg):
     state = common.make_state(cfg["size_gb"] * common.GB, rank, world, device=cfg.get("device", "cpu"))
     nbytes = common.state_bytes(state)
     ctx = {"rank": rank, "world": world, "engine_buffer_bytes": cfg["engine_buffer_bytes"],
-           "engine_writer_threads": cfg["engine_writer_threads"]}
+           "engine_writer_threads": cfg["engine_writer_threads"], "state_bytes": nbytes}
     s = S.REGISTRY[cfg["systems"][0]]()
     # library imports are not checkpoint memory: load them all before the baseline
     import torch.distributed.checkpoint  # noqa: F401
@@ -381,8 +381,11 @@ def _loop(rank, world, cfg, state, systems, root):
     out = {"iters": iters, "compute_s": cfg["loop_compute_s"], "runs": []}
 
     def run_one(s, k):
+        """The loop's seconds, and where the checkpoints held it: the fence (`fence_s`), the save call
+        (`call_s`), the wait for the previous checkpoint before the next (`wait_s`: at most one in flight), the
+        last checkpoint's drain after the last step (`drain_s`)."""
         S.barrier()
-        blocked = 0.0
+        held = dict.fromkeys(("fence_s", "call_s", "wait_s", "drain_s"), 0.0)
         inflight = None
         keep = []
         t0 = time.perf_counter()
@@ -391,7 +394,7 @@ def _loop(rank, world, cfg, state, systems, root):
             if s is not None:
                 tb = time.perf_counter()
                 s.fence()                             # before the optimizer mutates what was saved
-                blocked += time.perf_counter() - tb
+                held["fence_s"] += time.perf_counter() - tb
             for t in tensors:                         # optimizer step: in-place update of all of it
                 t.add_(1e-7)
             state["iteration"] = i
@@ -403,10 +406,12 @@ def _loop(rank, world, cfg, state, systems, root):
                         s.wait()
                         common.fsync_tree(inflight)
                         keep.append(inflight)
+                    tc = time.perf_counter()
                     path = os.path.join(root, "loop", s.name, f"iter_{i:07d}")
                     s.save(state, path, i)
                     inflight = path
-                    blocked += time.perf_counter() - tb
+                    held["wait_s"] += tc - tb
+                    held["call_s"] += time.perf_counter() - tc
                     while len(keep) > 1:              # retention: keep the newest durable checkpoint
                         common.fsync_tree(keep[0])
                         if rank == 0:
@@ -414,21 +419,24 @@ def _loop(rank, world, cfg, state, systems, root):
                         else:
                             keep.pop(0)
         if s is not None and inflight is not None:
+            tb = time.perf_counter()
             s.fence()
             s.wait()
             common.fsync_tree(inflight)
+            held["drain_s"] = time.perf_counter() - tb
         S.barrier()
         total = time.perf_counter() - t0
         _drain()
         if rank == 0:
             _rm(os.path.join(root, "loop"))
         S.barrier()
-        return total, blocked
+        return total, held
 
     intervals = cfg["loop_intervals"]
     rounds = int(cfg.get("loop_rounds", 2))
     base = []
     run_one(None, 1)  # warm-up of the loop itself (page faults, caches)
+    out["floor_inputs"] = _floor_inputs(cfg, os.path.join(root, f"floor_probe_{rank}"), common.state_bytes(state))
     per = {}
     for k in intervals:
         for rnd in range(rounds):
@@ -442,25 +450,58 @@ def _loop(rank, world, cfg, state, systems, root):
                     _log(rank, f"[{cfg['tag']}] loop k={k} {'(no checkpoint)':17s} {t:7.2f}s")
                     continue
                 try:
-                    t, b = run_one(s, k)
-                    per.setdefault((s.name, k), []).append((t, b))
-                    _log(rank, f"[{cfg['tag']}] loop k={k} {s.name:17s} {t:7.2f}s (blocked {b:6.2f}s)")
+                    t, held = run_one(s, k)
+                    per.setdefault((s.name, k), []).append((t, held))
+                    _log(rank, f"[{cfg['tag']}] loop k={k} {s.name:17s} {t:7.2f}s (" +
+                         ", ".join(f"{n[:-2]} {v:.2f}s" for n, v in held.items()) + ")")
                 except Exception as e:
                     _log(rank, f"[{cfg['tag']}] loop k={k} {s.name} failed: {e}")
                     per.setdefault((s.name, k), []).append((None, str(e)))
-    for (name, k), v in per.items():
-        ok = [x for x in v if x[0] is not None]
-        if ok:
-            out["runs"].append({"system": name, "k": k, "total_s": statistics.median(x[0] for x in ok),
-                                "blocked_s": statistics.median(x[1] for x in ok),
-                                "samples_s": [x[0] for x in ok]})
-        else:
-            out["runs"].append({"system": name, "k": k, "error": v[0][1]})
     out["baseline_s"] = statistics.median(base)
     out["baseline_samples_s"] = base
     out["rounds"] = rounds
     _log(rank, f"[{cfg['tag']}] loop without checkpoints: {out['baseline_s']:.2f}s (samples {base})")
+    for (name, k), v in per.items():
+        ok = [x for x in v if x[0] is not None]
+        if not ok:
+            out["runs"].append({"system": name, "k": k, "error": v[0][1]})
+            continue
+        held = {n: statistics.median(x[1][n] for x in ok) for n in ok[0][1]}
+        floor = loop_floor(out["baseline_s"], iters, k, **out["floor_inputs"])
+        run = {"system": name, "k": k, "total_s": statistics.median(x[0] for x in ok), **held,
+               "blocked_s": held["fence_s"] + held["call_s"] + held["wait_s"], "floor_s": floor,
+               "samples_s": [x[0] for x in ok]}
+        out["runs"].append(run)
+        _log(rank, f"[{cfg['tag']}] loop k={k} {name}: {run['total_s']:.2f}s = {run['total_s'] / floor:.3f}x its "
+                   f"floor {floor:.2f}s, {run['total_s'] / out['baseline_s']:.3f}x the loop without checkpoints")
     return out
+
+
+def _floor_inputs(cfg, path, nbytes) -> dict:
+    """What one checkpoint costs at the least on this machine: a plain copy of the state (device to pinned host
+    memory, or a memcpy on CPU) and a plain write of its bytes to the checkpoint directory (O_DIRECT where the file
+    system takes it, fsynced)."""
+    import probes
+    if cfg.get("device", "cpu") == "cuda":
+        copy_s = nbytes / 1e9 / probes.device_to_host_gbps(nbytes)
+    else:
+        copy_s = min(probes.memcpy_seconds(nbytes) for _ in range(2))
+    try:
+        write_s = probes.write_odirect(path, nbytes)
+    except OSError:
+        write_s = probes.write_buffered_fsync(path, nbytes)
+    finally:
+        _rm(path)
+    return {"copy_s": copy_s, "write_s": write_s}
+
+
+def loop_floor(baseline_s: float, iters: int, k: int, copy_s: float, write_s: float) -> float:
+    """The least the loop can take with a checkpoint every k of its `iters` steps and one in flight: the loop
+    without checkpoints, plus per checkpoint what neither its copy nor its write can hide (the copy must end
+    within the step after the save, the write before the next save), plus the last one's drain."""
+    step, one = baseline_s / iters, max(copy_s, write_s)
+    n = iters // k
+    return baseline_s + one + max(0, n - 1) * max(0.0, one - k * step, copy_s - step)
 
 
 def main():

@@ -83,6 +83,11 @@ def test_worker(worker_out):
     assert res["restore_raw"], "no raw read yardstick"
     assert {r["system"] for r in res["loop"]["runs"] if r.get("total_s")} == set(res["save"])
     assert res["loop"]["baseline_s"] > 0
+    floor_inputs = res["loop"]["floor_inputs"]
+    assert floor_inputs["copy_s"] > 0 and floor_inputs["write_s"] > 0
+    for r in res["loop"]["runs"]:  # the floor holds the last checkpoint's drain at least; each run held its own
+        assert r["floor_s"] >= res["loop"]["baseline_s"] + max(floor_inputs.values()), r
+        assert r["drain_s"] > 0 and r["blocked_s"] == r["fence_s"] + r["call_s"] + r["wait_s"], r
 
 
 def test_gpu_figures(worker_out, tmp_path):
@@ -93,7 +98,8 @@ def test_gpu_figures(worker_out, tmp_path):
     with open(tmp_path / "figures.json") as f:
         fig = json.load(f)
     assert fig["systems"]["engine_lazy"]["restored_bit_exact"] is True
-    assert fig["systems"]["engine_lazy"]["loop_ratio"] > 0
+    assert fig["systems"]["engine_lazy"]["loop_ratio"] > 0 and fig["systems"]["engine_lazy"]["loop_floor_ratio"] > 0
+    assert fig["systems"]["engine_lazy"]["snapshot_first_gbps"] > 0
     assert fig["large"]["restored_bit_exact"] is True
 
 

@@ -124,6 +124,29 @@ def test_retired_pages_are_reused_but_never_under_a_save_writing_from_them(tmp_p
     assert tracker.clean_leftovers(mem_root) == [os.path.join(mem_root, SPARES)]  # what a killed tier left
 
 
+def test_pages_made_ahead_are_the_next_saves_pages_and_nothing_more_is_kept(tmp_path):
+    """ahead=2 (the memory tier's): once the first save made its pages, two more of its size are made in the
+    background; the second and third saves take them instead of making theirs, later ones take retired pages,
+    and the files stay those three (two kept, one retired between saves)."""
+    mem_root = str(tmp_path / "mem")
+    storage = SharedMemoryStorage(pinned=False, writer_threads=1, ahead=2)
+    with CheckpointEngine(host_buffer_bytes=MiB, rank=0, world_size=1, keep_last=2, storage=storage) as mem:
+        def save(it):
+            mem.save({"w": torch.full((100_000,), float(it))}, paths.checkpoint_dir(mem_root, it)).wait()
+            mem.pipeline._deleter.submit(lambda: None).result()  # retention's deletions done
+            return os.stat(os.path.join(paths.checkpoint_dir(mem_root, it), paths.data_file(0))).st_ino
+
+        first = save(1)
+        with storage._made:  # the background maker is done: both spares are there
+            storage._made.wait_for(lambda: not storage._making)
+        spares = os.path.join(mem_root, SPARES)
+        ahead = {os.stat(os.path.join(spares, name)).st_ino for name in os.listdir(spares)}
+        assert len(ahead) == 2 and first not in ahead
+        assert {save(2), save(3)} == ahead
+        assert {save(it) for it in (4, 5, 6)} <= ahead | {first}
+        assert_same(mem.load(mem_root), {"w": torch.full((100_000,), 6.0)})
+
+
 def test_a_replica_whose_index_does_not_verify_is_refused(tmp_path):
     with _memory(tmp_path) as mem:
         path = paths.checkpoint_dir(str(tmp_path / "mine"), 1)

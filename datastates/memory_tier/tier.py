@@ -34,7 +34,7 @@ class LocalTier:
         self.rank, self.world_size, self.keep, self.job = rank, world_size, keep, job
         self.node, per_node = node_of(rank, world_size)
         self.paths = NodePaths(join(base_dir, job), self.node)
-        self.storage = SharedMemoryStorage(writer_threads=writer_threads)
+        self.storage = SharedMemoryStorage(writer_threads=writer_threads, ahead=keep)  # the pages of the first saves
         self._owner = owner(job, world_size, layout)
         self._nodes = gather_nodes(world_size, self.node)
         self._set_up(distributed=dist.is_available() and dist.is_initialized())

@@ -1,8 +1,10 @@
 """The shared-memory backend: the node-local memory tier's storage (a /dev/shm-style directory). Data files are
 mapped and the snapshot is copied straight into their pages; nothing is fsynced; a retired checkpoint's pages
-are reused by the next one."""
+are reused by the next one, and the pages of the first ones can be made ahead, in the background (`ahead`)."""
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import threading
 
@@ -16,6 +18,8 @@ from ..slots import cuda_host_register
 from .base import DataSink
 from .posix import DEFAULT_READ_THREADS, PosixOptions, PosixStorage, retire, write_file
 
+log = logging.getLogger(__name__)
+
 SPARES = "spare" + paths.DELETING  # a memory tier's reusable pages, out of sight of every reader (clean_leftovers)
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
@@ -25,7 +29,8 @@ class MappedSink(DataSink):
     copies into `pages`, a storage level writes from them, replication sends them. What comes past the pages (the
     pickled objects) is written to the file."""
 
-    def __init__(self, path: str, nbytes: int, pinned: bool):
+    def __init__(self, path: str, nbytes: int, pinned: bool, touch: bool = False):
+        """`touch`: map every page now (a save into it then pays no page faults)."""
         self.path, self.nbytes, self.pinned = path, nbytes, pinned
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -35,6 +40,8 @@ class MappedSink(DataSink):
         self.pages = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         if pinned:  # the snapshot's device copies land here asynchronously, as in a staging slot
             cuda_host_register(self.pages.data_ptr(), nbytes)
+        elif touch:
+            self.pages[::ALIGN].zero_()
         self.final: str | None = None  # the checkpoint it belongs to, by its published name
 
     def submit(self, buffer, offset, segments):
@@ -64,8 +71,10 @@ class SharedMemoryStorage(PosixStorage):
     spreads_deletes = False  # a retired checkpoint is removed whole: its pages become a spare
 
     def __init__(self, pinned: bool | None = None, writer_threads: int = 4, read_threads: int = DEFAULT_READ_THREADS,
-                 read_mode: str = "stream"):
-        """`writer_threads` size the staging slots of a save's objects (its tensors are copied into the pages)."""
+                 read_mode: str = "stream", ahead: int = 0):
+        """`writer_threads` size the staging slots of a save's objects (its tensors are copied into the pages).
+        `ahead`: when a save finds no spare pages, this many more of its size are made in the background (mapped,
+        faulted in, pinned with CUDA), so that the saves that follow it do not make theirs on their way."""
         super().__init__(PosixOptions(writer_threads=writer_threads, read_threads=read_threads, fsync=False,
                                       direct_io="off", read_mode=read_mode))
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
@@ -74,14 +83,25 @@ class SharedMemoryStorage(PosixStorage):
         self._spares: list[MappedSink] = []
         self._holds: dict[str, int] = {}  # checkpoint (final name) -> saves writing from its pages
         self._held_retired: dict[str, list[MappedSink]] = {}  # retired while held: dropped at the last release
+        self.ahead = ahead
+        self._making = 0  # spares being made ahead: a save that finds none waits for them instead
+        self._made = threading.Condition(self._lock)
+        self._names = itertools.count()
+        self._closed = False
 
     def open_data(self, path, nbytes):
         partial = paths.parent(path)
         nbytes = max(align_up(nbytes), ALIGN)
         with self._lock:
-            spare = next((s for s in self._spares if s.nbytes >= nbytes), None)
+            while (spare := next((s for s in self._spares if s.nbytes >= nbytes), None)) is None and self._making:
+                self._made.wait()
             if spare is not None:
                 self._spares.remove(spare)
+            elif self.ahead and not self._closed:
+                self._making = self.ahead
+                threading.Thread(target=self._make_ahead, args=(paths.parent(partial), nbytes, self.ahead,
+                                                                torch.cuda.current_device() if self.pinned else None),
+                                 name="ds-pages-ahead", daemon=True).start()
         if spare is not None:
             os.rename(spare.path, path)
             spare.path = path
@@ -151,6 +171,30 @@ class SharedMemoryStorage(PosixStorage):
         with self._lock:
             self._spares.append(data)
 
+    def _make_ahead(self, root: str, nbytes: int, count: int, device: int | None) -> None:
+        """Make `count` spares of `nbytes` under `root` (where retention puts them), one after the other, each
+        offered to the saves as soon as it is made."""
+        if device is not None:
+            torch.cuda.set_device(device)
+        spares = paths.join(root, SPARES)
+        try:
+            for _ in range(count):
+                with self._lock:
+                    if self._closed:
+                        return
+                os.makedirs(spares, exist_ok=True)
+                data = MappedSink(paths.join(spares, f"ahead_{next(self._names)}"), nbytes, self.pinned, touch=True)
+                with self._lock:
+                    self._spares.append(data)
+                    self._making -= 1
+                    self._made.notify_all()
+        except OSError as e:  # e.g. the memory file system is full: saves make their pages as they go
+            log.warning("memory tier: cannot make pages ahead under %s: %s", spares, e)
+        finally:
+            with self._lock:
+                self._making = 0
+                self._made.notify_all()
+
     def _drop(self, data: MappedSink) -> None:
         try:
             os.unlink(data.path)
@@ -160,6 +204,8 @@ class SharedMemoryStorage(PosixStorage):
 
     def close(self):
         with self._lock:
+            self._closed = True
+            self._made.wait_for(lambda: not self._making)  # a spare being made is dropped with the others
             spares, self._spares = self._spares, []
             live, self._live = list(self._live.values()), {}
         for data in spares:

@@ -5,6 +5,9 @@ update), computes what it expects on the host from values it made there, and nev
 copy that is not ordered after the queued work, a save() that waits for it, or a fence that opens before the copy
 ends, each fails a test.
 """
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -159,3 +162,35 @@ def test_views_of_one_device_buffer_land_exactly_whether_their_copies_join_or_no
         eng.load(str(tmp_path), template=state)
     for k, v in host.items():
         assert torch.equal(state[k].cpu(), v), k
+
+
+_ON_THE_LAST_DEVICE = """
+import os, sys, torch, pynvml
+from datastates import CheckpointEngine, PosixOptions
+last = torch.cuda.device_count() - 1
+torch.cuda.set_device(last)
+state = {f"p{i}": torch.randn(1 << 20, device=last) for i in range(4)}
+with CheckpointEngine(host_buffer_bytes=32 << 20, storage=PosixOptions(writer_threads=2), keep_last=1) as eng:
+    assert eng.staging_ready(timeout=60)
+    for it in (1, 2):
+        eng.save(state, os.path.join(sys.argv[1], f"iter_{it:07d}"))
+        eng.wait()
+    eng.load(sys.argv[1], template=state)
+pynvml.nvmlInit()
+uuid = torch.cuda.get_device_properties(0).uuid  # torch's device 0, whatever CUDA_VISIBLE_DEVICES maps it to
+first = next(h for h in map(pynvml.nvmlDeviceGetHandleByIndex, range(pynvml.nvmlDeviceGetCount()))
+             if str(uuid) in str(pynvml.nvmlDeviceGetUUID(h)))
+print("PIDS ON DEVICE 0", [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(first)], "SELF", os.getpid())
+assert os.getpid() not in [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(first)]
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a stray context shows on another device than the engine's")
+def test_no_thread_of_the_engine_makes_a_context_on_another_device(tmp_path):
+    """An engine on the last device, in a process of its own: its staging thread, stage threads and deleter bind
+    that device, so the process holds no context (no memory) on device 0. (A thread that touches CUDA bound to no
+    device makes one there, about 0.5 GiB a rank.)"""
+    pytest.importorskip("pynvml", reason="the contexts per device are read through NVML")
+    done = subprocess.run([sys.executable, "-c", _ON_THE_LAST_DEVICE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from datastates import CheckpointEngine, PosixOptions
+from test_snapshot import views_of_one_buffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -141,15 +142,8 @@ def test_views_of_one_device_buffer_land_exactly_whether_their_copies_join_or_no
     """Device tensors back to back in one buffer (megatron-core's parameter buffers) go as one side-stream copy
     where their slot offsets continue too, one by one where they do not; every byte lands where it belongs, in
     both directions."""
-    g = torch.Generator().manual_seed(5)
-    flat = torch.randn(3_000_000, generator=g)
-    sizes = [1024, 2048, 1024 * 700, 1000, 3, 1024 * 1000, 77_777, 1024]
-    host, pos = {}, 0
-    for i, n in enumerate(sizes):
-        host[f"v{i}"] = flat[pos:pos + n]
-        pos += n
-        if i == 1:
-            host["jump"] = flat[-1024:]  # its slot offset continues the run, its source does not
+    flat = torch.randn(3_000_000, generator=torch.Generator().manual_seed(5))
+    host = views_of_one_buffer(flat, [1024, 2048, 1024 * 700, 1000, 3, 1024 * 1000, 77_777, 1024])
     device_flat = flat.cuda()
     state = {k: device_flat[v.storage_offset():v.storage_offset() + v.numel()] for k, v in host.items()}
     torch.cuda.synchronize()

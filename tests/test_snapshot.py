@@ -212,19 +212,26 @@ def test_staging_is_made_as_saves_take_it_without_stage_ahead():
         assert eng.staging_ready(timeout=0) and eng.pool.allocated_bytes == 0
 
 
-def test_views_of_one_buffer_load_as_saved_whether_their_copies_join_or_not(tmp_path):
-    """Tensors laid out back to back in one buffer (megatron-core's parameter and gradient buffers) are copied as
-    one run where their slot offsets continue too (sizes a multiple of 4 KiB), one by one where they do not (odd
-    sizes leave padding in the slot), and across slot boundaries; every byte lands where the plan put it."""
-    g = torch.Generator().manual_seed(5)
-    flat = torch.randn(600_000, generator=g)
-    sizes = [1024, 2048, 1024 * 70, 1000, 3, 1024 * 100, 77_777, 1024]  # 4 KiB multiples, odd ones, > a slot
+def views_of_one_buffer(flat: torch.Tensor, sizes: list[int]) -> dict:
+    """Views of `flat` back to back, of these sizes (4 KiB multiples keep the slot offsets going, odd ones leave
+    padding), and after the second one a view of its end: a slot offset that continues the run, a source that
+    does not."""
     views, pos = {}, 0
     for i, n in enumerate(sizes):
         views[f"v{i}"] = flat[pos:pos + n]
         pos += n
         if i == 1:
-            views["jump"] = flat[-1024:]  # its slot offset continues the run, its source does not
+            views["jump"] = flat[-1024:]
+    return views
+
+
+def test_views_of_one_buffer_load_as_saved_whether_their_copies_join_or_not(tmp_path):
+    """Tensors laid out back to back in one buffer (megatron-core's parameter and gradient buffers) are copied as
+    one run where their slot offsets continue too (sizes a multiple of 4 KiB), one by one where they do not (odd
+    sizes leave padding in the slot), and across slot boundaries; every byte lands where the plan put it."""
+    flat = torch.randn(600_000, generator=torch.Generator().manual_seed(5))
+    views = views_of_one_buffer(flat, [1024, 2048, 1024 * 70, 1000, 3, 1024 * 100, 77_777, 1024])
+    pos = sum(v.numel() for k, v in views.items() if k != "jump")
     views["rest"] = flat[pos:pos + 7 * 40_000].view(-1, 7)[:, 2]  # strided: copied apart, between runs
     with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), copy_threads=2) as eng:
         want = {k: v.clone() for k, v in views.items()}

@@ -388,7 +388,7 @@ def _loop(rank, world, cfg, state, systems, root):
         held = dict.fromkeys(("fence_s", "call_s", "wait_s", "drain_s"), 0.0)
         inflight = None
         keep = []
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for i in range(1, iters + 1):
             compute()                                 # forward/backward of step i: reads the state
             if s is not None:
@@ -424,6 +424,7 @@ def _loop(rank, world, cfg, state, systems, root):
             s.wait()
             common.fsync_tree(inflight)
             held["drain_s"] = time.perf_counter() - tb
+        held["cpu_s"] = time.process_time() - cpu0  # the process's CPU: checkpointing's cost, less sensitive to load
         S.barrier()
         total = time.perf_counter() - t0
         _drain()
@@ -434,7 +435,7 @@ def _loop(rank, world, cfg, state, systems, root):
 
     intervals = cfg["loop_intervals"]
     rounds = int(cfg.get("loop_rounds", 2))
-    base = []
+    base, base_cpu = [], []
     run_one(None, 1)  # warm-up of the loop itself (page faults, caches)
     out["floor_inputs"] = _floor_inputs(cfg, os.path.join(root, f"floor_probe_{rank}"), common.state_bytes(state))
     per = {}
@@ -445,9 +446,10 @@ def _loop(rank, world, cfg, state, systems, root):
                 order = order[::-1]
             for s in order:
                 if s is None:
-                    t, _ = run_one(None, k)
+                    t, held = run_one(None, k)
                     base.append(t)
-                    _log(rank, f"[{cfg['tag']}] loop k={k} {'(no checkpoint)':17s} {t:7.2f}s")
+                    base_cpu.append(held["cpu_s"])
+                    _log(rank, f"[{cfg['tag']}] loop k={k} {'(no checkpoint)':17s} {t:7.2f}s (cpu {held['cpu_s']:.2f}s)")
                     continue
                 try:
                     t, held = run_one(s, k)
@@ -459,6 +461,7 @@ def _loop(rank, world, cfg, state, systems, root):
                     per.setdefault((s.name, k), []).append((None, str(e)))
     out["baseline_s"] = statistics.median(base)
     out["baseline_samples_s"] = base
+    out["baseline_cpu_s"] = statistics.median(base_cpu)
     out["rounds"] = rounds
     _log(rank, f"[{cfg['tag']}] loop without checkpoints: {out['baseline_s']:.2f}s (samples {base})")
     for (name, k), v in per.items():
@@ -470,10 +473,12 @@ def _loop(rank, world, cfg, state, systems, root):
         floor = loop_floor(out["baseline_s"], iters, k, **out["floor_inputs"])
         run = {"system": name, "k": k, "total_s": statistics.median(x[0] for x in ok), **held,
                "blocked_s": held["fence_s"] + held["call_s"] + held["wait_s"], "floor_s": floor,
+               "extra_cpu_s": held["cpu_s"] - out["baseline_cpu_s"],
                "samples_s": [x[0] for x in ok]}
         out["runs"].append(run)
         _log(rank, f"[{cfg['tag']}] loop k={k} {name}: {run['total_s']:.2f}s = {run['total_s'] / floor:.3f}x its "
-                   f"floor {floor:.2f}s, {run['total_s'] / out['baseline_s']:.3f}x the loop without checkpoints")
+                   f"floor {floor:.2f}s, {run['total_s'] / out['baseline_s']:.3f}x the loop without checkpoints, "
+                   f"{run['extra_cpu_s']:.2f}s more CPU")
     return out
 
 

@@ -144,7 +144,8 @@ class DatastatesFormat(CheckpointFormat):
     @classmethod
     def alone(cls) -> CheckpointFormat:
         return cls(None, None, None, None,
-                   engine=CheckpointEngine(rank=0, world_size=1, registry=make_registry(self_contained=True)))
+                   engine=CheckpointEngine(rank=0, world_size=1, registry=make_registry(self_contained=True),
+                                           stage_ahead=False))  # a few reads: its slots made as they are taken
 
     @classmethod
     def holds(cls, ckpt_dir: str) -> bool:  # told apart without reading the index (the engine reads it once, later)

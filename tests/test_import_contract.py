@@ -33,6 +33,7 @@ MEASURES_INTERNALS = {
     ("benchmarks.snapshot_profile", "datastates.copies"): "it times the engine's copy backend apart from the engine",
     ("benchmarks.snapshot_profile", "datastates.slots"): "it times the staging slots' pinning and filling apart",
     ("benchmarks.memory_tier", "datastates.storage"): "it measures SharedMemoryStorage's mapped pages, not staging",
+    ("benchmarks.memory_tier", "datastates._native"): "it times the crc32c a memory save computes over its pages",
     ("benchmarks.compression", "datastates.storage"): "it saves to the memory tier's storage as LocalTier makes it",
     ("benchmarks.read_once", "datastates.format"): "its unique bytes leave out the skeleton item (its id)",
 }

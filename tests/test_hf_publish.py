@@ -7,14 +7,14 @@ staged, passed between the ranks, no process of the job (strace) opens a checkpo
 when storage is written from the memory tier's pages. Weights that do not fit in the staging budget drop that
 export (a warning), and the run's last model is then read back. An EP2 run publishes to s3:// (SeaweedFS)
 the same bytes. A job SIGKILLed in the middle of an export leaves `latest` naming the previous complete model, and
-the next start removes the leftovers. What the offline tool refuses is refused at start-up.
+the next start removes the leftovers. What the offline tool refuses is refused at start-up
+(tests/test_megatron_args.py's table of refusals).
 """
 import itertools
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -207,30 +207,6 @@ def test_weights_beyond_the_staging_budget_drop_the_export_and_the_last_is_read_
     offline = str(tmp_path / "offline")
     convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
     assert_same_bytes(os.path.join(hf, "iter_0000006"), offline)
-
-
-def refusal(tmp_path, *flags: str) -> str:
-    from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.argument_checks import validate_args
-    sys.path.insert(0, ROOT)
-    argv = TINY + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2", *flags]
-    with pytest.raises(ArgumentError) as e:
-        validate_args(parse_args(argv=argv), 1, cuda=False)
-    return str(e.value)
-
-
-def test_what_the_export_refuses_is_refused_at_start_up(tmp_path):
-    hf = str(tmp_path / "hf")
-    # the default GPT with RoPE: no transformers class computes it (the offline tool's own message)
-    message = refusal(tmp_path, "--save-hf", hf, "--position-embedding-type", "rope")
-    assert "no transformers architecture computes this model exactly" in message and "GPT-2" in message, message
-    assert "--save-hf-interval 3 is not a multiple of --save-interval 2" in refusal(
-        tmp_path, "--save-hf", hf, "--save-hf-interval", "3")
-    assert "is not a directory holding any of the tokenizer files" in refusal(
-        tmp_path, "--save-hf", hf, "--save-hf-tokenizer", str(tmp_path))
-    assert "msc:// paths are disabled by --disable-msc" in refusal(tmp_path, "--save-hf", "msc://p/hf", "--disable-msc")
-    assert "--save-hf-keep-last given without --save-hf" in refusal(tmp_path, "--save-hf-keep-last", "1")
-    assert not os.path.exists(hf)
 
 
 LARGER = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "32",

@@ -420,19 +420,13 @@ def shares_storage(a: str, b: str) -> bool:
     directories), or a bucket (an MSC profile) of one kind of object store."""
     if url_scheme(a) or url_scheme(b):
         return url_scheme(a) == url_scheme(b) and urlsplit(a).netloc == urlsplit(b).netloc
-    return os.stat(_existing(a)).st_dev == os.stat(_existing(b)).st_dev
-
-
-def _existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
+    from ..argument_checks import nearest_existing
+    return os.stat(nearest_existing(a)).st_dev == os.stat(nearest_existing(b)).st_dev
 
 
 def check_save_hf(args) -> str | None:
     """Why --save-hf cannot run with these flags (None: it can): the offline tool's own refusals of the model,
-    and a destination that cannot be reached, said before any work."""
+    and a destination that cannot be reached, created or written, said before any work."""
     if not args.save:
         return "--save-hf needs --save (the model is exported from each published checkpoint)"
     if args.ckpt_format != "datastates":
@@ -457,6 +451,11 @@ def check_save_hf(args) -> str | None:
             storage_for(args.save_hf).list(args.save_hf)
         except (OSError, CheckpointError, ImportError) as e:
             return f"--save-hf {args.save_hf!r}: {getattr(e, 'strerror', None) or e}"
+    else:
+        from ..argument_checks import unwritable
+        why = unwritable("--save-hf", args.save_hf)
+        if why:
+            return why
     from tools.hf import HFError
     from tools.hf.arch import architecture_of
     try:

@@ -256,6 +256,42 @@ for what in ("save", "load"):
         out.stdout
 
 
+def test_auto_on_an_object_store_without_the_codec_library_saves_uncompressed_and_says_so_once(s3_server):  # noqa: F811
+    """zstandard made unimportable in a fresh interpreter: `auto` on SeaweedFS, where it would compress, saves two
+    checkpoints uncompressed (the data objects hold the raw bytes, no codec recorded) that load bit-exact, and the
+    warning naming the package comes once, at the engine's set-up."""
+    root = f"s3://{s3_server.create_bucket()}/run"
+    script = f"""
+import sys
+sys.modules["zstandard"] = None
+import torch
+from datastates import CheckpointEngine, paths, storage_for
+want = {{"w": torch.arange(4096, dtype=torch.float32)}}
+with CheckpointEngine(host_buffer_bytes=1 << 20, compress="auto", storage=storage_for({root!r})) as eng:
+    for it in (1, 2):
+        eng.save(want, paths.checkpoint_dir({root!r}, it)).wait()
+    print(eng.codec, torch.equal(eng.load({root!r})["w"], want["w"]))
+"""
+    env = {**os.environ, **s3_server.env()}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=HERE,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["None", "True"], out.stdout
+    assert out.stderr.count("--ckpt-compress auto saves uncompressed") == 1, out.stderr
+    assert "pip install zstandard" in out.stderr, out.stderr
+    bucket, _, prefix = root[len("s3://"):].partition("/")
+    client = s3_server.client()
+    for it in (1, 2):
+        key = f"{prefix}/iter_{it:07d}/"
+        assert client.head_object(Bucket=bucket, Key=key + "rank_00000.data")["ContentLength"] >= 4096 * 4
+        assert b"codec" not in client.get_object(Bucket=bucket, Key=key + "metadata.json")["Body"].read()
+
+
+def test_an_unknown_compression_setting_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"^compress must be one of off, auto, zstd, bytegroup-zstd, not 'bogus'$"):
+        CheckpointEngine(host_buffer_bytes=1 << 20, compress="bogus")
+
+
 # ----- the trainer: exact resume and another layout from a compressed checkpoint -----
 
 N = 2

@@ -338,6 +338,35 @@ def test_a_compressed_checkpoint_loads_into_another_layout_bit_exact(trained, tm
         assert torch.equal(src.tensor(name), dst.tensor(name)), name
 
 
+def test_the_tools_verify_and_convert_a_compressed_checkpoint(trained, tmp_path):
+    """inspect --verify passes the trainer's compressed checkpoint; convert_checkpoint.py reads it to torch_dist
+    and that back to datastates with every tensor bit-exact, and to safetensors and a transformers model (GPT-2)
+    whose weights are the decoded ones."""
+    from safetensors.torch import load_file
+    from datastates import CheckpointReader
+    from megatron_helpers import ROOT, iter_dir
+    sys.path.insert(0, ROOT)
+    from tools.convert_checkpoint import main as convert
+    from tools.inspect_checkpoint import main as inspect
+    src = iter_dir(trained[0], N)
+    assert inspect([src, "--verify"]) == 0
+    out = {fmt: str(tmp_path / fmt) for fmt in ("torch_dist", "datastates", "hf")}
+    for a, b, output in (("datastates", "torch_dist", out["torch_dist"]), ("torch_dist", "datastates", out["datastates"]),
+                         ("datastates", "safetensors", str(tmp_path / "model.safetensors")),
+                         ("datastates", "hf", out["hf"])):
+        given = src if a == "datastates" else out["torch_dist"]
+        assert convert(["--from", a, "--to", b, "--input", given, "--output", output]) == 0, (a, b)
+    before, after = CheckpointReader.open(src), CheckpointReader.open(iter_dir(out["datastates"], N))
+    names = sorted(n for n in before.tensors() if not n.endswith("|flat"))
+    assert names and set(names) <= set(after.tensors())
+    for name in names:
+        assert torch.equal(before.tensor(name), after.tensor(name)), name
+    embedding = before.tensor("embedding.word_embeddings.weight")
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["embedding.word_embeddings.weight"], embedding)
+    shard = json.load(open(os.path.join(out["hf"], "model.safetensors.index.json")))["weight_map"]["transformer.wte.weight"]
+    assert torch.equal(load_file(os.path.join(out["hf"], shard))["transformer.wte.weight"], embedding)
+
+
 # ----- an object store: auto compresses there -----
 
 def test_the_memory_tier_holds_a_compressed_part_as_stored_and_lends_no_pages(tmp_path):

@@ -5,7 +5,8 @@ writes from the checkpoint of the same iteration, transformers loads the newest 
 logits, `latest` names the newest, --save-hf-keep-last retires the oldest; built from the weights the saves
 staged, passed between the ranks, no process of the job (strace) opens a checkpoint's data file to read it, also
 when storage is written from the memory tier's pages. Weights that do not fit in the staging budget drop that
-export (a warning), and the run's last model is then read back. An EP2 run publishes to s3:// (SeaweedFS)
+export (a warning), and the run's last model is then read back, from a compressed checkpoint; compressed
+checkpoints export the same bytes as the offline tool. An EP2 run publishes to s3:// (SeaweedFS)
 the same bytes. A job SIGKILLed in the middle of an export leaves `latest` naming the previous complete model, and
 the next start removes the leftovers. What the offline tool refuses is refused at start-up
 (tests/test_megatron_args.py's table of refusals).
@@ -16,7 +17,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 
 import pytest
 import torch
@@ -27,7 +27,6 @@ pytest.importorskip("transformers")
 
 from hf_helpers import TRAIN, assert_computes_as_megatron_core, convert, hf_model, reference  # noqa: E402
 from test_hf import tiny_tokenizer  # noqa: E402
-from trainer_kills import kill_tree  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -192,11 +191,13 @@ def assert_replicas_written_where_their_files_are(ckpt: str, log: str) -> None:
 def test_weights_beyond_the_staging_budget_drop_the_export_and_the_last_is_read_back(tmp_path):
     """A staging budget smaller than the model's weights: no save can keep them, so the exports of iterations 2
     and 4 are dropped (a warning naming the model that stays newest, training goes on under --ckpt-on-failure
-    stop), and the run's last checkpoint, 6, is exported from storage: the tool's bytes."""
+    stop), and the run's last checkpoint, 6, saved compressed, is exported from storage (decoded): the tool's
+    bytes."""
     save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
     _, log = torchrun(1, MODEL + train + ["--save", save, "--save-interval", "2", "--async-ckpt",
-                                          "--ckpt-host-buffer-gb", "0.0002", "--save-hf", hf,
+                                          "--ckpt-host-buffer-gb", "0.0002", "--ckpt-compress", "bytegroup-zstd",
+                                          "--save-hf", hf,
                                           "--save-hf-max-shard-size", SHARD])
     for it in (2, 4):
         assert (f"the Hugging Face export of iteration {it} was dropped, training goes on: no weights were kept for "
@@ -215,35 +216,32 @@ LARGER = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", 
           "--swiglu", "--ffn-hidden-size", "512", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 
 
-def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path):
-    """SIGKILL the whole job as soon as a second export is under way: `latest` still names the first complete
-    model, and the next start (a resume with --save-hf) removes the half-written one before any export."""
+@pytest.mark.parametrize("point", ["first-file", "index", "pointer"])
+def test_a_job_killed_at_each_point_of_an_export_leaves_the_previous_model_newest(tmp_path, point):
+    """SIGKILL (tests/fault_launcher.py) at a named point of the export of iteration 4, the run's last: `latest`
+    still names iteration 2's complete model. Killed before the model was complete, the next start (a resume with
+    --save-hf) removes what it left before any export; killed before `latest` named it, the model is complete (the
+    offline tool's bytes) and stays unnamed, `latest` still naming iteration 2's. No polling: the kill is at the
+    point."""
     save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    flags = LARGER + ["--train-iters", "40", "--save", save, "--save-interval", "1", "--async-ckpt",
-                      "--save-hf", hf, "--save-hf-keep-last", "1", "--no-save-optim",
-                      "--save-hf-max-shard-size", "4000000"]
-    cmd, env = torchrun_command(1, flags)
-    job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
-    partial, deadline = None, time.monotonic() + 180
-    try:
-        while partial is None and job.poll() is None and time.monotonic() < deadline:
-            names = os.listdir(hf) if os.path.isdir(hf) else []
-            if "latest" in names:
-                partial = next((n for n in names if n.endswith(".partial")), None)
-            time.sleep(0.002)
-    finally:
-        kill_tree(job.pid)  # torchrun's workers run in sessions of their own: the whole tree, frozen, then killed
-        job.wait()
-    assert partial is not None, "no export was seen under way"
-    newest = open(os.path.join(hf, "latest")).read().strip()
-    assert newest != partial.split(".")[0] and os.path.isfile(
-        os.path.join(hf, newest, "model.safetensors.index.json"))
-    assert os.path.isdir(os.path.join(hf, partial))  # what the kill left
-    flags[flags.index("--train-iters") + 1] = "1"  # restart: nothing left to train; only the start-up clean-up
-    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])
-    assert f"removed the leftovers of an unfinished export: {os.path.join(hf, partial)}" in out, out[-3000:]
-    assert not [n for n in os.listdir(hf) if ".partial" in n or ".deleting" in n]
+    flags = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
+        "--train-iters", "4", "--save", save, "--save-interval", "2", "--async-ckpt", "--no-save-optim",
+        "--save-hf", hf, "--save-hf-max-shard-size", SHARD]
+    rc, log = torchrun(1, flags, env={"FAULT_KILL_IN_EXPORT": f"4:{point}"}, check=False, faults=True)
+    assert rc != 0 and f"FAULT-KILL-EXPORT iteration 4 at {point}: " in log, log[-3000:]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n"
+    assert os.path.isfile(os.path.join(hf, "iter_0000002", "model.safetensors.index.json"))
+    left = sorted(n for n in os.listdir(hf) if n.startswith("iter_0000004"))
+    assert left == (["iter_0000004"] if point == "pointer" else ["iter_0000004.partial"]), os.listdir(hf)
+    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])  # nothing left to train
+    if point != "pointer":
+        assert f"removed the leftovers of an unfinished export: {os.path.join(hf, left[0])}" in out, out[-3000:]
+    assert sorted(os.listdir(hf)) == ["iter_0000002"] + (["iter_0000004"] if point == "pointer" else []) + ["latest"]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n", out[-3000:]
+    if point == "pointer":
+        offline = str(tmp_path / "offline")
+        convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
+        assert_same_bytes(os.path.join(hf, "iter_0000004"), offline)
 
 
 def download(s3_server, bucket: str, prefix: str, target: str) -> list[str]:
@@ -310,10 +308,12 @@ def test_ckpt_keep_last_1_retires_checkpoints_whose_export_is_still_to_come(tmp_
     """--ckpt-keep-last 1 and a model at every save: each checkpoint is retired as soon as the next one is
     published, often before its own export starts (the exports queue behind each other); the export reads no file
     of the checkpoint, so every model is still published, and each is the tool's bytes of the checkpoint of its
-    iteration (from a second run of the same job keeping every checkpoint: the same seed, the same weights)."""
+    iteration (from a second run of the same job keeping every checkpoint: the same seed, the same weights). The
+    checkpoints are compressed: the models are built from the weights as staged, before encoding."""
     save, kept_all, hf = str(tmp_path / "ckpt"), str(tmp_path / "ckpt_all"), str(tmp_path / "hf")
     job = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
-        "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt"]
+        "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt",
+        "--ckpt-compress", "bytegroup-zstd"]
     _, log = torchrun(2, job + ["--save", save, "--ckpt-keep-last", "1", "--save-hf", hf,
                                 "--save-hf-max-shard-size", SHARD])
     assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"], os.listdir(save)

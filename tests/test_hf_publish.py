@@ -12,6 +12,7 @@ the next start removes the leftovers. What the offline tool refuses is refused a
 (tests/test_megatron_args.py's table of refusals).
 """
 import itertools
+import json
 import os
 import re
 import shutil
@@ -52,6 +53,12 @@ def assert_same_bytes(a: str, b: str) -> None:
     assert sum(n.endswith(".safetensors") for n in fa) >= 2
     for name in fa:
         assert fa[name] == fb[name], f"{name} differs between {a} and {b}"
+
+
+def codecs_of(ckpt: str) -> set:
+    """The codecs a checkpoint's saved tensors were written with (None: uncompressed)."""
+    index = json.load(open(os.path.join(ckpt, "metadata.json")))
+    return {it.get("codec") for r in index["ranks"].values() for it in r["items"] if it["kind"] == "tensor"}
 
 
 DATA_FILE = re.compile(r'"(?P<path>[^"]*/rank_\d+\.data)"')
@@ -205,6 +212,7 @@ def test_weights_beyond_the_staging_budget_drop_the_export_and_the_last_is_read_
     assert "MiB staging budget); there is no Hugging Face model yet" in log, log[-3000:]
     assert "published the Hugging Face model of iteration 6" in log and "training done at iteration 6" in log
     assert sorted(os.listdir(hf)) == ["iter_0000006", "latest"], os.listdir(hf)
+    assert codecs_of(os.path.join(save, "iter_0000006")) == {"bytegroup-zstd"}
     offline = str(tmp_path / "offline")
     convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
     assert_same_bytes(os.path.join(hf, "iter_0000006"), offline)
@@ -317,6 +325,7 @@ def test_ckpt_keep_last_1_retires_checkpoints_whose_export_is_still_to_come(tmp_
     _, log = torchrun(2, job + ["--save", save, "--ckpt-keep-last", "1", "--save-hf", hf,
                                 "--save-hf-max-shard-size", SHARD])
     assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"], os.listdir(save)
+    assert codecs_of(os.path.join(save, "iter_0000004")) == {"bytegroup-zstd"}
     assert sorted(os.listdir(hf)) == [f"iter_000000{it}" for it in (1, 2, 3, 4)] + ["latest"], log[-3000:]
     torchrun(2, job + ["--save", kept_all])
     for it in (1, 2, 3, 4):

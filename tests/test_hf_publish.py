@@ -252,6 +252,37 @@ def test_a_job_killed_at_each_point_of_an_export_leaves_the_previous_model_newes
         assert_same_bytes(os.path.join(hf, "iter_0000004"), offline)
 
 
+@pytest.mark.parametrize("policy", ["warn", "stop"])
+def test_the_store_stopped_during_an_export_fails_it_under_ckpt_on_failure(s3_server, tmp_path, policy):
+    """Checkpoints on a file system, models on SeaweedFS, stopped (tests/fault_launcher.py, FAULT_STORE_DOWN) once
+    the first part of the first file of iteration 4's model is up: that export, the run's last, fails; `warn` ends
+    the run (exit 0) saying so, `stop` ends it with an error; either way `latest` names iteration 2's model, and
+    the next start, the store back, removes what the failed export left."""
+    from test_s3_trainer import faulted_run, stored
+    save, root = str(tmp_path / "ckpt"), f"s3://{s3_server.create_bucket()}/hf"
+    flags = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
+        "--train-iters", "4", "--save", save, "--save-interval", "2", "--async-ckpt", "--no-save-optim",
+        "--save-hf", root, "--save-hf-max-shard-size", "300000", "--ckpt-on-failure", policy]  # files of parts
+    env = {**s3_server.env(), "FAULT_STORE_DOWN": "4:99", "FAULT_CONTROL_DIR": str(tmp_path), "AWS_MAX_ATTEMPTS": "2"}
+    rc, log = faulted_run(s3_server, str(tmp_path), nproc=1, args=flags, env=env)
+    assert "FAULT-STORE-DOWN" in log and f"{root}/iter_0000004/model-" in log, log[-3000:]
+    if policy == "warn":
+        assert rc == 0 and "training done at iteration 4" in log, log[-3000:]
+        assert ("the Hugging Face export of iteration 4 failed, training goes on (--ckpt-on-failure warn); the newest "
+                f"Hugging Face model is still {root}/iter_0000002") in log, log[-3000:]
+    else:
+        assert rc != 0 and "a checkpoint failed (--ckpt-on-failure stop)" in log, log[-3000:]
+    bucket, prefix = root[len("s3://"):].split("/", 1)
+    latest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/latest")["Body"].read()
+    assert latest == b"iter_0000002\n" and f"{prefix}/iter_0000002/model.safetensors.index.json" in stored(s3_server, root)[0]
+    left = stored(s3_server, f"{root}/iter_0000004")  # what the store's stop kept the export from removing
+    assert left != ([], []) and f"{prefix}/iter_0000004/model.safetensors.index.json" not in left[0], left
+    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"], env=s3_server.env())
+    assert (f"removed the leftovers of an unfinished export: {root} (an open multipart upload of "
+            f"{prefix}/iter_0000004/model-00001-of-00002.safetensors)") in out, out[-3000:]
+    assert stored(s3_server, f"{root}/iter_0000004") == ([], []), out[-3000:]
+
+
 def download(s3_server, bucket: str, prefix: str, target: str) -> list[str]:
     """Every object under `prefix` into `target` (the transformers side reads files); the keys, relative."""
     client = s3_server.client()

@@ -148,6 +148,8 @@ class HFPublisher:
         if rank == 0:  # before any export of this job: a rank exports only a checkpoint published after this
             for path in clean_leftovers(self.storage, self.root):
                 log.info("--save-hf: removed the leftovers of an unfinished export: %s", path)
+        # what `latest` names, as this job read or wrote it: a verdict needs no answer from a store that may be down
+        self.named = read_pointer(self.storage, self.root) if rank == 0 else None
         # on the checkpoints' own storage (as any rank sees it), each export starts once its save has ended (the
         # storage's bandwidth goes to the checkpoint first); on another, at once
         self.behind = any(self._gather(shares_storage(self.root, args.save)))
@@ -173,9 +175,8 @@ class HFPublisher:
         return lambda name: is_model_tensor(name) and not name.startswith(MTP)
 
     def newest(self) -> str | None:
-        """The model `latest` names (what an evaluation job takes now)."""
-        name = read_pointer(self.storage, self.root)
-        return join_path(self.root, name) if name else None
+        """The model `latest` names (what an evaluation job takes now), on rank 0."""
+        return join_path(self.root, self.named) if self.named else None
 
     def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False, saved=None) -> None:
         """Export the checkpoint `ckpt_dir` of `iteration` once those before it are exported, from the weights its
@@ -315,6 +316,7 @@ class HFPublisher:
     def _name(self, final: str) -> None:
         """Rank 0: `latest` names the model, then --save-hf-keep-last retires the oldest."""
         write_pointer(self.storage, self.root, os.path.basename(final))
+        self.named = os.path.basename(final)
         self._retire()
 
     def _discard(self, directory: str) -> None:
@@ -405,10 +407,9 @@ class HFPublisher:
         index first (the model out of every reader's sight in one step), then the rest."""
         if not self.keep_last:
             return
-        keep = read_pointer(self.storage, self.root)
         for it in published_models(self.storage, self.root)[:-self.keep_last]:
             path = checkpoint_dir(self.root, it)
-            if os.path.basename(path) == keep:
+            if os.path.basename(path) == self.named:
                 continue
             self.storage.remove(join_path(path, INDEX))
             self.storage.remove(path)

@@ -271,7 +271,9 @@ def test_the_store_stopped_during_an_export_fails_it_under_ckpt_on_failure(s3_se
         assert ("the Hugging Face export of iteration 4 failed, training goes on (--ckpt-on-failure warn); the newest "
                 f"Hugging Face model is still {root}/iter_0000002") in log, log[-3000:]
     else:
-        assert rc != 0 and "a checkpoint failed (--ckpt-on-failure stop)" in log, log[-3000:]
+        assert rc != 0 and "rank 0: stopping at iteration 4: a checkpoint failed (--ckpt-on-failure stop)" in log, \
+            log[-3000:]
+        assert f"cannot reach the S3 endpoint for {root}/iter_0000004/model-00001-of-00002.safetensors" in log
     bucket, prefix = root[len("s3://"):].split("/", 1)
     latest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/latest")["Body"].read()
     assert latest == b"iter_0000002\n" and f"{prefix}/iter_0000002/model.safetensors.index.json" in stored(s3_server, root)[0]

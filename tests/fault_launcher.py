@@ -31,6 +31,12 @@ forward/backward done), where the memory save of <it>-1 may still be copying:
     FAULT_HANG_IN_STEP=<rank>:<it>:<attempt>   that rank stops making progress (sleeps; prints FAULT-HANG-STEP)
     FAULT_FAIL_IN_STEP=<rank>:<it>:<attempt>   that rank raises RuntimeError("injected failure ...")
 
+A fault in a --save-hf export, at a named point of the export of <it>'s model (tests/test_hf_publish.py):
+
+    FAULT_KILL_IN_EXPORT=<it>:<point>   the rank at <point> SIGKILLs itself (prints FAULT-KILL-EXPORT first):
+                                        first-file (a safetensors file of the model written and closed),
+                                        index (before the index is written), pointer (before `latest` names it)
+
 An s3:// data object of an iteration these two name goes up in 256 KiB parts, so that a tiny model's upload is a
 multipart upload with parts in flight (one that completes would break S3's 5 MiB minimum part).
 """
@@ -50,7 +56,8 @@ from datastates.memory_tier import LocalTier  # noqa: E402
 from datastates.storage.s3 import MultipartSink  # noqa: E402
 from datastates.storage.posix import FileSink  # noqa: E402
 from datastates.save_root import Publisher  # noqa: E402
-from megatron.training.checkpointing import CheckpointManager  # noqa: E402
+from megatron.training.checkpointing import CheckpointManager, hf_publish  # noqa: E402
+from tools.hf import writer as hf_writer  # noqa: E402
 
 
 class _SlowPickle:
@@ -224,6 +231,33 @@ def wait_for_snapshot(self):
     return _wait_for_snapshot(self)
 
 
+def _kill_in_export(point: str, path: str) -> None:
+    """SIGKILL this process when FAULT_KILL_IN_EXPORT names `point` and `path` is in the model of its iteration."""
+    spec = os.environ.get("FAULT_KILL_IN_EXPORT", "")
+    it, _, at = spec.partition(":")
+    if spec and at == point and f"iter_{int(it):07d}" in path:
+        print(f"FAULT-KILL-EXPORT iteration {it} at {point}: {path}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_close_after, _write_index, _write_pointer = hf_writer._close_after, hf_writer.write_index, hf_publish.write_pointer
+
+
+def close_after(sink, writes, nbytes):
+    _close_after(sink, writes, nbytes)
+    _kill_in_export("first-file", getattr(sink, "path", ""))
+
+
+def write_index(storage, directory, shards):
+    _kill_in_export("index", directory)
+    return _write_index(storage, directory, shards)
+
+
+def write_pointer(storage, root, name):
+    _kill_in_export("pointer", name)
+    return _write_pointer(storage, root, name)
+
+
 if __name__ == "__main__":
     CheckpointManager.load, CheckpointManager.wait_for_snapshot = load, wait_for_snapshot
     CheckpointEngine.save = save
@@ -231,6 +265,7 @@ if __name__ == "__main__":
     MultipartSink.__init__, MultipartSink.close = sink_init, sink_close
     FileSink.close = file_close
     Publisher.prepare = prepare
+    hf_writer._close_after, hf_writer.write_index, hf_publish.write_pointer = close_after, write_index, write_pointer
 
     script = os.path.join(os.path.dirname(HERE), "pretrain_gpt.py")
     sys.argv = [script] + sys.argv[1:]

@@ -139,5 +139,5 @@ def test_the_stopping_policy_raises_the_error_it_is_given():
     problems.add("f", "bad bytes", rank=0, item="x", offset=8)
     problems.add("f", "bad bytes", rank=0, item="x", offset=8)  # reported once
     assert problems.items == [{"file": "f", "problem": "bad bytes", "rank": 0, "item": "x", "offset": 8}]
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="^any$"):
         Problems.stop().add("f", "any")

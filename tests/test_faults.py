@@ -372,7 +372,7 @@ def test_retention_never_deletes_newest_published_around_failures(tmp_path):
         for it in (2, 3):  # failing saves (an object that cannot be pickled) newer than the published one
             bad = dict(_state(it, 1000), fn=lambda: None)
             eng.save(bad, paths.checkpoint_dir(root, it))
-            with pytest.raises(CheckpointError):
+            with pytest.raises(CheckpointError, match=f"iter_000000{it}.*not picklable"):
                 eng.wait()
             assert tracker.published_iterations(root) == [1] and tracker.read_latest(root) == 1
             _assert_is(eng.load(root), 1)

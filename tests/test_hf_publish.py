@@ -5,18 +5,19 @@ writes from the checkpoint of the same iteration, transformers loads the newest 
 logits, `latest` names the newest, --save-hf-keep-last retires the oldest; built from the weights the saves
 staged, passed between the ranks, no process of the job (strace) opens a checkpoint's data file to read it, also
 when storage is written from the memory tier's pages. Weights that do not fit in the staging budget drop that
-export (a warning), and the run's last model is then read back. An EP2 run publishes to s3:// (SeaweedFS)
+export (a warning), and the run's last model is then read back, from a compressed checkpoint; compressed
+checkpoints export the same bytes as the offline tool. An EP2 run publishes to s3:// (SeaweedFS)
 the same bytes. A job SIGKILLed in the middle of an export leaves `latest` naming the previous complete model, and
-the next start removes the leftovers. What the offline tool refuses is refused at start-up.
+the next start removes the leftovers. What the offline tool refuses is refused at start-up
+(tests/test_megatron_args.py's table of refusals).
 """
 import itertools
+import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 
 import pytest
 import torch
@@ -27,7 +28,6 @@ pytest.importorskip("transformers")
 
 from hf_helpers import TRAIN, assert_computes_as_megatron_core, convert, hf_model, reference  # noqa: E402
 from test_hf import tiny_tokenizer  # noqa: E402
-from trainer_kills import kill_tree  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -53,6 +53,12 @@ def assert_same_bytes(a: str, b: str) -> None:
     assert sum(n.endswith(".safetensors") for n in fa) >= 2
     for name in fa:
         assert fa[name] == fb[name], f"{name} differs between {a} and {b}"
+
+
+def codecs_of(ckpt: str) -> set:
+    """The codecs a checkpoint's saved tensors were written with (None: uncompressed)."""
+    index = json.load(open(os.path.join(ckpt, "metadata.json")))
+    return {it.get("codec") for r in index["ranks"].values() for it in r["items"] if it["kind"] == "tensor"}
 
 
 DATA_FILE = re.compile(r'"(?P<path>[^"]*/rank_\d+\.data)"')
@@ -192,11 +198,13 @@ def assert_replicas_written_where_their_files_are(ckpt: str, log: str) -> None:
 def test_weights_beyond_the_staging_budget_drop_the_export_and_the_last_is_read_back(tmp_path):
     """A staging budget smaller than the model's weights: no save can keep them, so the exports of iterations 2
     and 4 are dropped (a warning naming the model that stays newest, training goes on under --ckpt-on-failure
-    stop), and the run's last checkpoint, 6, is exported from storage: the tool's bytes."""
+    stop), and the run's last checkpoint, 6, saved compressed, is exported from storage (decoded): the tool's
+    bytes."""
     save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
     _, log = torchrun(1, MODEL + train + ["--save", save, "--save-interval", "2", "--async-ckpt",
-                                          "--ckpt-host-buffer-gb", "0.0002", "--save-hf", hf,
+                                          "--ckpt-host-buffer-gb", "0.0002", "--ckpt-compress", "bytegroup-zstd",
+                                          "--save-hf", hf,
                                           "--save-hf-max-shard-size", SHARD])
     for it in (2, 4):
         assert (f"the Hugging Face export of iteration {it} was dropped, training goes on: no weights were kept for "
@@ -204,33 +212,10 @@ def test_weights_beyond_the_staging_budget_drop_the_export_and_the_last_is_read_
     assert "MiB staging budget); there is no Hugging Face model yet" in log, log[-3000:]
     assert "published the Hugging Face model of iteration 6" in log and "training done at iteration 6" in log
     assert sorted(os.listdir(hf)) == ["iter_0000006", "latest"], os.listdir(hf)
+    assert codecs_of(os.path.join(save, "iter_0000006")) == {"bytegroup-zstd"}
     offline = str(tmp_path / "offline")
     convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
     assert_same_bytes(os.path.join(hf, "iter_0000006"), offline)
-
-
-def refusal(tmp_path, *flags: str) -> str:
-    from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.argument_checks import validate_args
-    sys.path.insert(0, ROOT)
-    argv = TINY + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2", *flags]
-    with pytest.raises(ArgumentError) as e:
-        validate_args(parse_args(argv=argv), 1, cuda=False)
-    return str(e.value)
-
-
-def test_what_the_export_refuses_is_refused_at_start_up(tmp_path):
-    hf = str(tmp_path / "hf")
-    # the default GPT with RoPE: no transformers class computes it (the offline tool's own message)
-    message = refusal(tmp_path, "--save-hf", hf, "--position-embedding-type", "rope")
-    assert "no transformers architecture computes this model exactly" in message and "GPT-2" in message, message
-    assert "--save-hf-interval 3 is not a multiple of --save-interval 2" in refusal(
-        tmp_path, "--save-hf", hf, "--save-hf-interval", "3")
-    assert "is not a directory holding any of the tokenizer files" in refusal(
-        tmp_path, "--save-hf", hf, "--save-hf-tokenizer", str(tmp_path))
-    assert "msc:// paths are disabled by --disable-msc" in refusal(tmp_path, "--save-hf", "msc://p/hf", "--disable-msc")
-    assert "--save-hf-keep-last given without --save-hf" in refusal(tmp_path, "--save-hf-keep-last", "1")
-    assert not os.path.exists(hf)
 
 
 LARGER = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "32",
@@ -239,35 +224,65 @@ LARGER = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", 
           "--swiglu", "--ffn-hidden-size", "512", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 
 
-def test_a_job_killed_during_an_export_leaves_the_previous_model_newest(tmp_path):
-    """SIGKILL the whole job as soon as a second export is under way: `latest` still names the first complete
-    model, and the next start (a resume with --save-hf) removes the half-written one before any export."""
+@pytest.mark.parametrize("point", ["first-file", "index", "pointer"])
+def test_a_job_killed_at_each_point_of_an_export_leaves_the_previous_model_newest(tmp_path, point):
+    """SIGKILL (tests/fault_launcher.py) at a named point of the export of iteration 4, the run's last: `latest`
+    still names iteration 2's complete model. Killed before the model was complete, the next start (a resume with
+    --save-hf) removes what it left before any export; killed before `latest` named it, the model is complete (the
+    offline tool's bytes) and stays unnamed, `latest` still naming iteration 2's. No polling: the kill is at the
+    point."""
     save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    flags = LARGER + ["--train-iters", "40", "--save", save, "--save-interval", "1", "--async-ckpt",
-                      "--save-hf", hf, "--save-hf-keep-last", "1", "--no-save-optim",
-                      "--save-hf-max-shard-size", "4000000"]
-    cmd, env = torchrun_command(1, flags)
-    job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
-    partial, deadline = None, time.monotonic() + 180
-    try:
-        while partial is None and job.poll() is None and time.monotonic() < deadline:
-            names = os.listdir(hf) if os.path.isdir(hf) else []
-            if "latest" in names:
-                partial = next((n for n in names if n.endswith(".partial")), None)
-            time.sleep(0.002)
-    finally:
-        kill_tree(job.pid)  # torchrun's workers run in sessions of their own: the whole tree, frozen, then killed
-        job.wait()
-    assert partial is not None, "no export was seen under way"
-    newest = open(os.path.join(hf, "latest")).read().strip()
-    assert newest != partial.split(".")[0] and os.path.isfile(
-        os.path.join(hf, newest, "model.safetensors.index.json"))
-    assert os.path.isdir(os.path.join(hf, partial))  # what the kill left
-    flags[flags.index("--train-iters") + 1] = "1"  # restart: nothing left to train; only the start-up clean-up
-    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])
-    assert f"removed the leftovers of an unfinished export: {os.path.join(hf, partial)}" in out, out[-3000:]
-    assert not [n for n in os.listdir(hf) if ".partial" in n or ".deleting" in n]
+    flags = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
+        "--train-iters", "4", "--save", save, "--save-interval", "2", "--async-ckpt", "--no-save-optim",
+        "--save-hf", hf, "--save-hf-max-shard-size", SHARD]
+    rc, log = torchrun(1, flags, env={"FAULT_KILL_IN_EXPORT": f"4:{point}"}, check=False, faults=True)
+    assert rc != 0 and f"FAULT-KILL-EXPORT iteration 4 at {point}: " in log, log[-3000:]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n"
+    assert os.path.isfile(os.path.join(hf, "iter_0000002", "model.safetensors.index.json"))
+    left = sorted(n for n in os.listdir(hf) if n.startswith("iter_0000004"))
+    assert left == (["iter_0000004"] if point == "pointer" else ["iter_0000004.partial"]), os.listdir(hf)
+    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"])  # nothing left to train
+    if point != "pointer":
+        assert f"removed the leftovers of an unfinished export: {os.path.join(hf, left[0])}" in out, out[-3000:]
+    assert sorted(os.listdir(hf)) == ["iter_0000002"] + (["iter_0000004"] if point == "pointer" else []) + ["latest"]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000002\n", out[-3000:]
+    if point == "pointer":
+        offline = str(tmp_path / "offline")
+        convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
+        assert_same_bytes(os.path.join(hf, "iter_0000004"), offline)
+
+
+@pytest.mark.parametrize("policy", ["warn", "stop"])
+def test_the_store_stopped_during_an_export_fails_it_under_ckpt_on_failure(s3_server, tmp_path, policy):
+    """Checkpoints on a file system, models on SeaweedFS, stopped (tests/fault_launcher.py, FAULT_STORE_DOWN) once
+    the first part of the first file of iteration 4's model is up: that export, the run's last, fails; `warn` ends
+    the run (exit 0) saying so, `stop` ends it with an error; either way `latest` names iteration 2's model, and
+    the next start, the store back, removes what the failed export left."""
+    from test_s3_trainer import faulted_run, stored
+    save, root = str(tmp_path / "ckpt"), f"s3://{s3_server.create_bucket()}/hf"
+    flags = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
+        "--train-iters", "4", "--save", save, "--save-interval", "2", "--async-ckpt", "--no-save-optim",
+        "--save-hf", root, "--save-hf-max-shard-size", "300000", "--ckpt-on-failure", policy]  # files of parts
+    env = {**s3_server.env(), "FAULT_STORE_DOWN": "4:99", "FAULT_CONTROL_DIR": str(tmp_path), "AWS_MAX_ATTEMPTS": "2"}
+    rc, log = faulted_run(s3_server, str(tmp_path), nproc=1, args=flags, env=env)
+    assert "FAULT-STORE-DOWN" in log and f"{root}/iter_0000004/model-" in log, log[-3000:]
+    if policy == "warn":
+        assert rc == 0 and "training done at iteration 4" in log, log[-3000:]
+        assert ("the Hugging Face export of iteration 4 failed, training goes on (--ckpt-on-failure warn); the newest "
+                f"Hugging Face model is still {root}/iter_0000002") in log, log[-3000:]
+    else:
+        assert rc != 0 and "rank 0: stopping at iteration 4: a checkpoint failed (--ckpt-on-failure stop)" in log, \
+            log[-3000:]
+        assert f"cannot reach the S3 endpoint for {root}/iter_0000004/model-00001-of-00002.safetensors" in log
+    bucket, prefix = root[len("s3://"):].split("/", 1)
+    latest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/latest")["Body"].read()
+    assert latest == b"iter_0000002\n" and f"{prefix}/iter_0000002/model.safetensors.index.json" in stored(s3_server, root)[0]
+    left = stored(s3_server, f"{root}/iter_0000004")  # what the store's stop kept the export from removing
+    assert left != ([], []) and f"{prefix}/iter_0000004/model.safetensors.index.json" not in left[0], left
+    _, out = torchrun(1, flags + ["--load", save, "--no-load-optim", "--no-load-rng"], env=s3_server.env())
+    assert (f"removed the leftovers of an unfinished export: {root} (an open multipart upload of "
+            f"{prefix}/iter_0000004/model-00001-of-00002.safetensors)") in out, out[-3000:]
+    assert stored(s3_server, f"{root}/iter_0000004") == ([], []), out[-3000:]
 
 
 def download(s3_server, bucket: str, prefix: str, target: str) -> list[str]:
@@ -334,13 +349,16 @@ def test_ckpt_keep_last_1_retires_checkpoints_whose_export_is_still_to_come(tmp_
     """--ckpt-keep-last 1 and a model at every save: each checkpoint is retired as soon as the next one is
     published, often before its own export starts (the exports queue behind each other); the export reads no file
     of the checkpoint, so every model is still published, and each is the tool's bytes of the checkpoint of its
-    iteration (from a second run of the same job keeping every checkpoint: the same seed, the same weights)."""
+    iteration (from a second run of the same job keeping every checkpoint: the same seed, the same weights). The
+    checkpoints are compressed: the models are built from the weights as staged, before encoding."""
     save, kept_all, hf = str(tmp_path / "ckpt"), str(tmp_path / "ckpt_all"), str(tmp_path / "hf")
     job = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
-        "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt"]
+        "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--save-interval", "1", "--async-ckpt",
+        "--ckpt-compress", "bytegroup-zstd"]
     _, log = torchrun(2, job + ["--save", save, "--ckpt-keep-last", "1", "--save-hf", hf,
                                 "--save-hf-max-shard-size", SHARD])
     assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"], os.listdir(save)
+    assert codecs_of(os.path.join(save, "iter_0000004")) == {"bytegroup-zstd"}
     assert sorted(os.listdir(hf)) == [f"iter_000000{it}" for it in (1, 2, 3, 4)] + ["latest"], log[-3000:]
     torchrun(2, job + ["--save", kept_all])
     for it in (1, 2, 3, 4):

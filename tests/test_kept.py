@@ -118,13 +118,13 @@ def test_a_failed_or_refused_save_gives_its_kept_bytes_back(tmp_path):
     state = _state()
     with _engine(storage=MemoryStorage(capacity=MiB)) as eng:
         handle = eng.save(state, paths.checkpoint_dir("/ck", 1), keep=_models)
-        with pytest.raises(CheckpointError):
+        with pytest.raises(CheckpointError, match=r"rank_00000\.data' no space left"):
             handle.wait()
         assert eng.keep_budget.used == 0 and handle.kept.ids() == []
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the save root should be")
     with _engine() as eng:
-        with pytest.raises(CheckpointError):
+        with pytest.raises(CheckpointError, match=r"cannot prepare checkpoint .*blocked/iter_0000001.*Not a directory"):
             eng.save(state, paths.checkpoint_dir(str(blocked), 1), keep=_models)
         assert eng.keep_budget.used == 0
 

@@ -1,11 +1,17 @@
 """Flag validation: inconsistent input fails with a clear message before any work starts (in-process, cheap)."""
 import logging
 import os
+import re
+import socket
+import sys
 
 import pytest
 
+from megatron_helpers import ROOT
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.argument_checks import validate_args
+
+sys.path.insert(0, ROOT)  # tools/, which --save-hf's checks import
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data"]
@@ -35,18 +41,6 @@ def test_global_batch_not_divisible():
         check(["--global-batch-size", "6"])
 
 
-def test_load_points_at_nothing(tmp_path):
-    with pytest.raises(ArgumentError, match="does not exist"):
-        check(["--load", str(tmp_path / "nope")])
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ArgumentError, match="holds no checkpoint"):
-        check(["--load", str(tmp_path / "empty")])
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "latest_checkpointed_iteration.txt").write_text("7")
-    with pytest.raises(ArgumentError, match="iter_0000007 is missing"):
-        check(["--load", str(tmp_path / "bad")])
-
-
 def test_load_equal_save_starts_fresh(tmp_path):
     d = str(tmp_path / "ck")
     args = check(["--load", d, "--save", d, "--save-interval", "2"])
@@ -61,11 +55,6 @@ def test_cpu_only_flags():
     for flag in ("--overlap-grad-reduce", "--overlap-param-gather"):
         with pytest.raises(ArgumentError, match=f"{flag} needs CUDA: .*CUDA stream"):
             check([flag, "--use-distributed-optimizer"])
-    for fmt in ("torch", "torch_dist"):  # another writer, synchronous here: never a silent sync under --async-ckpt
-        with pytest.raises(ArgumentError, match=f"--async-ckpt is the datastates engine's lazy save; --ckpt-format {fmt}"):
-            check(["--ckpt-format", fmt, "--async-ckpt"])
-    with pytest.raises(ArgumentError, match="--use-distributed-optimizer with --ckpt-format torch"):
-        check(["--ckpt-format", "torch", "--use-distributed-optimizer"])
 
 
 def test_missing_required():
@@ -140,15 +129,125 @@ def test_ckpt_on_failure_policy(tmp_path, policy):
         checkpoints.close()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--non-persistent-save-interval", "0"], "--non-persistent-save-interval must be positive"),
-    (["--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global"], "only 'local'"),
-    (["--non-persistent-save-interval", "1", "--ckpt-format", "torch_dist"], "needs --ckpt-format datastates"),
-    (["--replication"], "--replication replicates the memory tier"),
-    (["--ckpt-read-threads", "0"], "--ckpt-read-threads must be positive"),
-    (["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "3"],
-     "must divide the world size 4"),
-])
-def test_memory_tier_flags(extra, message):
-    with pytest.raises(ArgumentError, match=message):
-        check(extra)
+# ----- every checkpoint flag's bad combination: refused at start, before any work, writing nothing -----
+
+CK, HF, MEM = "{tmp}/ck", "{tmp}/hf", "{tmp}/mem"
+SAVE = ["--save", CK, "--save-interval", "2"]
+TIER = SAVE + ["--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", MEM]
+UNREACHABLE = {"AWS_ENDPOINT_URL": "{closed}"}  # a port bound without listening: the connection is refused
+# (flags, the message's fragment the user reads, the environment's changes)
+REFUSED = [
+    # the format and its engine's settings
+    (SAVE + ["--ckpt-format", "torch_dist", "--ckpt-compress", "zstd"],
+     "--ckpt-compress zstd applies to --ckpt-format datastates only", {}),
+    (SAVE + ["--ckpt-format", "torch", "--ckpt-compress", "auto"],
+     "--ckpt-compress auto applies to --ckpt-format datastates only", {}),
+    (SAVE + ["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp: upstream's torch_dcp format is not built here", {}),
+    (SAVE + ["--ckpt-format", "torch_dist", "--async-ckpt"],
+     "--async-ckpt is the datastates engine's lazy save; --ckpt-format torch_dist", {}),
+    (SAVE + ["--ckpt-format", "torch", "--async-ckpt"],
+     "--async-ckpt is the datastates engine's lazy save; --ckpt-format torch", {}),
+    (SAVE + ["--ckpt-format", "torch", "--use-distributed-optimizer"],
+     "--use-distributed-optimizer with --ckpt-format torch", {}),
+    (SAVE + ["--ckpt-keep-last", "0"], "--ckpt-keep-last must be >= 1", {}),
+    (SAVE + ["--ckpt-keep-last", "newest"], "--ckpt-keep-last must be an integer or 'all', got 'newest'", {}),
+    (SAVE + ["--ckpt-host-buffer-gb", "0"], "--ckpt-host-buffer-gb, --ckpt-writer-threads and --ckpt-read-threads "
+     "must be positive", {}),
+    (SAVE + ["--ckpt-writer-threads", "0"], "--ckpt-writer-threads and --ckpt-read-threads must be positive", {}),
+    (SAVE + ["--ckpt-read-threads", "0"], "--ckpt-read-threads must be positive", {}),
+    # where checkpoints go and come from
+    (["--save-interval", "2"], "--save-interval given without --save", {}),
+    (["--save", CK, "--save-interval", "0"], "--save-interval must be positive, got 0", {}),
+    (["--save", "/proc/nope/ck"], "--save '/proc/nope/ck' cannot be created or written: making a directory in "
+     "'/proc' failed", {}),
+    (["--save", "{tmp}/a-file/ck"], "--save '{tmp}/a-file/ck': '{tmp}/a-file' is a file, not a directory", {}),
+    (["--save", "s3://bucket/run", "--ckpt-format", "torch"], "--save 's3://bucket/run': --ckpt-format torch "
+     "writes local files", {}),
+    (["--save", "s3://bucket/run", "--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: megatron-core "
+     "reaches object stores through multi-storage-client only", {}),
+    (["--save", "msc://profile/run", "--disable-msc"], "--save 'msc://profile/run': msc:// paths are disabled by "
+     "--disable-msc", {}),
+    (["--save", "s3://bucket/run"], "--save 's3://bucket/run': cannot reach the S3 endpoint", UNREACHABLE),
+    (["--save", "s3://{bucket}/run", "--save-hf", "/proc/nope/hf"], "--save-hf '/proc/nope/hf' cannot be created",
+     {}),  # the bucket answered (listed), the destination of the export did not: nothing is written to either
+    (["--load", "{tmp}/nothing"], "--load '{tmp}/nothing' does not exist or is not a directory", {}),
+    (["--load", "{tmp}/empty"], "--load '{tmp}/empty': '{tmp}/empty' holds no checkpoint", {}),
+    (["--load", "{tmp}/bad"], "iter_0000007 is missing", {}),
+    (SAVE + ["--save-after-load"], "--save-after-load needs both --load and --save", {}),
+    (SAVE + ["--load", CK, "--save-after-load"], "--save-after-load: --save must be another directory than --load",
+     {}),
+    # --save-hf
+    (["--save-hf", HF], "--save-hf needs --save (the model is exported from each published checkpoint)", {}),
+    (SAVE + ["--save-hf", HF, "--ckpt-format", "torch_dist"], "--save-hf needs --ckpt-format datastates (got "
+     "torch_dist)", {}),
+    (SAVE + ["--save-hf", HF, "--save-hf-interval", "0"], "--save-hf-interval must be at least 1, got 0", {}),
+    (SAVE + ["--save-hf", HF, "--save-hf-keep-last", "0"], "--save-hf-keep-last must be at least 1, got 0", {}),
+    (SAVE + ["--save-hf", HF, "--save-hf-max-shard-size", "0"], "--save-hf-max-shard-size must be at least 1, got 0",
+     {}),
+    (SAVE + ["--save-hf", HF, "--save-hf-interval", "3"], "--save-hf-interval 3 is not a multiple of "
+     "--save-interval 2", {}),
+    (SAVE + ["--save-hf", HF, "--save-hf-tokenizer", "{tmp}/empty"], "--save-hf-tokenizer '{tmp}/empty' is not a "
+     "directory holding any of the tokenizer files", {}),
+    (SAVE + ["--save-hf", "/proc/nope/hf"], "--save-hf '/proc/nope/hf' cannot be created or written: making a "
+     "directory in '/proc' failed", {}),
+    (SAVE + ["--save-hf", "{tmp}/a-file/hf"], "--save-hf '{tmp}/a-file/hf': '{tmp}/a-file' is a file, not a "
+     "directory", {}),
+    (SAVE + ["--save-hf", "s3://bucket/hf"], "--save-hf 's3://bucket/hf': cannot reach the S3 endpoint", UNREACHABLE),
+    (SAVE + ["--save-hf", "msc://profile/hf", "--disable-msc"], "--save-hf 'msc://profile/hf': msc:// paths are "
+     "disabled by --disable-msc", {}),
+    (SAVE + ["--save-hf", HF, "--position-embedding-type", "rope"], "no transformers architecture computes this "
+     "model exactly", {}),
+    (["--save-hf-keep-last", "1"], "--save-hf-keep-last given without --save-hf", {}),
+    (["--save-hf-interval", "2"], "--save-hf-interval given without --save-hf", {}),
+    # the memory tier
+    (SAVE + ["--non-persistent-save-interval", "0"], "--non-persistent-save-interval must be positive, got 0", {}),
+    (TIER + ["--non-persistent-ckpt-type", "global"], "--non-persistent-ckpt-type global: only 'local'", {}),
+    (TIER + ["--ckpt-format", "torch_dist"], "--non-persistent-save-interval needs --ckpt-format datastates", {}),
+    (SAVE + ["--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", "/proc/nope/mem"],
+     "--non-persistent-local-ckpt-dir '/proc/nope/mem' cannot be created or written", {}),
+    (SAVE + ["--replication"], "--replication replicates the memory tier: it needs --non-persistent-save-interval",
+     {}),
+    (TIER + ["--replication", "--replication-factor", "1"], "--replication-factor must be >= 2 with --replication, "
+     "got 1", {}),
+    (TIER + ["--replication", "--replication-factor", "3"], "--replication-factor 3 x --replication-jump None must "
+     "divide the world size 4", {}),
+    (TIER + ["--replication", "--replication-jump", "0"], "--replication-jump must be positive, got 0", {}),
+    # restarts: the bounds that turn a lost or hung rank into a failure torchrun restarts
+    (SAVE + ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be positive, got 0", {}),
+    (SAVE + ["--ckpt-publish-timeout-s", "-1"], "--ckpt-publish-timeout-s must be positive, got -1", {}),
+]
+
+
+def _tree(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+@pytest.fixture
+def refusing(tmp_path, s3_server, monkeypatch):
+    """The places a row names: a file where a directory would go, an empty directory, a tracker naming a missing
+    checkpoint, a real bucket (SeaweedFS), a port that refuses connections; the store's variables set."""
+    (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "latest_checkpointed_iteration.txt").write_text("7")
+    for k, v in {**s3_server.env(), "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    yield {"tmp": str(tmp_path), "bucket": s3_server.create_bucket(),
+           "closed": f"http://127.0.0.1:{closed.getsockname()[1]}"}
+    closed.close()
+
+
+@pytest.mark.parametrize("flags, message, env", REFUSED, ids=[m.split(":")[0][:60] for _, m, _ in REFUSED])
+def test_every_bad_checkpoint_flag_is_refused_at_start_writing_nothing(refusing, s3_server, monkeypatch, flags,
+                                                                       message, env):
+    """validate_args, which the trainer runs before any work, refuses each row naming the flag and the value;
+    nothing appears on disk or in the bucket."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.format(**refusing))
+    before = _tree(refusing["tmp"])
+    with pytest.raises(ArgumentError, match=re.escape(message.format(**refusing))):
+        check([f.format(**refusing) for f in flags])
+    assert _tree(refusing["tmp"]) == before
+    assert s3_server.client().list_objects_v2(Bucket=refusing["bucket"]).get("KeyCount") == 0

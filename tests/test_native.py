@@ -93,7 +93,7 @@ def test_crc32c_accepts_buffers_and_raw_pointers():
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     assert native.crc32c_ptr(t.data_ptr(), t.numel()) == want
     assert native.crc32c_ptr(t.data_ptr() + 10, 5, native.crc32c(data[:10])) == native.crc32c(data[:15])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="a bytes-like object is required, not 'str'"):
         native.crc32c("not a buffer")
 
 
@@ -107,9 +107,9 @@ def test_file_direct_matches_file_system(tmp_path):
     assert not native.File(tmp_path / "b", "w", direct="off").direct
     if accepts_o_direct(tmp_path):
         assert native.File(tmp_path / "c", "w", direct="on").direct
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="File direct must be 'auto', 'on' or 'off', not 'sometimes'"):
         native.File(tmp_path / "d", "w", direct="sometimes")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="File mode must be 'w' or 'r', not 'x'"):
         native.File(tmp_path / "d", "x")
 
 
@@ -337,7 +337,7 @@ def test_pool_errors(tmp_path):
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit_write(f, buf.data_ptr(), ALIGN, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="IOPool needs at least one thread"):
         native.IOPool(0)
 
 

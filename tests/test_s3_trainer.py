@@ -66,11 +66,11 @@ def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
                                                                      y.reshape(-1).view(torch.uint8))
 
 
-def faulted_run(store, control, **run):
-    """A 2-rank faulted run (`run`: torchrun's arguments) whose FAULT_STORE_DOWN requests this thread serves:
-    weed dies with the thread that started it (PR_SET_PDEATHSIG), so the job runs on another."""
+def faulted_run(store, control, nproc=2, **run):
+    """A faulted run on `nproc` ranks (`run`: torchrun's arguments) whose FAULT_STORE_DOWN requests this thread
+    serves: weed dies with the thread that started it (PR_SET_PDEATHSIG), so the job runs on another."""
     with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(torchrun, 2, faults=True, check=False, **run)
+        job = pool.submit(torchrun, nproc, faults=True, check=False, **run)
         for request, act in (("store-down", store.stop), ("store-up", store.start)):
             while not os.path.exists(os.path.join(control, request)) and not job.done():
                 time.sleep(0.05)

@@ -177,13 +177,13 @@ def test_ranged_reads_give_the_bytes_and_the_checksum_of_each_segment(backend):
     corrupt[offset + 5000] ^= 1
     backend.storage.write_bytes(path, bytes(corrupt))  # a flipped bit: the checksum of its segment tells
     assert read_data(backend.storage, path, offset, n, [(0, 4096), (4096, n - 4096)])[1][1] != crcs[1]
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"short read.*rank_00000\.data"):
         read_data(backend.storage, path, size - 10, 100, [(0, 100)])  # past the end: an error, not garbage
 
 
 def test_small_objects_listing_and_removal(backend):
     s, root = backend.storage, backend.root
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"(No such file or directory|no such object): '.*/missing'"):
         s.read_bytes(paths.join(root, "missing"))
     assert s.stat(paths.join(root, "missing")) is None and s.list(root) == [] and not s.exists(root)
     place = s.stage(backend.checkpoint(1))
@@ -204,8 +204,10 @@ def test_small_objects_listing_and_removal(backend):
 
 def test_a_reader_never_sees_half_a_checkpoint(backend):
     """Two ranks' saves published one after the other while a reader resolves the save root over and over:
-    whatever it finds is complete, and it ends at the last one."""
-    pub, seen, errors, done = Publisher(backend.storage), set(), [], threading.Event()
+    whatever it finds is complete. In lockstep: after each step of the writer, a whole resolve that began after
+    it, so the reader sees every state the root goes through, each published checkpoint included."""
+    pub, seen, errors, done = Publisher(backend.storage), [], [], threading.Event()
+    resolved = threading.Condition()
     nbytes = 32 << 10
 
     def reader():
@@ -215,10 +217,22 @@ def test_a_reader_never_sees_half_a_checkpoint(backend):
                 if latest.path is not None:
                     assert not latest.path.endswith(paths.PARTIAL)
                     check_complete(backend, latest.iteration, nbytes=nbytes)
-                    seen.add(latest.iteration)
+                with resolved:
+                    seen.append(latest.iteration)
+                    resolved.notify_all()
             except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+                with resolved:
+                    errors.append(e)
+                    resolved.notify_all()
                 return
+
+    def resolved_after_this_step() -> int | None:
+        """What a resolve that began after this point found (the one under way when it is called may not)."""
+        with resolved:
+            target = len(seen) + 2
+            assert resolved.wait_for(lambda: len(seen) >= target or errors, timeout=120), "the reader is stuck"
+            assert not errors, errors[0]
+            return seen[target - 1]
     thread = threading.Thread(target=reader)
     thread.start()
     try:
@@ -226,14 +240,15 @@ def test_a_reader_never_sees_half_a_checkpoint(backend):
             partial = pub.prepare(backend.checkpoint(iteration))
             for rank in range(2):
                 write_part(pub, partial, rank, iteration, nbytes)
-                assert tracker.find_latest(backend.root, backend.storage).iteration == (iteration - 1 or None)
+                assert resolved_after_this_step() == (iteration - 1 or None)
             pub.publish(partial, backend.checkpoint(iteration), f"index {iteration} 2".encode(), None)
+            assert resolved_after_this_step() == iteration
             assert tracker.read_latest(backend.root, backend.storage) == iteration
     finally:
         done.set()
         thread.join()
     assert not errors, errors[0]
-    assert 5 in seen or tracker.read_latest(backend.root, backend.storage) == 5
+    assert sorted(set(seen) - {None}) == [1, 2, 3, 4, 5]
     assert save_root.published(backend.storage, backend.root) == [1, 2, 3, 4, 5]
 
 
@@ -281,7 +296,7 @@ def test_a_write_failing_midway_fails_the_save_and_leaves_the_last_good_one(back
     partial = pub.prepare(backend.checkpoint(2))
     sink = pub.open_data(partial, 0, 2 * PART)
     sink.submit(content(2, 0, PART), 0, [(0, PART)])()
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="File too large|no such object|no space left"):  # what each breaking() does
         with backend.breaking():
             sink.submit(content(2, 0, PART), PART, [(0, PART)])()
             sink.close(2 * PART)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 from datastates import TRACKER, CheckpointError, find_latest, join_path, normalize_path, storage_for, url_scheme
 
@@ -31,6 +32,41 @@ def _loadable(path: str) -> tuple[bool, str]:
     except CheckpointError as e:  # an unreadable tracker
         return False, f"--load {path!r}: {e}"
     return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
+
+
+def nearest_existing(path: str) -> str:
+    """The path itself or its nearest ancestor that exists (what a directory to be made lands in)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def unwritable(flag: str, path: str) -> str | None:
+    """Why a local directory a flag names cannot be created or written (None: it can): a directory is made and
+    removed where it would go, so the answer is the file system's (permissions, read-only mounts, /proc) and
+    nothing is left behind."""
+    existing = nearest_existing(path)
+    if not os.path.isdir(existing):
+        return f"{flag} {path!r}: {existing!r} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".datastates-probe-", dir=existing))
+    except OSError as e:
+        return f"{flag} {path!r} cannot be created or written: making a directory in {existing!r} failed: {e.strerror}"
+    return None
+
+
+def _validate_local_directories(args) -> None:
+    """--save and the memory tier's directory on a file system can be created and written, before any work (URLs
+    are probed by _validate_object_stores; --save-hf by check_save_hf)."""
+    dirs = [("--save", args.save)]
+    if args.non_persistent_save_interval is not None:
+        dirs.append(("--non-persistent-local-ckpt-dir", args.non_persistent_local_ckpt_dir))
+    for flag, path in dirs:
+        if path is not None and url_scheme(path) is None:
+            why = unwritable(flag, path)
+            if why:
+                raise ArgumentError(why)
 
 
 def _validate_object_stores(args) -> None:
@@ -74,6 +110,7 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     _validate_data(args)
     _validate_checkpointing(args, world_size)
     _validate_object_stores(args)
+    _validate_local_directories(args)
     _validate_load(args)
     _validate_device(args, cuda)
     try:
@@ -156,6 +193,8 @@ def _validate_run(args) -> None:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.eval_interval <= 0:
         raise ArgumentError(f"--eval-interval must be positive, got {args.eval_interval}")
+    if args.distributed_timeout_minutes <= 0:
+        raise ArgumentError(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes:g}")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         raise ArgumentError(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
     _require_package(args.tensorboard_dir, "--tensorboard-dir", "tensorboard", "tensorboard")
@@ -189,6 +228,13 @@ def _validate_checkpointing(args, world_size: int) -> None:
     if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0 or \
             (args.ckpt_read_threads is not None and args.ckpt_read_threads <= 0):
         raise ArgumentError("--ckpt-host-buffer-gb, --ckpt-writer-threads and --ckpt-read-threads must be positive")
+    if args.ckpt_compress != "off" and args.ckpt_format != "datastates":
+        raise ArgumentError(f"--ckpt-compress {args.ckpt_compress} applies to --ckpt-format datastates only (its engine "
+                            f"compresses the chunks it writes); --ckpt-format {args.ckpt_format} saves as "
+                            f"{'megatron-core' if args.ckpt_format == 'torch_dist' else 'torch.save'} does: drop "
+                            "--ckpt-compress or --ckpt-format")
+    if args.ckpt_publish_timeout_s <= 0:
+        raise ArgumentError(f"--ckpt-publish-timeout-s must be positive, got {args.ckpt_publish_timeout_s:g}")
     if args.async_ckpt and args.ckpt_format != "datastates":
         raise ArgumentError(f"--async-ckpt is the datastates engine's lazy save; --ckpt-format {args.ckpt_format} "
                             "selects another writer, which saves synchronously here: drop --ckpt-format (its "
@@ -208,8 +254,10 @@ def _validate_checkpointing(args, world_size: int) -> None:
         if args.replication_factor < 2:
             raise ArgumentError(f"--replication-factor must be >= 2 with --replication, got "
                                 f"{args.replication_factor}")
+        if args.replication_jump is not None and args.replication_jump <= 0:
+            raise ArgumentError(f"--replication-jump must be positive, got {args.replication_jump}")
         jump = args.replication_jump or 1
-        if jump <= 0 or world_size % (args.replication_factor * jump):
+        if world_size % (args.replication_factor * jump):
             raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump "
                                 f"{args.replication_jump} must divide the world size {world_size}")
     if args.save_after_load:

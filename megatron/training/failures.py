@@ -35,9 +35,10 @@ def _is_communication(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def stage(what: str, timeout_minutes: float):
+def stage(what: str, timeout_minutes: float, grace_s: float = LOST_PEER_GRACE_S):
     """Re-raise a failure of the other ranks during `what` as a RankFailure naming this rank, `what` and the
-    bound that ended the wait; any other error passes through unchanged."""
+    bound that ended the wait; any other error passes through unchanged. A lost peer is reported `grace_s` later
+    (LOST_PEER_GRACE_S: torchrun has seen the peer's own failure first; a test that owns no torchrun passes 0)."""
     try:
         yield
     except CheckpointTimeoutError as e:
@@ -51,6 +52,6 @@ def stage(what: str, timeout_minutes: float):
             raise RankFailure(f"rank {_rank()}: {what} did not finish: a collective waited longer than "
                               f"--distributed-timeout-minutes {timeout_minutes:g} (another rank is hung): "
                               f"{cause}") from e
-        time.sleep(LOST_PEER_GRACE_S)
+        time.sleep(grace_s)
         raise RankFailure(f"rank {_rank()}: {what} did not finish: another rank died or closed its connections: "
                           f"{cause}") from e

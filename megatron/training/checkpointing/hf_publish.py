@@ -148,6 +148,8 @@ class HFPublisher:
         if rank == 0:  # before any export of this job: a rank exports only a checkpoint published after this
             for path in clean_leftovers(self.storage, self.root):
                 log.info("--save-hf: removed the leftovers of an unfinished export: %s", path)
+        # what `latest` names, as this job read or wrote it: a verdict needs no answer from a store that may be down
+        self.named = read_pointer(self.storage, self.root) if rank == 0 else None
         # on the checkpoints' own storage (as any rank sees it), each export starts once its save has ended (the
         # storage's bandwidth goes to the checkpoint first); on another, at once
         self.behind = any(self._gather(shares_storage(self.root, args.save)))
@@ -173,9 +175,8 @@ class HFPublisher:
         return lambda name: is_model_tensor(name) and not name.startswith(MTP)
 
     def newest(self) -> str | None:
-        """The model `latest` names (what an evaluation job takes now)."""
-        name = read_pointer(self.storage, self.root)
-        return join_path(self.root, name) if name else None
+        """The model `latest` names (what an evaluation job takes now), on rank 0."""
+        return join_path(self.root, self.named) if self.named else None
 
     def submit(self, iteration: int, ckpt_dir: str, kept=None, last: bool = False, saved=None) -> None:
         """Export the checkpoint `ckpt_dir` of `iteration` once those before it are exported, from the weights its
@@ -315,6 +316,7 @@ class HFPublisher:
     def _name(self, final: str) -> None:
         """Rank 0: `latest` names the model, then --save-hf-keep-last retires the oldest."""
         write_pointer(self.storage, self.root, os.path.basename(final))
+        self.named = os.path.basename(final)
         self._retire()
 
     def _discard(self, directory: str) -> None:
@@ -405,10 +407,9 @@ class HFPublisher:
         index first (the model out of every reader's sight in one step), then the rest."""
         if not self.keep_last:
             return
-        keep = read_pointer(self.storage, self.root)
         for it in published_models(self.storage, self.root)[:-self.keep_last]:
             path = checkpoint_dir(self.root, it)
-            if os.path.basename(path) == keep:
+            if os.path.basename(path) == self.named:
                 continue
             self.storage.remove(join_path(path, INDEX))
             self.storage.remove(path)
@@ -420,19 +421,13 @@ def shares_storage(a: str, b: str) -> bool:
     directories), or a bucket (an MSC profile) of one kind of object store."""
     if url_scheme(a) or url_scheme(b):
         return url_scheme(a) == url_scheme(b) and urlsplit(a).netloc == urlsplit(b).netloc
-    return os.stat(_existing(a)).st_dev == os.stat(_existing(b)).st_dev
-
-
-def _existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
+    from ..argument_checks import nearest_existing
+    return os.stat(nearest_existing(a)).st_dev == os.stat(nearest_existing(b)).st_dev
 
 
 def check_save_hf(args) -> str | None:
     """Why --save-hf cannot run with these flags (None: it can): the offline tool's own refusals of the model,
-    and a destination that cannot be reached, said before any work."""
+    and a destination that cannot be reached, created or written, said before any work."""
     if not args.save:
         return "--save-hf needs --save (the model is exported from each published checkpoint)"
     if args.ckpt_format != "datastates":
@@ -457,6 +452,11 @@ def check_save_hf(args) -> str | None:
             storage_for(args.save_hf).list(args.save_hf)
         except (OSError, CheckpointError, ImportError) as e:
             return f"--save-hf {args.save_hf!r}: {getattr(e, 'strerror', None) or e}"
+    else:
+        from ..argument_checks import unwritable
+        why = unwritable("--save-hf", args.save_hf)
+        if why:
+            return why
     from tools.hf import HFError
     from tools.hf.arch import architecture_of
     try:

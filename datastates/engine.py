@@ -30,7 +30,7 @@ from .open_checkpoint import OpenCheckpoint, resolve_checkpoint
 from .copies import CopyBackend, make_backend
 from .kept import KeepBudget, Kept
 from .pipeline import HeldSnapshot, SaveHandle, SavePipeline, SaveStats
-from .slots import StagingPool, chunk_size
+from .slots import StagingPool, chunk_size, slot_size
 from .storage import PosixOptions, PosixStorage, Storage
 
 log = logging.getLogger(__name__)
@@ -62,17 +62,23 @@ class CheckpointEngine:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.storage = PosixStorage(storage) if isinstance(storage, PosixOptions) else storage
+        try:  # what it refuses, before any thread or staging exists
+            slot_size(host_buffer_bytes, self.storage.options.writer_threads)
+            self.codec = codecs.for_storage(compress, self.storage)
+        except BaseException:
+            if isinstance(storage, PosixOptions):
+                self.storage.close()
+            raise
         self.registry = registry or default_registry
         if store is None and self.world_size > 1 and initialized:
             store = default_store()
         self.backend = copy_backend or make_backend(copy_threads)
         pinned = torch.cuda.is_available()
         self.pool = StagingPool(host_buffer_bytes, self.storage.options.writer_threads, pinned=pinned,
-                                device=getattr(self.backend, "device", None))
+                                device=self.backend.device)
         if pinned if stage_ahead is None else stage_ahead:
             self.pool.prepare()
         self.keep_budget = KeepBudget(host_buffer_bytes)  # what saves keep past themselves (`save(keep=)`)
-        self.codec = codecs.for_storage(compress, self.storage)
         self.pipeline = SavePipeline(self.rank, self.world_size, self.storage, self.pool, self.backend, store,
                                      keep_last, publish_timeout_s, self.codec, encode_threads)
         self._copy_threads = copy_threads

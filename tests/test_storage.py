@@ -164,3 +164,13 @@ def test_a_replica_whose_index_does_not_verify_is_refused(tmp_path):
         assert os.listdir(os.path.dirname(peer)) == []
         receive(mem.storage, peer, index, data, keep=2)
         assert torch.equal(mem.load(peer)["w"], torch.arange(5000.0))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose every write fails")
+def test_a_failed_write_names_its_file():
+    """A write's own error (ENOSPC here, EFBIG past a memory file system's limit) carries no file name: the
+    storage adds it, so a failed save says which file."""
+    from datastates.storage.posix import write_file
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        write_file("/dev/full", b"x" * 4096, fsync=False, offset=0)
+    assert failed.value.filename == "/dev/full"

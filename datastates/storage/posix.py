@@ -253,6 +253,8 @@ def write_file(path: str, data, fsync: bool, offset: int | None = None) -> None:
             view, at = view[n:], at + n
         if fsync:
             os.fsync(fd)
+    except OSError as e:  # a write's error names no file by itself (e.g. EFBIG, ENOSPC)
+        raise OSError(e.errno, e.strerror, path) from e
     finally:
         os.close(fd)
 

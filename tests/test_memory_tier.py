@@ -17,6 +17,7 @@ import torch
 from datastates import CheckpointEngine, read_index, tracker
 from datastates.errors import CheckpointError
 from datastates.memory_tier import LocalTier, check_fits, cliques
+from datastates.memory_tier.topology import fitted_factor
 from megatron_helpers import TINY, losses, torchrun
 
 FLAGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "10"]
@@ -106,6 +107,14 @@ def test_cliques_follow_megatron_replication_jump():
     assert cliques(8, 2, 1) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(CheckpointError, match="does not divide the world size 6"):
         cliques(6, 2, 2)
+
+
+def test_the_replication_factor_fits_the_world_present():
+    """What a job restarted on fewer nodes replicates with: the largest factor whose cliques tile the world."""
+    assert fitted_factor(8, 2, 4) == 2  # 2 nodes of 4: as asked
+    assert fitted_factor(4, 2, 4) == 1  # one node left: no peer
+    assert fitted_factor(6, 3, 2) == 3 and fitted_factor(4, 3, 2) == 2  # 3 nodes of 2, then 2 left
+    assert fitted_factor(2, 2, 4) == 1  # a jump longer than the world
 
 
 def _tier(base, job, layout=(1, 1, 1)):
@@ -305,6 +314,38 @@ def test_a_clique_on_one_node_is_warned_and_replicates_nothing(tmp_path):
         assert got[rank]["loaded"] is None
 
 
+def _one_node_rank(rank, warned, results, base):
+    """One of the 2 ranks of the one node left of a job that asked for --replication-factor 2: its tier starts
+    (no clique to join), saves and replicates; the notices it logged."""
+    import logging
+    told = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger("datastates.memory_tier").addHandler(handler)
+    logging.getLogger("datastates.memory_tier").setLevel(logging.INFO)
+    tier = LocalTier(base, "job", rank, 2, [2, 1, 1], replication_factor=2, timeout_s=60, host_buffer_bytes=1 << 20,
+                     writer_threads=1)
+    handle = tier.engine.save({"w": torch.full((100,), float(rank))}, tier.path(3))
+    tier.replicate(3, handle)
+    tier.close()
+    results.put((rank, {"told": told, "warnings": warned, "error": handle.error}))
+    if rank == 0:
+        results.put(("parts", _parts(os.path.join(base, "job"))))
+
+
+def test_a_single_node_left_starts_its_tier_without_replication(tmp_path):
+    """torchrun's restart of a 2-node job with --replication-factor 2 on the one node left: the tier starts
+    (it failed every restart attempt with "4 does not divide the world size 2"), says so in one line, and each
+    rank's part is held by its node alone."""
+    got = _fork_world(tmp_path, 2, {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, _one_node_rank,
+                      str(tmp_path / "mem"))
+    for rank in range(2):
+        assert got[rank] == {"told": ["NOTICE: replication follows the world: 1 node of 2 ranks present, too few for "
+                                      "--replication-factor 2 x --replication-jump 2: no replication (storage holds "
+                                      "what a lost node held)"], "warnings": [], "error": None}, got[rank]
+    assert got["parts"] == {"node_00000": {0: [3], 1: [3]}}
+
+
 def test_replication_jump_is_validated_before_any_work():
     from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.argument_checks import validate_args
@@ -313,6 +354,16 @@ def test_replication_jump_is_validated_before_any_work():
     with pytest.raises(ArgumentError, match="--replication-factor 2 x --replication-jump 4 must divide the world "
                                             "size 4"):
         validate_args(parse_args(argv=argv + ["--replication-jump", "4"]), 4, cuda=False)
+
+
+def test_a_torchrun_restart_on_fewer_nodes_is_not_refused_for_its_replication_flags(monkeypatch):
+    """Refused at the job's start, the same flags pass on a restart (the tier fits the cliques to the world)."""
+    from megatron.training.argument_checks import validate_args
+    from megatron.training.arguments import parse_args
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    argv = FLAGS + ["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2",
+                    "--replication-jump", "2"]
+    assert validate_args(parse_args(argv=argv), 2, cuda=False).replication_jump == 2
 
 
 def _behind_rank(rank, warned, results, base, compress):

@@ -15,6 +15,9 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
                                      and every save to storage before it has ended, SIGKILL the whole job: the
                                      launcher (torchrun) and every worker
+    FAULT_KILL_NODE_AFTER_LOCAL=<node>:<it>  as FAULT_KILL_JOB_AFTER_LOCAL, but only the ranks of torchrun node
+                                     <node> (GROUP_RANK) SIGKILL their agent and themselves: a node lost, the
+                                     other nodes' ranks go on into <it>+1 (tests/test_elastic.py)
     FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the earlier saves are published (the tracker names the last)
                                      and the parts of a rank's data object of <it> are up, before the upload
                                      completes, that rank SIGKILLs itself (rank 0 the launcher first)
@@ -30,6 +33,9 @@ forward/backward done), where the memory save of <it>-1 may still be copying:
     FAULT_KILL_IN_STEP=<rank>:<it>:<attempt>   that rank SIGKILLs itself (prints FAULT-KILL-STEP first)
     FAULT_HANG_IN_STEP=<rank>:<it>:<attempt>   that rank stops making progress (sleeps; prints FAULT-HANG-STEP)
     FAULT_FAIL_IN_STEP=<rank>:<it>:<attempt>   that rank raises RuntimeError("injected failure ...")
+
+With FAULT_LOG_SAMPLES=1 every rank prints the sample indices of each micro-batch it reads, as it reads it
+(`FAULT-SAMPLES rank <r> attempt <a>: <i> <i> ...`), so that a test can check the data position across a restart.
 
 An s3:// data object of an iteration these two name goes up in 256 KiB parts, so that a tiny model's upload is a
 multipart upload with parts in flight (one that completes would break S3's 5 MiB minimum part).
@@ -51,6 +57,7 @@ from datastates.storage.s3 import MultipartSink  # noqa: E402
 from datastates.storage.posix import FileSink  # noqa: E402
 from datastates.save_root import Publisher  # noqa: E402
 from megatron.training.checkpointing import CheckpointManager  # noqa: E402
+from megatron.training.data import RankSampler  # noqa: E402
 
 
 class _SlowPickle:
@@ -120,18 +127,34 @@ _replicate = LocalTier.replicate
 
 def replicate(self, iteration, handle):
     _replicate(self, iteration, handle)
-    kill = _spec("FAULT_KILL_JOB_AFTER_LOCAL")
+    kill, node = _spec("FAULT_KILL_JOB_AFTER_LOCAL"), _spec("FAULT_KILL_NODE_AFTER_LOCAL")
     if kill and kill[0] == iteration:
-        import torch.distributed as dist
-        handle.wait()
-        self.drain()  # this rank's part is in its clique's memory
-        for engine in _engines:  # the storage save of an earlier iteration has ended, however slow the disk is
-            _until_saves_end(engine)
-        dist.barrier()  # ... on every rank
+        _until_held_everywhere(self, handle, iteration)
         print(f"FAULT-KILL-JOB rank {self.rank} after the memory checkpoint of iteration {iteration}", flush=True)
         if self.rank == 0:
             os.kill(os.getppid(), signal.SIGKILL)  # the launcher: it must not restart or clean anything
         os.kill(os.getpid(), signal.SIGKILL)
+    if node and node[1] == iteration and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        _until_held_everywhere(self, handle, iteration)
+        if int(os.environ["GROUP_RANK"]) == node[0]:
+            print(f"FAULT-KILL-NODE {node[0]} rank {self.rank} after the memory checkpoint of iteration "
+                  f"{iteration} at {time.time():.3f}", flush=True)  # the time: when the node was lost
+            try:
+                os.kill(os.getppid(), signal.SIGKILL)  # the node's agent (its other rank may have killed it)
+            except ProcessLookupError:
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _until_held_everywhere(tier, handle, iteration) -> None:
+    """Every rank's part of `iteration` is saved and in its clique's memory, and every earlier storage save
+    has ended."""
+    import torch.distributed as dist
+    handle.wait()
+    tier.drain()  # this rank's part is in its clique's memory
+    for engine in _engines:  # the storage save of an earlier iteration has ended, however slow the disk is
+        _until_saves_end(engine)
+    dist.barrier()  # ... on every rank
 
 
 def _faulted_upload(sink) -> str | None:
@@ -224,6 +247,16 @@ def wait_for_snapshot(self):
     return _wait_for_snapshot(self)
 
 
+_sampler_iter = RankSampler.__iter__
+
+
+def sampler_iter(self):
+    rank, attempt = os.environ["RANK"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    for indices in _sampler_iter(self):
+        print(f"FAULT-SAMPLES rank {rank} attempt {attempt}: {' '.join(map(str, indices))}", flush=True)
+        yield indices
+
+
 if __name__ == "__main__":
     CheckpointManager.load, CheckpointManager.wait_for_snapshot = load, wait_for_snapshot
     CheckpointEngine.save = save
@@ -231,6 +264,8 @@ if __name__ == "__main__":
     MultipartSink.__init__, MultipartSink.close = sink_init, sink_close
     FileSink.close = file_close
     Publisher.prepare = prepare
+    if os.environ.get("FAULT_LOG_SAMPLES") == "1":
+        RankSampler.__iter__ = sampler_iter
 
     script = os.path.join(os.path.dirname(HERE), "pretrain_gpt.py")
     sys.argv = [script] + sys.argv[1:]

@@ -87,7 +87,8 @@ def test_a_node_lost_for_good_the_survivor_goes_on_as_dp1_at_the_exact_sample(tm
         "--replication-jump 2: no replication (storage holds what a lost node held)" in log, log[-6000:]
     resumed = re.findall(r"RESUMED from (.+?) at iteration (\d+), saved [\d.]+ s ago \((.*?)\); torchrun restart "
                          r"(\d) of 3: (\S+)", log)
-    assert resumed == [("storage", str(STORAGE_EVERY), "the memory tier had nothing newer", "1",
+    assert resumed == [("storage", str(STORAGE_EVERY), "the memory tier held TP2xPP1xDP2 of world size 4, another "
+                        "layout: cleared", "1",
                         os.path.join(ck, f"iter_{STORAGE_EVERY:07d}"))], log[-6000:]
     assert f"> training done at iteration {ITERS}" in log
 

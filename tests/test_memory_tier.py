@@ -130,10 +130,11 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
     other.close()
     assert tracker.is_published(first.path(3))
     again = _tier(tmp_path, "job-a")
-    assert again.held() == {0: [3]}
+    assert again.held() == {0: [3]} and again.replaced is None
     again.close()
     relaid = _tier(tmp_path, "job-a", layout=(2, 1, 1))  # a restart in another layout cannot use these parts
     assert relaid.held() == {} and not os.path.exists(first.path(3))
+    assert relaid.replaced == {"job": "job-a", "world_size": 1, "layout": [1, 1, 1]}  # for the resume line
     relaid.close()
     relaid.remove()
     assert sorted(os.listdir(tmp_path)) == ["job-b"]

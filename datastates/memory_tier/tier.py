@@ -63,7 +63,9 @@ class LocalTier:
     def _set_up(self, distributed: bool) -> None:
         """The node's first rank clears a tier of another owner and what killed saves left; the owner record is
         (re)written; every rank's own directory exists after."""
-        stale = read_owner(self.storage, self.paths.job_file) not in (None, self._owner)
+        found = read_owner(self.storage, self.paths.job_file)
+        stale = found not in (None, self._owner)
+        self.replaced = found if stale else None  # the owner record of what is cleared (for the resume line)
         if distributed:
             dist.barrier()  # every rank has read the owner record before any rank rewrites it
         node_dir = self.paths.node_dir

@@ -51,10 +51,20 @@ class CheckpointLoader:
                                                                              self.scheduler)
         try:
             return _told(ckpt_format.load(self, latest.path, args.load), "storage", latest.path, in_storage,
-                         tier=self.tier is not None)
+                         memory=self._memory_unused())
         finally:
             if ckpt_format is not self.checkpoint_format:
                 ckpt_format.close()
+
+    def _memory_unused(self) -> str:
+        """Why a resume from storage did not come from the memory tier, for its line."""
+        if self.tier is None:
+            return "no memory tier"
+        old = self.tier.replaced
+        if old is None:
+            return "the memory tier had nothing newer"
+        return (f"the memory tier held {describe_layout(old['layout'])} of world size {old['world_size']}, another "
+                f"layout: cleared")
 
     def load_sharded(self, ckpt_format: CheckpointFormat, ckpt_dir: str, source: str) -> tuple[int, int]:
         """Load a sharded checkpoint directory (datastates, torch_dist) read by `ckpt_format`; (iteration, consumed)."""
@@ -132,7 +142,8 @@ class CheckpointLoader:
         set_seed(seed)
 
 
-def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | None, tier: bool = True):
+def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | None,
+          memory: str = "the memory tier had nothing newer"):
     """Say, in one line, which level the run resumed from, at which iteration, how old that state is and which
     torchrun attempt this is (the first question after a restart); `loaded` passes through."""
     iteration = loaded[0]
@@ -143,7 +154,7 @@ def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | 
     except CheckpointError:  # torch_dist and torch checkpoints have no index: their age is not recorded
         created = None
     age = "" if created is None else f", saved {max(0.0, time.time() - created):.1f} s ago"
-    others = ("the memory tier had nothing newer" if tier else "no memory tier") if level == "storage" else \
+    others = memory if level == "storage" else \
         "storage has nothing yet" if in_storage is None else f"storage's newest: {in_storage}"
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     attempt = (f"; torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} of {restarts}"

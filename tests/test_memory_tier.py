@@ -121,7 +121,7 @@ def _tier(base, job, layout=(1, 1, 1)):
     return LocalTier(str(base), job, 0, 1, list(layout), host_buffer_bytes=1 << 20, writer_threads=1)
 
 
-def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
+def test_another_job_never_sees_a_tier_and_a_new_layout_sets_it_apart(tmp_path):
     first = _tier(tmp_path, "job-a")
     first.engine.save({"w": torch.ones(10)}, first.path(3)).wait()
     first.close()
@@ -132,8 +132,9 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
     again = _tier(tmp_path, "job-a")
     assert again.held() == {0: [3]} and again.replaced is None
     again.close()
-    relaid = _tier(tmp_path, "job-a", layout=(2, 1, 1))  # a restart in another layout cannot use these parts
+    relaid = _tier(tmp_path, "job-a", layout=(2, 1, 1))  # a restart in another layout: the parts are set apart
     assert relaid.held() == {} and not os.path.exists(first.path(3))
+    assert tracker.is_published(relaid.paths.before.part(0, 3))  # to be read into the new layout
     assert relaid.replaced == {"job": "job-a", "world_size": 1, "layout": [1, 1, 1]}  # for the resume line
     relaid.close()
     relaid.remove()

@@ -74,6 +74,8 @@ def _spec(name):
     return [float(x) if "." in x else int(x) for x in value.split(":")] if value else None
 
 
+# torchrun's agent, read at start: once it is killed, getppid() names whichever process adopted this one
+_AGENT = os.getppid()
 _save = CheckpointEngine.save
 _engines = []  # every engine that saved, in the order of their first saves
 
@@ -140,7 +142,7 @@ def replicate(self, iteration, handle):
             print(f"FAULT-KILL-NODE {node[0]} rank {self.rank} after the memory checkpoint of iteration "
                   f"{iteration} at {time.time():.3f}", flush=True)  # the time: when the node was lost
             try:
-                os.kill(os.getppid(), signal.SIGKILL)  # the node's agent (its other rank may have killed it)
+                os.kill(_AGENT, signal.SIGKILL)  # the node's agent (its other rank may have killed it already)
             except ProcessLookupError:
                 pass
             os.kill(os.getpid(), signal.SIGKILL)

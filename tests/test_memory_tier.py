@@ -17,6 +17,7 @@ import torch
 from datastates import CheckpointEngine, read_index, tracker
 from datastates.errors import CheckpointError
 from datastates.memory_tier import LocalTier, check_fits, cliques
+from datastates.verifier import CheckpointVerifier
 from datastates.memory_tier.topology import fitted_factor
 from megatron_helpers import TINY, losses, torchrun
 
@@ -80,7 +81,7 @@ def test_restart_resumes_from_memory(killed, tmp_path, reference):
 def test_lost_node_is_recovered_from_replicas(killed, tmp_path, reference):
     log = _restart(killed, tmp_path, lambda job: shutil.rmtree(job / "node_00001"))
     for rank in (2, 3):
-        assert f"rank {rank}: memory checkpoint of iteration 8 recovered from rank" in log, log[-3000:]
+        assert f"rank {rank}: memory checkpoint of iteration 8 of rank {rank} recovered from rank" in log, log[-3000:]
     assert "loaded checkpoint from the memory tier (datastates) at iteration 8" in log
     assert losses(log) == {9: reference[9], 10: reference[10]}
 
@@ -346,6 +347,59 @@ def test_a_single_node_left_starts_its_tier_without_replication(tmp_path):
                                       "--replication-factor 2 x --replication-jump 2: no replication (storage holds "
                                       "what a lost node held)"], "warnings": [], "error": None}, got[rank]
     assert got["parts"] == {"node_00000": {0: [3], 1: [3]}}
+
+
+def _old_layout_rank(rank, warned, results, base):
+    """One rank of 2 nodes of 2 (DP4): its part of iteration 3 in the tier, no replication."""
+    tier = LocalTier(base, "job", rank, 4, [1, 1, 4], host_buffer_bytes=1 << 20, writer_threads=1)
+    tier.engine.save({"w": torch.full((1000,), float(rank)), "rank": rank}, tier.path(3)).wait()
+    tier.close()
+    results.put((rank, warned))
+    if rank == 0:
+        results.put(("parts", _parts(os.path.join(base, "job"))))
+
+
+def _new_layout_rank(rank, warned, results, base):
+    """One rank of the same 2 nodes with 1 rank each (DP2): the tier's choice, read like a storage checkpoint of
+    the old world (every old rank's part verified through it)."""
+    import logging
+    told = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger("datastates.memory_tier").addHandler(handler)
+    logging.getLogger("datastates.memory_tier").setLevel(logging.INFO)
+    tier = LocalTier(base, "job", rank, 2, [1, 1, 2], host_buffer_bytes=1 << 20, writer_threads=1)
+    merged = tier.choose(None)
+    checkpoint = tier.engine.checkpoint(merged)
+    for old in range(4):
+        CheckpointVerifier(checkpoint).verify(old)
+    results.put((rank, {"merged": merged, "world": checkpoint.world_size, "iteration": checkpoint.index.iteration,
+                        "told": [m for m in told if "recovered" in m or "set apart" in m]}))
+    tier.close()
+    if rank == 0:
+        results.put(("before", _parts(os.path.join(base, "job", "before"))))
+
+
+def test_a_new_layout_reads_the_old_one_merged_with_the_parts_each_node_lacked(tmp_path):
+    """The same 2 nodes restarted with 1 rank each instead of 2: each node held its own 2 ranks' parts of the old
+    layout (no replication), is sent the other node's 2, verifies them, and reads all 4 as one checkpoint of the
+    old world, byte for byte as saved."""
+    base = str(tmp_path / "mem")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    saved = _fork_world(tmp_path / "old", 4, {"DATASTATES_RANKS_PER_NODE": "2"}, _old_layout_rank, base)
+    assert saved["parts"] == {"node_00000": {0: [3], 1: [3]}, "node_00001": {2: [3], 3: [3]}}
+    got = _fork_world(tmp_path / "new", 2, {"DATASTATES_RANKS_PER_NODE": "1"}, _new_layout_rank, base)
+    assert got["before"] == {f"node_0000{n}": {r: [3] for r in range(4)} for n in range(2)}
+    for rank in range(2):
+        lacked = [2, 3] if rank == 0 else [0, 1]
+        assert got[rank] == {
+            "merged": os.path.join(base, "job", "before", f"node_0000{rank}", "merged", "iter_0000003"), "world": 4,
+            "iteration": 3,
+            "told": [f"NOTICE: memory tier {base}/job/node_0000{rank} holds checkpoints of another layout (world size "
+                     f"4): set apart in {base}/job/before/node_0000{rank}, to be read into this one"] +
+                    [f"NOTICE: rank {rank}: memory checkpoint of iteration 3 of rank {p} recovered from rank {1 - rank}'s "
+                     f"replica (node {1 - rank})" for p in lacked]}, got[rank]
 
 
 def test_replication_jump_is_validated_before_any_work():

@@ -160,8 +160,7 @@ def _send_parts(plan: list[tuple[int, int, int]], iteration: int, *, nodes: tupl
             dist.recv(data, sender)
             storage.make_dirs(paths.rank_dir(part))
             receive(storage, paths.part(part, iteration), bytes(index.numpy()), data, keep)
-            whose = "" if part == receiver else f" of rank {part}"
-            notice(f"rank {receiver}: memory checkpoint of iteration {iteration}{whose} recovered from rank "
+            notice(f"rank {receiver}: memory checkpoint of iteration {iteration} of rank {part} recovered from rank "
                    f"{sender}'s replica (node {nodes[sender]})", any_rank=True)
 
 

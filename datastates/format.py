@@ -52,11 +52,24 @@ def signed_manifest(manifest: Manifest) -> dict:
 
 def index_metadata(manifests: dict[int, Manifest], iteration: int | None, world_size: int) -> dict:
     """metadata.json: the global index of every rank's part (schema 2), with a checksum of itself."""
+    return _signed_index(iteration, world_size, {r: m.crc32c for r, m in manifests.items()},
+                         {r: RankPart.to_json(m) for r, m in manifests.items()}, time.time())
+
+
+def merged_index(indexes: dict[int, Index], iteration: int) -> dict:
+    """metadata.json of one checkpoint made of single-rank ones (rank -> its index, e.g. the memory tier's parts
+    of every rank): each one's part is that rank's, its data file named for the rank (`paths.data_file`)."""
+    return _signed_index(iteration, len(indexes), {r: ix.manifest_crcs[0] for r, ix in indexes.items()},
+                         {r: dict(ix.part(0).to_json(), data_file=paths.data_file(r)) for r, ix in indexes.items()},
+                         min(ix.created_unix or time.time() for ix in indexes.values()))
+
+
+def _signed_index(iteration: int | None, world_size: int, crcs: dict[int, int], ranks: dict[int, dict],
+                  created: float) -> dict:
     body = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "iteration": iteration,
-            "world_size": world_size, "bytes": sum(m.data_bytes for m in manifests.values()),
-            "manifests": {str(r): m.crc32c for r, m in manifests.items()},
-            "ranks": {str(r): RankPart.to_json(m) for r, m in manifests.items()},
-            "created_unix": time.time()}
+            "world_size": world_size, "bytes": sum(part["data_bytes"] for part in ranks.values()),
+            "manifests": {str(r): crc for r, crc in crcs.items()}, "ranks": {str(r): p for r, p in ranks.items()},
+            "created_unix": created}
     return dict(body, metadata_crc32c=_body_crc(body))
 
 

@@ -146,12 +146,18 @@ class OpenCheckpoint:
 
     def global_index(self) -> dict[str, list[Shard]]:
         """Every written global item by name, from the raw index: O(items) lookups, no parsing; the shards a
-        read needs are parsed and validated with their rank's items (`shard_item`)."""
+        read needs are parsed and validated with their rank's items (`shard_item`). A tensor shard that a lower
+        rank wrote too (the same box: replicas, as in a checkpoint merged from self-contained memory-tier parts)
+        is listed once."""
         if self._global is None:
             index: dict[str, list[Shard]] = {}
+            seen: set = set()
             for r in range(self.world_size):
                 for shard in self.part(r).shards(r):
-                    index.setdefault(shard.name, []).append(shard)
+                    key = (shard.name, shard.kind, shard.dtype, shard.box, shard.global_shape)
+                    if shard.kind == Kind.OBJECT or key not in seen:
+                        seen.add(key)
+                        index.setdefault(shard.name, []).append(shard)
             self._global = index
         return self._global
 

@@ -15,6 +15,9 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_KILL_JOB_AFTER_LOCAL=<it>  once every rank's memory-tier checkpoint of <it> is saved and replicated,
                                      and every save to storage before it has ended, SIGKILL the whole job: the
                                      launcher (torchrun) and every worker
+    FAULT_KILL_NODE_AFTER_LOCAL=<node>:<it>  as FAULT_KILL_JOB_AFTER_LOCAL, but only the ranks of torchrun node
+                                     <node> (GROUP_RANK) SIGKILL their agent and themselves: a node lost, the
+                                     other nodes' ranks go on into <it>+1 (tests/test_elastic.py)
     FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the earlier saves are published (the tracker names the last)
                                      and the parts of a rank's data object of <it> are up, before the upload
                                      completes, that rank SIGKILLs itself (rank 0 the launcher first)
@@ -37,6 +40,9 @@ A fault in a --save-hf export, at a named point of the export of <it>'s model (t
                                         first-file (a safetensors file of the model written and closed),
                                         index (before the index is written), pointer (before `latest` names it)
 
+With FAULT_LOG_SAMPLES=1 every rank prints the sample indices of each micro-batch it reads, as it reads it
+(`FAULT-SAMPLES rank <r> attempt <a>: <i> <i> ...`), so that a test can check the data position across a restart.
+
 An s3:// data object of an iteration these two name goes up in 256 KiB parts, so that a tiny model's upload is a
 multipart upload with parts in flight (one that completes would break S3's 5 MiB minimum part).
 """
@@ -58,6 +64,7 @@ from datastates.storage.posix import FileSink  # noqa: E402
 from datastates.save_root import Publisher  # noqa: E402
 from megatron.training.checkpointing import CheckpointManager, hf_publish  # noqa: E402
 from tools.hf import writer as hf_writer  # noqa: E402
+from megatron.training.data import RankSampler  # noqa: E402
 
 
 class _SlowPickle:
@@ -74,6 +81,8 @@ def _spec(name):
     return [float(x) if "." in x else int(x) for x in value.split(":")] if value else None
 
 
+# torchrun's agent, read at start: once it is killed, getppid() names whichever process adopted this one
+_AGENT = os.getppid()
 _save = CheckpointEngine.save
 _engines = []  # every engine that saved, in the order of their first saves
 
@@ -127,18 +136,34 @@ _replicate = LocalTier.replicate
 
 def replicate(self, iteration, handle):
     _replicate(self, iteration, handle)
-    kill = _spec("FAULT_KILL_JOB_AFTER_LOCAL")
+    kill, node = _spec("FAULT_KILL_JOB_AFTER_LOCAL"), _spec("FAULT_KILL_NODE_AFTER_LOCAL")
     if kill and kill[0] == iteration:
-        import torch.distributed as dist
-        handle.wait()
-        self.drain()  # this rank's part is in its clique's memory
-        for engine in _engines:  # the storage save of an earlier iteration has ended, however slow the disk is
-            _until_saves_end(engine)
-        dist.barrier()  # ... on every rank
+        _until_held_everywhere(self, handle, iteration)
         print(f"FAULT-KILL-JOB rank {self.rank} after the memory checkpoint of iteration {iteration}", flush=True)
         if self.rank == 0:
             os.kill(os.getppid(), signal.SIGKILL)  # the launcher: it must not restart or clean anything
         os.kill(os.getpid(), signal.SIGKILL)
+    if node and node[1] == iteration and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        _until_held_everywhere(self, handle, iteration)
+        if int(os.environ["GROUP_RANK"]) == node[0]:
+            print(f"FAULT-KILL-NODE {node[0]} rank {self.rank} after the memory checkpoint of iteration "
+                  f"{iteration} at {time.time():.3f}", flush=True)  # the time: when the node was lost
+            try:
+                os.kill(_AGENT, signal.SIGKILL)  # the node's agent (its other rank may have killed it already)
+            except ProcessLookupError:
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _until_held_everywhere(tier, handle, iteration) -> None:
+    """Every rank's part of `iteration` is saved and in its clique's memory, and every earlier storage save
+    has ended."""
+    import torch.distributed as dist
+    handle.wait()
+    tier.drain()  # this rank's part is in its clique's memory
+    for engine in _engines:  # the storage save of an earlier iteration has ended, however slow the disk is
+        _until_saves_end(engine)
+    dist.barrier()  # ... on every rank
 
 
 def _faulted_upload(sink) -> str | None:
@@ -258,6 +283,16 @@ def write_pointer(storage, root, name):
     return _write_pointer(storage, root, name)
 
 
+_sampler_iter = RankSampler.__iter__
+
+
+def sampler_iter(self):
+    rank, attempt = os.environ["RANK"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    for indices in _sampler_iter(self):
+        print(f"FAULT-SAMPLES rank {rank} attempt {attempt}: {' '.join(map(str, indices))}", flush=True)
+        yield indices
+
+
 if __name__ == "__main__":
     CheckpointManager.load, CheckpointManager.wait_for_snapshot = load, wait_for_snapshot
     CheckpointEngine.save = save
@@ -266,6 +301,8 @@ if __name__ == "__main__":
     FileSink.close = file_close
     Publisher.prepare = prepare
     hf_writer._close_after, hf_writer.write_index, hf_publish.write_pointer = close_after, write_index, write_pointer
+    if os.environ.get("FAULT_LOG_SAMPLES") == "1":
+        RankSampler.__iter__ = sampler_iter
 
     script = os.path.join(os.path.dirname(HERE), "pretrain_gpt.py")
     sys.argv = [script] + sys.argv[1:]

@@ -251,3 +251,28 @@ def test_every_bad_checkpoint_flag_is_refused_at_start_writing_nothing(refusing,
         check([f.format(**refusing) for f in flags])
     assert _tree(refusing["tmp"]) == before
     assert s3_server.client().list_objects_v2(Bucket=refusing["bucket"]).get("KeyCount") == 0
+
+
+@pytest.mark.parametrize("world, extra, why", [
+    (2, ["--tensor-model-parallel-size", "4"], r"world size 2 is not divisible by tensor-model-parallel-size 4 x "
+                                               r"pipeline-model-parallel-size 1 = 4"),
+    (6, ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"],
+     r"--global-batch-size 8 is not divisible by micro-batch-size 2 x data-parallel size 3 = 6"),
+])
+def test_a_torchrun_restart_on_a_world_the_layout_cannot_take_names_it(monkeypatch, tmp_path, world, extra, why):
+    """An elastic job restarted by torchrun on nodes whose ranks its layout cannot divide (TP x PP, or the global
+    batch by whole micro-batches of the new DP) fails with one error naming the restart, the world and the numbers,
+    before anything is read or written: the checkpoint under --load is left as it was."""
+    from megatron.training.initialize import initialize_megatron
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "latest_checkpointed_iteration.txt").write_text("5")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", str(world // 2))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ArgumentError, match=rf"^torchrun restart 1: the world of the {world // 2} node\(s\) present, "
+                                            rf"{world} ranks, does not fit this job: {why}\. Nothing was loaded or "
+                                            "written"):
+        initialize_megatron(argv=BASE + extra + ["--save", str(ck), "--load", str(ck)])
+    assert [p.name for p in ck.iterdir()] == ["latest_checkpointed_iteration.txt"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "5"

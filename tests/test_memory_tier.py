@@ -17,6 +17,8 @@ import torch
 from datastates import CheckpointEngine, read_index, tracker
 from datastates.errors import CheckpointError
 from datastates.memory_tier import LocalTier, check_fits, cliques
+from datastates.verifier import CheckpointVerifier
+from datastates.memory_tier.topology import fitted_factor
 from megatron_helpers import TINY, losses, torchrun
 
 FLAGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "10"]
@@ -79,7 +81,7 @@ def test_restart_resumes_from_memory(killed, tmp_path, reference):
 def test_lost_node_is_recovered_from_replicas(killed, tmp_path, reference):
     log = _restart(killed, tmp_path, lambda job: shutil.rmtree(job / "node_00001"))
     for rank in (2, 3):
-        assert f"rank {rank}: memory checkpoint of iteration 8 recovered from rank" in log, log[-3000:]
+        assert f"rank {rank}: memory checkpoint of iteration 8 of rank {rank} recovered from rank" in log, log[-3000:]
     assert "loaded checkpoint from the memory tier (datastates) at iteration 8" in log
     assert losses(log) == {9: reference[9], 10: reference[10]}
 
@@ -108,11 +110,19 @@ def test_cliques_follow_megatron_replication_jump():
         cliques(6, 2, 2)
 
 
+def test_the_replication_factor_fits_the_world_present():
+    """What a job restarted on fewer nodes replicates with: the largest factor whose cliques tile the world."""
+    assert fitted_factor(8, 2, 4) == 2  # 2 nodes of 4: as asked
+    assert fitted_factor(4, 2, 4) == 1  # one node left: no peer
+    assert fitted_factor(6, 3, 2) == 3 and fitted_factor(4, 3, 2) == 2  # 3 nodes of 2, then 2 left
+    assert fitted_factor(2, 2, 4) == 1  # a jump longer than the world
+
+
 def _tier(base, job, layout=(1, 1, 1)):
     return LocalTier(str(base), job, 0, 1, list(layout), host_buffer_bytes=1 << 20, writer_threads=1)
 
 
-def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
+def test_another_job_never_sees_a_tier_and_a_new_layout_sets_it_apart(tmp_path):
     first = _tier(tmp_path, "job-a")
     first.engine.save({"w": torch.ones(10)}, first.path(3)).wait()
     first.close()
@@ -121,10 +131,12 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_clears_it(tmp_path):
     other.close()
     assert tracker.is_published(first.path(3))
     again = _tier(tmp_path, "job-a")
-    assert again.held() == {0: [3]}
+    assert again.held() == {0: [3]} and again.replaced is None
     again.close()
-    relaid = _tier(tmp_path, "job-a", layout=(2, 1, 1))  # a restart in another layout cannot use these parts
+    relaid = _tier(tmp_path, "job-a", layout=(2, 1, 1))  # a restart in another layout: the parts are set apart
     assert relaid.held() == {} and not os.path.exists(first.path(3))
+    assert tracker.is_published(relaid.paths.before.part(0, 3))  # to be read into the new layout
+    assert relaid.replaced == {"job": "job-a", "world_size": 1, "layout": [1, 1, 1]}  # for the resume line
     relaid.close()
     relaid.remove()
     assert sorted(os.listdir(tmp_path)) == ["job-b"]
@@ -305,6 +317,91 @@ def test_a_clique_on_one_node_is_warned_and_replicates_nothing(tmp_path):
         assert got[rank]["loaded"] is None
 
 
+def _one_node_rank(rank, warned, results, base):
+    """One of the 2 ranks of the one node left of a job that asked for --replication-factor 2: its tier starts
+    (no clique to join), saves and replicates; the notices it logged."""
+    import logging
+    told = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger("datastates.memory_tier").addHandler(handler)
+    logging.getLogger("datastates.memory_tier").setLevel(logging.INFO)
+    tier = LocalTier(base, "job", rank, 2, [2, 1, 1], replication_factor=2, timeout_s=60, host_buffer_bytes=1 << 20,
+                     writer_threads=1)
+    handle = tier.engine.save({"w": torch.full((100,), float(rank))}, tier.path(3))
+    tier.replicate(3, handle)
+    tier.close()
+    results.put((rank, {"told": told, "warnings": warned, "error": handle.error}))
+    if rank == 0:
+        results.put(("parts", _parts(os.path.join(base, "job"))))
+
+
+def test_a_single_node_left_starts_its_tier_without_replication(tmp_path):
+    """torchrun's restart of a 2-node job with --replication-factor 2 on the one node left: the tier starts
+    (it failed every restart attempt with "4 does not divide the world size 2"), says so in one line, and each
+    rank's part is held by its node alone."""
+    got = _fork_world(tmp_path, 2, {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, _one_node_rank,
+                      str(tmp_path / "mem"))
+    for rank in range(2):
+        assert got[rank] == {"told": ["NOTICE: replication follows the world: 1 node of 2 ranks present, too few for "
+                                      "--replication-factor 2 x --replication-jump 2: no replication (storage holds "
+                                      "what a lost node held)"], "warnings": [], "error": None}, got[rank]
+    assert got["parts"] == {"node_00000": {0: [3], 1: [3]}}
+
+
+def _old_layout_rank(rank, warned, results, base):
+    """One rank of 2 nodes of 2 (DP4): its part of iteration 3 in the tier, no replication."""
+    tier = LocalTier(base, "job", rank, 4, [1, 1, 4], host_buffer_bytes=1 << 20, writer_threads=1)
+    tier.engine.save({"w": torch.full((1000,), float(rank)), "rank": rank}, tier.path(3)).wait()
+    tier.close()
+    results.put((rank, warned))
+    if rank == 0:
+        results.put(("parts", _parts(os.path.join(base, "job"))))
+
+
+def _new_layout_rank(rank, warned, results, base):
+    """One rank of the same 2 nodes with 1 rank each (DP2): the tier's choice, read like a storage checkpoint of
+    the old world (every old rank's part verified through it)."""
+    import logging
+    told = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger("datastates.memory_tier").addHandler(handler)
+    logging.getLogger("datastates.memory_tier").setLevel(logging.INFO)
+    tier = LocalTier(base, "job", rank, 2, [1, 1, 2], host_buffer_bytes=1 << 20, writer_threads=1)
+    merged = tier.choose(None)
+    checkpoint = tier.engine.checkpoint(merged)
+    for old in range(4):
+        CheckpointVerifier(checkpoint).verify(old)
+    results.put((rank, {"merged": merged, "world": checkpoint.world_size, "iteration": checkpoint.index.iteration,
+                        "told": [m for m in told if "recovered" in m or "set apart" in m]}))
+    tier.close()
+    if rank == 0:
+        results.put(("before", _parts(os.path.join(base, "job", "before"))))
+
+
+def test_a_new_layout_reads_the_old_one_merged_with_the_parts_each_node_lacked(tmp_path):
+    """The same 2 nodes restarted with 1 rank each instead of 2: each node held its own 2 ranks' parts of the old
+    layout (no replication), is sent the other node's 2, verifies them, and reads all 4 as one checkpoint of the
+    old world, byte for byte as saved."""
+    base = str(tmp_path / "mem")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    saved = _fork_world(tmp_path / "old", 4, {"DATASTATES_RANKS_PER_NODE": "2"}, _old_layout_rank, base)
+    assert saved["parts"] == {"node_00000": {0: [3], 1: [3]}, "node_00001": {2: [3], 3: [3]}}
+    got = _fork_world(tmp_path / "new", 2, {"DATASTATES_RANKS_PER_NODE": "1"}, _new_layout_rank, base)
+    assert got["before"] == {f"node_0000{n}": {r: [3] for r in range(4)} for n in range(2)}
+    for rank in range(2):
+        lacked = [2, 3] if rank == 0 else [0, 1]
+        assert got[rank] == {
+            "merged": os.path.join(base, "job", "before", f"node_0000{rank}", "merged", "iter_0000003"), "world": 4,
+            "iteration": 3,
+            "told": [f"NOTICE: memory tier {base}/job/node_0000{rank} holds checkpoints of another layout (world size "
+                     f"4): set apart in {base}/job/before/node_0000{rank}, to be read into this one"] +
+                    [f"NOTICE: rank {rank}: memory checkpoint of iteration 3 of rank {p} recovered from rank {1 - rank}'s "
+                     f"replica (node {1 - rank})" for p in lacked]}, got[rank]
+
+
 def test_replication_jump_is_validated_before_any_work():
     from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.argument_checks import validate_args
@@ -313,6 +410,16 @@ def test_replication_jump_is_validated_before_any_work():
     with pytest.raises(ArgumentError, match="--replication-factor 2 x --replication-jump 4 must divide the world "
                                             "size 4"):
         validate_args(parse_args(argv=argv + ["--replication-jump", "4"]), 4, cuda=False)
+
+
+def test_a_torchrun_restart_on_fewer_nodes_is_not_refused_for_its_replication_flags(monkeypatch):
+    """Refused at the job's start, the same flags pass on a restart (the tier fits the cliques to the world)."""
+    from megatron.training.argument_checks import validate_args
+    from megatron.training.arguments import parse_args
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    argv = FLAGS + ["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2",
+                    "--replication-jump", "2"]
+    assert validate_args(parse_args(argv=argv), 2, cuda=False).replication_jump == 2
 
 
 def _behind_rank(rank, warned, results, base, compress):

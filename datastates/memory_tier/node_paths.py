@@ -2,6 +2,9 @@
 
     <base>/<job id>/job.json                                 the owner record (identity.py)
     <base>/<job id>/node_00001/rank_00005/iter_0000007/      rank 5's part, held by node 1 (its own or a replica)
+    <base>/<job id>/before/...                               the same, of the layout before a change (kept for a
+                                                             restart into the new one)
+    <base>/<job id>/before/node_00001/merged/iter_0000007/   node 1's parts of iteration 7, as one checkpoint
 
 One directory per node, so that nodes simulated on one machine (DATASTATES_RANKS_PER_NODE) hold their parts
 apart, as real nodes do.
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from ..paths import checkpoint_dir, join
 
 _RANK = "rank_"
+_BEFORE = "before"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,15 @@ class NodePaths:
     def part(self, rank: int, iteration: int) -> str:
         """Where this node holds `rank`'s part of `iteration`."""
         return checkpoint_dir(self.rank_dir(rank), iteration)
+
+    @property
+    def before(self) -> "NodePaths":
+        """This node's share of the tier the job wrote in its layout before a change (another world size)."""
+        return NodePaths(join(self.root, _BEFORE), self.node)
+
+    def merged(self, iteration: int) -> str:
+        """Where this node's parts of every rank of `iteration` are one checkpoint (links to their data)."""
+        return checkpoint_dir(join(self.node_dir, "merged"), iteration)
 
 
 def rank_of(name: str) -> int | None:

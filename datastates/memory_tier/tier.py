@@ -1,11 +1,13 @@
 """LocalTier: one rank's side of the memory tier of one job, the object the trainer holds.
 
-Its lifecycle: set-up (collective: learn every rank's node, clear a tier of another owner, remove what killed
-saves left, write the owner record), then one part per memory save at `path(iteration)`, sent to the clique by
+Its lifecycle: set-up (collective: learn every rank's node, remove what killed saves left, set apart this job's
+tier of another layout, write the owner record), then one part per memory save at `path(iteration)`, sent to the clique by
 `replicate`; at a restart `choose`; at the end `close`, and `remove` when the job finished. Replication and the
 restart choice are delegated to `replication.Replicator` and `restart`, which get what they need from here.
 """
 from __future__ import annotations
+
+import os
 
 import torch.distributed as dist
 
@@ -19,7 +21,7 @@ from .identity import owner, read_owner, write_owner
 from .notices import notice
 from .node_paths import NodePaths
 from .replication import Replicator, join_clique
-from .topology import gather_nodes, node_of
+from .topology import fitted_factor, gather_nodes, node_of
 
 
 class LocalTier:
@@ -40,31 +42,66 @@ class LocalTier:
         self._set_up(distributed=dist.is_available() and dist.is_initialized())
         self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, **engine_kwargs)
         clique, group = [rank], None
-        if replication_factor > 1:
-            clique, group = join_clique(rank, world_size, replication_factor, replication_jump or per_node,
-                                        timeout_s, self._nodes)
+        factor = self._fit_replication(replication_factor, replication_jump or per_node, per_node)
+        if factor > 1:
+            clique, group = join_clique(rank, world_size, factor, replication_jump or per_node, timeout_s,
+                                        self._nodes)
         self._replicator = Replicator(self.storage, self.paths, self._nodes, rank, clique, group, keep)
         self.errors = self._replicator.errors  # replications that failed (each also logged as a warning)
 
+    def _fit_replication(self, factor: int, jump: int, per_node: int) -> int:
+        """The replication factor of the world present (fewer peers, or none, when the job runs on fewer nodes than
+        the flags were written for: a restart after a lost node is never refused for it), said in one line."""
+        fitted = fitted_factor(self.world_size, factor, jump) if factor > 1 else 1
+        if fitted < factor:
+            nodes = len(set(self._nodes))
+            present = f"{nodes} node{'s' if nodes > 1 else ''} of {per_node} rank{'s' if per_node > 1 else ''} present"
+            notice(f"replication follows the world: {present}, too few for --replication-factor {factor} x "
+                   f"--replication-jump {jump}: " + ("no replication (storage holds what a lost node held)"
+                                                     if fitted == 1 else f"each part kept by {fitted} ranks "
+                                                                         f"{jump} apart"))
+        return fitted
+
     def _set_up(self, distributed: bool) -> None:
-        """The node's first rank clears a tier of another owner and what killed saves left; the owner record is
-        (re)written; every rank's own directory exists after."""
-        stale = read_owner(self.storage, self.paths.job_file) not in (None, self._owner)
+        """The node's first rank removes what killed saves left and sets apart (or clears) a tier of another
+        owner; the owner record is (re)written; every rank's own directory exists after."""
+        found = read_owner(self.storage, self.paths.job_file)
+        stale = found not in (None, self._owner)
+        self.replaced = found if stale else None  # the owner record of what is set apart (for the resume line)
         if distributed:
             dist.barrier()  # every rank has read the owner record before any rank rewrites it
         node_dir = self.paths.node_dir
-        if self.rank == min(r for r in range(self.world_size) if self._nodes[r] == self.node):
-            if stale:
-                notice(f"memory tier {node_dir} holds checkpoints of another layout: cleared")
-                self.storage.remove(node_dir)
+        if self._first_of_node:
             for name in self.storage.list(node_dir):
                 clean_leftovers(self.storage, join(node_dir, name))
-        if stale or not self.storage.exists(self.paths.job_file):
-            self.storage.make_dirs(self.paths.root)
-            write_owner(self.storage, self.paths.job_file, self._owner)
+            if stale:
+                self._set_apart(found)
+            if stale or not self.storage.exists(self.paths.job_file):
+                self.storage.make_dirs(self.paths.root)
+                write_owner(self.storage, self.paths.job_file, self._owner)
         if distributed:
             dist.barrier()  # cleared before any rank writes again
         self.storage.make_dirs(self.paths.rank_dir(self.rank))
+
+    @property
+    def _first_of_node(self) -> bool:
+        return self.rank == min(r for r in range(self.world_size) if self._nodes[r] == self.node)
+
+    def _set_apart(self, found: dict) -> None:
+        """This job's tier in another layout (the world changed): its parts go under `before/` (replacing what an
+        earlier change left there), for a restart into this layout to read like a storage checkpoint; a tier of
+        another job, or holding nothing, is cleared."""
+        node_dir, before = self.paths.node_dir, self.paths.before
+        if found.get("job") != self.job or not restart.node_parts(self.storage, self.paths):
+            notice(f"memory tier {node_dir} holds checkpoints of another layout: cleared")
+            self.storage.remove(node_dir)
+            return
+        self.storage.remove(before.node_dir)
+        self.storage.make_dirs(before.root)
+        write_owner(self.storage, before.job_file, found)
+        os.rename(node_dir, before.node_dir)  # nothing of this process maps its pages: a plain rename on tmpfs
+        notice(f"memory tier {node_dir} holds checkpoints of another layout (world size {found['world_size']}): "
+               f"set apart in {before.node_dir}, to be read into this one")
 
     def node_of_rank(self, rank: int) -> int:
         return self._nodes[rank]
@@ -87,10 +124,19 @@ class LocalTier:
 
     def choose(self, newer_than: int | None) -> str | None:
         """Collective over the default group: the directory of this rank's part of the newest memory checkpoint
-        that every rank can load and verify and that is newer than storage's `newer_than`; None when storage is
-        the one to load (told in a notice when the tier had something)."""
-        return restart.choose(storage=self.storage, paths=self.paths, nodes=self._nodes, rank=self.rank,
+        that every rank can load and verify and that is newer than storage's `newer_than`, else of the parts
+        set apart in the layout before a change, merged into one checkpoint of every old rank on this node (read
+        like a storage one, resharded); None when storage is the one to load (told in a notice when the tier had
+        something). Parts set apart go once this layout has an iteration of its own."""
+        path = restart.choose(storage=self.storage, paths=self.paths, nodes=self._nodes, rank=self.rank,
                               keep=self.keep, engine=self.engine, held=self.held(), newer_than=newer_than)
+        if path is not None:
+            if self._first_of_node:
+                self.storage.remove(self.paths.before.node_dir)
+            return path
+        return restart.choose_before(storage=self.storage, paths=self.paths.before, nodes=self._nodes,
+                                     rank=self.rank, keep=self.keep, engine=self.engine, newer_than=newer_than,
+                                     merge=self._first_of_node)
 
     def close(self) -> None:
         """Finish the queued replications and stop."""
@@ -100,7 +146,9 @@ class LocalTier:
     def remove(self) -> None:
         """The job finished: delete this node's tier (after every rank of the node closed its tier)."""
         self.storage.remove(self.paths.node_dir)
-        for path in (self.paths.job_file, self.paths.root):  # unless another node's directory is there
+        self.storage.remove(self.paths.before.node_dir)
+        for path in (self.paths.before.job_file, self.paths.before.root, self.paths.job_file, self.paths.root):
+            # unless another node's directory is there
             self.storage.remove_empty(path)
 
 

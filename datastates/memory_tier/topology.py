@@ -5,7 +5,9 @@ Nodes: torchrun's GROUP_RANK / LOCAL_WORLD_SIZE (or Slurm's SLURM_NODEID) name t
 machine, `DATASTATES_RANKS_PER_NODE=k` simulates nodes of k consecutive ranks.
 
 Cliques follow Megatron-LM's: with factor F and jump J, ranks {i, i+J, ..., i+(F-1)J} (within blocks of F*J
-ranks) hold each other's parts; J defaults to the ranks per node, so the peers are on other nodes.
+ranks) hold each other's parts; J defaults to the ranks per node, so the peers are on other nodes. The cliques
+follow the world present (`fitted_factor`): a job restarted on fewer nodes replicates among those left, with fewer
+peers or none, instead of failing.
 """
 from __future__ import annotations
 
@@ -48,3 +50,9 @@ def cliques(world_size: int, factor: int, jump: int) -> list[list[int]]:
                               f"not divide the world size {world_size}")
     return [[base + i + k * jump for k in range(factor)]
             for base in range(0, world_size, factor * jump) for i in range(jump)]
+
+
+def fitted_factor(world_size: int, factor: int, jump: int) -> int:
+    """The replication factor the world present can take: the largest f <= `factor` whose cliques (f ranks `jump`
+    apart) tile it; 1 (no replication) when none does, e.g. a single node left of a job that lost the others."""
+    return max((f for f in range(1, factor + 1) if world_size % (f * jump) == 0), default=1)

@@ -17,6 +17,9 @@
 #   EXTRA_ARGS      appended to the trainer's command line
 #   RDZV            static (node rank = SLURM_NODEID) | c10d           [static]
 #   MAX_RESTARTS    torchrun --max-restarts: a failed or hung rank restarts the job in place   [0]
+#   MIN_NODES       elastic: the job goes on down to this many nodes (torchrun --nnodes MIN_NODES:NNODES, c10d;
+#                   a lost node but the first does not end the step; set PP to fit the nodes left;
+#                   docs/restarts.md says what must divide)   [NNODES]
 set -euo pipefail
 
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
@@ -42,6 +45,10 @@ export MASTER_ADDR MASTER_PORT OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # can count restarts differently: each attempt then gets a fresh store of its own (docs/restarts.md)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+MIN_NODES=${MIN_NODES:-$NNODES}
+if [ "$MIN_NODES" -lt "$NNODES" ] && { [ "$RDZV" != c10d ] || [ "$MAX_RESTARTS" = 0 ]; }; then
+  echo "MIN_NODES=$MIN_NODES < $NNODES nodes needs RDZV=c10d and MAX_RESTARTS > 0 (the survivors restart)" >&2; exit 2
+fi
 
 # GPT configurations of the paper's model sizes (Llama-like shapes; parameters ~= 12 * L * h^2 + embedding).
 model_config() {
@@ -96,7 +103,7 @@ run_train() {
   args+=(${EXTRA_ARGS:-})
   local launcher
   if [ "$RDZV" = c10d ]; then
-    launcher="torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE --rdzv_id $SLURM_JOB_ID --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:$MASTER_PORT"
+    launcher="torchrun --nnodes $MIN_NODES:$NNODES --nproc_per_node $GPUS_PER_NODE --rdzv_id $SLURM_JOB_ID --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:$MASTER_PORT"
   else
     launcher="torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE --rdzv_id $SLURM_JOB_ID --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
   fi
@@ -105,7 +112,10 @@ run_train() {
   echo "[$(date +%T)] $name -> $log"
   local t0=$EPOCHREALTIME rc=0
   # One srun task per node; SLURM_NODEID is expanded on each node (single quotes), the rest here.
-  srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 --export=ALL \
+  # elastic: a lost node's task neither ends the others (--kill-on-bad-exit=0) nor the step (--no-kill)
+  local keep=(--kill-on-bad-exit=1)
+  [ "$MIN_NODES" -lt "$NNODES" ] && keep=(--kill-on-bad-exit=0 --no-kill)
+  srun --nodes "$NNODES" --ntasks-per-node 1 "${keep[@]}" --export=ALL \
     bash -c "$launcher --node_rank \$SLURM_NODEID $REPO/pretrain_gpt.py ${args[*]}" 2>&1 \
     | timestamp_lines >>"$log" || rc=$?
   echo "RUN_END rc=$rc wall_s=$(awk -v a="$EPOCHREALTIME" -v b="$t0" 'BEGIN { printf "%.3f", a - b }')" | timestamp_lines >>"$log"

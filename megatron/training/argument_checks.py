@@ -257,7 +257,9 @@ def _validate_checkpointing(args, world_size: int) -> None:
         if args.replication_jump is not None and args.replication_jump <= 0:
             raise ArgumentError(f"--replication-jump must be positive, got {args.replication_jump}")
         jump = args.replication_jump or 1
-        if world_size % (args.replication_factor * jump):
+        # refused at a job's start; a torchrun restart on fewer nodes replicates among those left (LocalTier)
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        if world_size % (args.replication_factor * jump) and not restarted:
             raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump "
                                 f"{args.replication_jump} must divide the world size {world_size}")
     if args.save_after_load:

@@ -23,6 +23,22 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _validate_for_the_world(args) -> None:
+    """validate_args on the world torchrun gave. Flags that passed at the job's start fail on a torchrun restart
+    only because the world changed (an elastic job that lost nodes): the error then says so, before anything is
+    read or written, so the newest checkpoint stays as it was."""
+    world = _world_size_from_env()
+    try:
+        validate_args(args, world)
+    except ArgumentError as e:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt == "0":
+            raise
+        raise ArgumentError(f"torchrun restart {attempt}: the world of the {os.environ.get('GROUP_WORLD_SIZE', '?')} "
+                            f"node(s) present, {world} ranks, does not fit this job: {e}. Nothing was loaded or "
+                            "written: the newest checkpoint is as it was; relaunch on nodes whose ranks fit") from None
+
+
 def apply_args_defaults(args, defaults: dict | None) -> None:
     """Megatron-LM's `args_defaults`: a script's own defaults for the flags its command line leaves unset."""
     for key, value in (defaults or {}).items():
@@ -39,7 +55,7 @@ def initialize_megatron(extra_args_provider=None, argv=None, args_defaults=None)
     if args.use_checkpoint_args:
         from .args_from_checkpoint import apply_checkpoint_args
         apply_checkpoint_args(args)
-    validate_args(args, _world_size_from_env())
+    _validate_for_the_world(args)
     if not args.enable_msc:
         from .checkpointing.formats import disable_mcore_msc
         disable_mcore_msc()

@@ -38,7 +38,7 @@ class CheckpointLoader:
                 ckpt_format = DatastatesFormat(args, self.model, self.optimizer, self.scheduler,
                                                engine=self.tier.engine)
                 return _told(self.load_sharded(ckpt_format, local, "the memory tier"), "the memory tier", local,
-                             in_storage)
+                             in_storage, saved_in=self._layout_before(", saved in {}"))
         if latest.iteration is None:
             if args.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--load {args.load!r}: no checkpoint found")
@@ -51,10 +51,22 @@ class CheckpointLoader:
                                                                              self.scheduler)
         try:
             return _told(ckpt_format.load(self, latest.path, args.load), "storage", latest.path, in_storage,
-                         tier=self.tier is not None)
+                         memory=self._memory_unused())
         finally:
             if ckpt_format is not self.checkpoint_format:
                 ckpt_format.close()
+
+    def _memory_unused(self) -> str:
+        """Why a resume from storage did not come from the memory tier, for its line."""
+        if self.tier is None:
+            return "no memory tier"
+        return "the memory tier had nothing newer" + self._layout_before(" in this layout or in {}")
+
+    def _layout_before(self, say: str) -> str:
+        """`say` filled with the layout the memory tier held before a change of layout; "" when it did not change."""
+        old = self.tier.replaced
+        return "" if old is None else say.format(f"{describe_layout(old['layout'])} of world size "
+                                                 f"{old['world_size']}")
 
     def load_sharded(self, ckpt_format: CheckpointFormat, ckpt_dir: str, source: str) -> tuple[int, int]:
         """Load a sharded checkpoint directory (datastates, torch_dist) read by `ckpt_format`; (iteration, consumed)."""
@@ -132,7 +144,8 @@ class CheckpointLoader:
         set_seed(seed)
 
 
-def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | None, tier: bool = True):
+def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | None,
+          memory: str = "the memory tier had nothing newer", saved_in: str = ""):
     """Say, in one line, which level the run resumed from, at which iteration, how old that state is and which
     torchrun attempt this is (the first question after a restart); `loaded` passes through."""
     iteration = loaded[0]
@@ -143,8 +156,8 @@ def _told(loaded: tuple[int, int], level: str, ckpt_dir: str, in_storage: int | 
     except CheckpointError:  # torch_dist and torch checkpoints have no index: their age is not recorded
         created = None
     age = "" if created is None else f", saved {max(0.0, time.time() - created):.1f} s ago"
-    others = ("the memory tier had nothing newer" if tier else "no memory tier") if level == "storage" else \
-        "storage has nothing yet" if in_storage is None else f"storage's newest: {in_storage}"
+    others = memory if level == "storage" else \
+        ("storage has nothing yet" if in_storage is None else f"storage's newest: {in_storage}") + saved_in
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     attempt = (f"; torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} of {restarts}"
                if restarts != "0" else "")

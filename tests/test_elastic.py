@@ -1,0 +1,121 @@
+"""A node lost for good inside one elastic torchrun job: two real torchrun agents on this machine as two nodes of
+2 ranks under one c10d rendezvous (`--nnodes 1:2`, a store the test hosts, `--max-restarts 3`), TP2 with the
+distributed optimizer, the memory tier every iteration with replication factor 2, each node its own tier directory.
+
+After its memory checkpoint of iteration 7 is held everywhere, node 1's ranks SIGKILL their agent and themselves
+(tests/fault_launcher.py, FAULT_KILL_NODE_AFTER_LOCAL). Node 0's ranks fail in iteration 8, its agent re-forms the
+job alone, and the trainer goes on as TP2 x DP1 with 4 micro-batches a step instead of 2 (the global batch kept),
+replication off (said in one line), from the memory tier's iteration 7 (storage has 5): node 0's own parts and
+its replicas of node 1's, set apart in the old layout and read into the new one like a storage checkpoint.
+Checked: the resume line, that every sample index after the shrink is the one the uninterrupted run reads in that
+iteration (none skipped or repeated), and that every loss after it equals that of a plain 2-rank run that loads
+iteration 7, saved to storage by a 4-rank run, into the same new layout.
+"""
+import datetime
+import os
+import re
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from megatron_helpers import ROOT, TINY, losses, torchrun
+from rank_launcher import environment
+from trainer_kills import kill_tree
+
+ITERS, GBS, MBS, KILLED_AFTER, STORAGE_EVERY = 12, 8, 2, 7, 5
+FLAGS = TINY + ["--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--tensor-model-parallel-size", "2",
+                "--use-distributed-optimizer"]
+SAMPLES_RE = re.compile(r"FAULT-SAMPLES rank (\d+) attempt (\d+): ([\d ]+)")
+
+
+def _agent(node: int, port: int, flags: list[str], work: str) -> tuple[subprocess.Popen, str]:
+    """One node: a torchrun agent of 2 ranks joining the c10d rendezvous on the test's store, with a memory tier
+    directory of its own; (the agent, its log), every worker's output in that log."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+           "--rdzv-conf", "is_host=false", "--max-restarts", "3", os.path.join(ROOT, "tests", "fault_launcher.py"),
+           *flags, "--non-persistent-local-ckpt-dir", os.path.join(work, f"mem{node}")]
+    env = environment({"DATASTATES_JOB_ID": "elastic-test", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                       "FAULT_KILL_NODE_AFTER_LOCAL": f"1:{KILLED_AFTER}", "FAULT_LOG_SAMPLES": "1"})
+    log = os.path.join(work, f"agent{node}.log")
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True), log
+
+
+def _elastic_job(work: str, flags: list[str], timeout: float = 400) -> tuple[int, str, str]:
+    """(which agent survived, its log, the lost node's log) of the two agents' job; the rendezvous's store is the
+    test's, so that neither node holds it (no port probed and released); past `timeout` every process is
+    killed."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=datetime.timedelta(seconds=60))
+    agents = [_agent(node, store.port, flags, work) for node in range(2)]
+    codes = []
+    for proc, _ in agents:
+        try:
+            codes.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for p, _ in agents:
+                kill_tree(p.pid)
+            raise AssertionError(f"the elastic job did not end within {timeout} s: logs in {work}") from None
+    texts = [open(log).read() for _, log in agents]
+    lost = [i for i, text in enumerate(texts) if "FAULT-KILL-NODE" in text]  # which agent became node 1
+    assert len(lost) == 1, texts
+    survivor = 1 - lost[0]
+    assert (codes[survivor], codes[lost[0]]) == (0, -9), (codes, texts[survivor][-6000:])
+    return survivor, texts[survivor], texts[lost[0]]
+
+
+def _per_iteration(log: str, rank: int, attempt: int, first: int, per_step: int) -> dict[int, list[int]]:
+    """iteration -> the sample indices `rank` read in it in `attempt`, from iteration `first` on."""
+    batches = [list(map(int, m.group(3).split())) for m in SAMPLES_RE.finditer(log)
+               if (int(m.group(1)), int(m.group(2))) == (rank, attempt)]
+    return {first + k // per_step: sum(batches[k - k % per_step:k - k % per_step + per_step], [])
+            for k in range(0, len(batches), per_step)}
+
+
+def test_a_node_lost_for_good_the_survivor_goes_on_as_dp1_at_the_exact_sample(tmp_path):
+    work, ck = str(tmp_path), str(tmp_path / "ck")
+    flags = FLAGS + ["--save", ck, "--load", ck, "--save-interval", str(STORAGE_EVERY), "--async-ckpt",
+                     "--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
+    survivor, log, lost = _elastic_job(work, flags)
+    assert lost.count(f"after the memory checkpoint of iteration {KILLED_AFTER}") == 2, lost[-3000:]
+    assert re.search(rf"RankFailure: rank [01]: iteration {KILLED_AFTER + 1} did not finish: another rank died",
+                     log), log[-6000:]
+    assert "> world size 2: tensor-parallel 2, pipeline-parallel 1, data-parallel 1, 4 micro-batch(es)" in log
+    # replication follows the world, said once (rank 0), and never fails the restart
+    assert log.count("NOTICE: replication follows the world") == 1 and \
+        "NOTICE: replication follows the world: 1 node of 2 ranks present, too few for --replication-factor 2 x " \
+        "--replication-jump 2: no replication (storage holds what a lost node held)" in log, log[-6000:]
+    resumed = re.findall(r"RESUMED from (.+?) at iteration (\d+), saved [\d.]+ s ago \((.*?)\); torchrun restart "
+                         r"(\d) of 3: (\S+)", log)
+    assert len(resumed) == 1 and resumed[0][:4] == ("the memory tier", str(KILLED_AFTER), "storage's newest: 5, "
+                                                    "saved in TP2xPP1xDP2 of world size 4", "1"), log[-6000:]
+    assert resumed[0][4] == os.path.join(work, f"mem{survivor}", "elastic-test", "before", "node_00000", "merged",
+                                         f"iter_{KILLED_AFTER:07d}"), resumed
+    assert f"resharded checkpoint {resumed[0][4]} from TP2xPP1xDP2 to TP2xPP1xDP1" in log
+    # the parts set apart went with the rest of the tier when the job finished
+    assert os.listdir(os.path.join(work, f"mem{survivor}")) == [], os.listdir(os.path.join(work, f"mem{survivor}"))
+    assert f"> training done at iteration {ITERS}" in log
+
+    # the data position: every iteration after the shrink reads, on its one DP rank (both TP ranks alike), the
+    # samples the uninterrupted DP2 run reads in it (iterations 6-7 were read by DP2 before the kill too)
+    after = _per_iteration(log, 0, 1, KILLED_AFTER + 1, GBS // MBS)
+    assert after == _per_iteration(log, 1, 1, KILLED_AFTER + 1, GBS // MBS)
+    assert sorted(after) == list(range(KILLED_AFTER + 1, ITERS + 1)), after
+    before = {it: sorted(a + b) for (it, a), b in zip(_per_iteration(log, 0, 0, 1, GBS // MBS // 2).items(),
+                                                      _per_iteration(lost, 2, 0, 1, GBS // MBS // 2).values())}
+    for it, samples in after.items():
+        assert samples == list(range((it - 1) * GBS, it * GBS)), (it, samples)  # no sample skipped or repeated
+        if it in before:  # iteration 8 was in flight at DP2 when node 1 died
+            assert sorted(samples) == before[it], (it, samples, before[it])
+
+    # every loss after the shrink equals that of a 2-rank run loading iteration 7 into TP2 x DP1 from storage,
+    # where a 4-rank run (whose losses are those the job printed before the loss) saved it
+    ref = str(tmp_path / "ref")
+    _, ref_log = torchrun(4, FLAGS + ["--save", ref, "--save-interval", "100", "--exit-interval", str(KILLED_AFTER)])
+    assert losses(ref_log) == {it: loss for it, loss in losses(lost).items() if it <= KILLED_AFTER}, ref_log[-3000:]
+    _, ref_log = torchrun(2, FLAGS + ["--load", ref])
+    expected = losses(ref_log)
+    assert sorted(expected) == list(range(KILLED_AFTER + 1, ITERS + 1)), ref_log[-3000:]
+    assert losses(log) == expected, (losses(log), expected)

@@ -73,8 +73,8 @@ class SharedMemoryStorage(PosixStorage):
     def __init__(self, pinned: bool | None = None, writer_threads: int = 4, read_threads: int = DEFAULT_READ_THREADS,
                  read_mode: str = "stream", ahead: int = 0):
         """`writer_threads` size the staging slots of a save's objects (its tensors are copied into the pages).
-        `ahead`: when a save finds no spare pages, this many more of its size are made in the background (mapped,
-        faulted in, pinned with CUDA), so that the saves that follow it do not make theirs on their way."""
+        `ahead`: when the first save finds no spare pages, this many more of its size are made in the background
+        (mapped, faulted in, pinned with CUDA), so that the saves that follow it do not make theirs on their way."""
         super().__init__(PosixOptions(writer_threads=writer_threads, read_threads=read_threads, fsync=False,
                                       direct_io="off", read_mode=read_mode))
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
@@ -97,9 +97,9 @@ class SharedMemoryStorage(PosixStorage):
                 self._made.wait()
             if spare is not None:
                 self._spares.remove(spare)
-            elif self.ahead and not self._closed:
-                self._making = self.ahead
-                threading.Thread(target=self._make_ahead, args=(paths.parent(partial), nbytes, self.ahead,
+            elif self.ahead and not self._closed:  # once: later saves take retired pages (at most keep + 2 files)
+                self._making, self.ahead = self.ahead, 0
+                threading.Thread(target=self._make_ahead, args=(paths.parent(partial), nbytes, self._making,
                                                                 torch.cuda.current_device() if self.pinned else None),
                                  name="ds-pages-ahead", daemon=True).start()
         if spare is not None:

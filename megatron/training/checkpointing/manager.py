@@ -88,8 +88,8 @@ class CheckpointManager:
                          replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
                          host_buffer_bytes=staging_bytes(args, self.model),
                          # its snapshot lands in its own pages: it stages objects, loads and a compressed save's tensors
-                         stage_ahead=args.ckpt_compress != "off", writer_threads=args.ckpt_writer_threads, registry=make_registry(self_contained=True),
-                         compress=args.ckpt_compress)
+                         stage_ahead=args.ckpt_compress != "off", writer_threads=args.ckpt_writer_threads,
+                         registry=make_registry(self_contained=True), compress=args.ckpt_compress)
 
     def _engines(self):
         """(level, engine) of each level that saves through an engine, storage first."""

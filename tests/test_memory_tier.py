@@ -332,6 +332,7 @@ def _one_node_rank(rank, warned, results, base):
     tier.replicate(3, handle)
     tier.close()
     results.put((rank, {"told": told, "warnings": warned, "error": handle.error}))
+    torch.distributed.barrier()  # every rank's part published before rank 0 lists them
     if rank == 0:
         results.put(("parts", _parts(os.path.join(base, "job"))))
 
@@ -355,6 +356,7 @@ def _old_layout_rank(rank, warned, results, base):
     tier.engine.save({"w": torch.full((1000,), float(rank)), "rank": rank}, tier.path(3)).wait()
     tier.close()
     results.put((rank, warned))
+    torch.distributed.barrier()  # every rank's part published before rank 0 lists them
     if rank == 0:
         results.put(("parts", _parts(os.path.join(base, "job"))))
 
@@ -376,6 +378,7 @@ def _new_layout_rank(rank, warned, results, base):
     results.put((rank, {"merged": merged, "world": checkpoint.world_size, "iteration": checkpoint.index.iteration,
                         "told": [m for m in told if "recovered" in m or "set apart" in m]}))
     tier.close()
+    torch.distributed.barrier()  # every part sent before rank 0 lists them
     if rank == 0:
         results.put(("before", _parts(os.path.join(base, "job", "before"))))
 

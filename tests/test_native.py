@@ -395,7 +395,8 @@ def test_stream_file_reads_right_bytes_and_leaves_no_pages_cached(tmp_path):
     for name in ("stream", "plain"):
         assert torch.equal(dst[name], src), name
     assert resident_pages(tmp_path / "stream") == 0
-    assert resident_pages(tmp_path / "plain") == pages
+    # the plain file's pages stay (memory pressure from elsewhere may take a few: most is the contrast that counts)
+    assert resident_pages(tmp_path / "plain") > pages // 2
 
 
 def test_stream_read_of_a_tmpfs_file_keeps_it(tmp_path):

@@ -18,7 +18,7 @@ from .state import (build_state, current_layout, describe_layout, describe_model
 log = logging.getLogger(__name__)
 
 
-class CheckpointLoader:
+class LoadPolicy:
     """Loads the latest checkpoint under --load into the model (and optimizer, scheduler, RNG)."""
 
     def __init__(self, args, model, optimizer, scheduler, ckpt_format: CheckpointFormat, tier: LocalTier | None):

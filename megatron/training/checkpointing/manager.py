@@ -27,7 +27,7 @@ from datastates import (LocalTier, SaveHandle, SaveStats, check_fits, checkpoint
                         job_id, node_of, read_latest)
 from datastates.megatron import make_registry, save_sharded
 
-from .loading import CheckpointLoader
+from .loading import LoadPolicy
 from .formats import Written, format_class, staging_bytes
 from .hf_publish import REFUSED, ExportDropped, Exported, HFPublisher
 from .state import build_state, current_layout, saved_bytes_bound
@@ -102,8 +102,8 @@ class CheckpointManager:
 
     def load(self) -> tuple[int, int]:
         """Load the latest checkpoint under --load (see `loading`); (iteration, consumed samples)."""
-        return CheckpointLoader(self.args, self.model, self.optimizer, self.scheduler, self.checkpoint_format,
-                                self.tier).load()
+        return LoadPolicy(self.args, self.model, self.optimizer, self.scheduler, self.checkpoint_format,
+                          self.tier).load()
 
     # ----- save -----
 

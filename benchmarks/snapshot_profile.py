@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     pool = StagingPool(int(nbytes * 1.25) + (64 << 20), 4, pinned=device == "cuda")  # holds it: see into_slots
     fig["slot_bytes"] = pool.slot_bytes
     seconds, taking = into_slots(tensors, pool, device)
-    report("slots_cold", seconds, register_s=taking, slots=len(pool._slots))
+    report("slots_cold", seconds, register_s=taking, slots=pool.allocated_bytes // pool.slot_bytes)
     seconds, taking = into_slots(tensors, pool, device)
     report("slots_warm", seconds, register_s=taking)
     pool.close()

@@ -136,7 +136,7 @@ def test_a_rank_killed_between_its_report_and_its_count_is_not_waited_for():
     rank0, rank1 = Coordinator(store, 0, 2), Coordinator(store, 1, 2)
     rank1.store = DiesBeforeCounting(rank1.store)
     rank0.report(1, {"rank": 0}, None)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="killed"):
         rank1.report(1, {"rank": 1}, None)
     rank0.await_reports(1, "checkpoint 1", timeout_s=0.2)
     assert rank0.manifests(1) == {0: {"rank": 0}, 1: {"rank": 1}}

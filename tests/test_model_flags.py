@@ -45,9 +45,11 @@ def test_moe_refusals(extra, message):
         check(extra)
 
 
-def test_moe_layer_freq_is_parsed_not_evaluated():
-    with pytest.raises(SystemExit):
+def test_moe_layer_freq_is_parsed_not_evaluated(capsys):
+    with pytest.raises(SystemExit) as e:
         parse_args(argv=BASE + MOE + ["--moe-layer-freq", "__import__('os')"])
+    assert e.value.code == 2  # argparse's usage error, naming the flag and the value
+    assert "--moe-layer-freq" in capsys.readouterr().err
 
 
 def test_expert_biases_are_refused_where_megatron_core_cannot_train_them():

@@ -405,6 +405,83 @@ def test_a_new_layout_reads_the_old_one_merged_with_the_parts_each_node_lacked(t
                      f"replica (node {1 - rank})" for p in lacked]}, got[rank]
 
 
+def _machine_rank(rank, warned, results, tmp, machines, groups, factor, lost):
+    """One rank on machine `machines[rank]` (its own tier directory) as torchrun node `groups[rank]`: its part
+    of iteration 3 saved (replicated with `factor`); then, with the tier directories of the `lost` machines gone,
+    nothing else."""
+    os.environ.update({"GROUP_RANK": str(groups[rank]), "LOCAL_WORLD_SIZE": str(groups.count(groups[rank]))})
+    world = len(machines)
+    tier = LocalTier(str(tmp / machines[rank]), "job", rank, world, [1, 1, world], replication_factor=factor,
+                     replication_jump=groups.count(groups[rank]), timeout_s=60, host_buffer_bytes=1 << 20,
+                     writer_threads=1)
+    handle = tier.engine.save({"w": torch.full((1000,), float(rank)), "rank": rank}, tier.path(3))
+    tier.replicate(3, handle)
+    tier.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        for machine in lost:
+            shutil.rmtree(tmp / machine)
+    results.put((rank, warned))
+    if rank == 0:
+        results.put(("world", world))
+
+
+def _renumbered_rank(rank, warned, results, tmp, machines, groups):
+    """One rank of the job re-formed on `machines` as nodes `groups`: the tier's choice, read like a storage
+    checkpoint of the old world (every old rank's part verified through it)."""
+    import logging
+    told = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger("datastates.memory_tier").addHandler(handler)
+    logging.getLogger("datastates.memory_tier").setLevel(logging.INFO)
+    os.environ.update({"GROUP_RANK": str(groups[rank]), "LOCAL_WORLD_SIZE": str(groups.count(groups[rank]))})
+    world = len(machines)
+    tier = LocalTier(str(tmp / machines[rank]), "job", rank, world, [1, 1, world], host_buffer_bytes=1 << 20,
+                     writer_threads=1)
+    merged = tier.choose(None)
+    checkpoint = merged and tier.engine.checkpoint(merged)
+    for old in range(checkpoint.world_size if checkpoint else 0):
+        CheckpointVerifier(checkpoint).verify(old)
+    results.put((rank, {"merged": merged, "world": checkpoint and checkpoint.world_size,
+                        "told": [m for m in told if "node" in m and ("now" in m or "recovered" in m)], "warnings": warned}))
+    tier.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        results.put(("world", world))
+
+
+@pytest.mark.parametrize("old, new, lost, factor", [
+    # machines a (node 0) and b (node 1), 2 ranks each, replicas 2 apart; a is lost and b is node 0 of 1 now
+    ((("a", 0), ("a", 0), ("b", 1), ("b", 1)), (("b", 0), ("b", 0)), ["a"], 2),
+    # machine b alone (node 0); machine a joins as node 0 and b is node 1 now: a is sent every old part
+    ((("b", 0), ("b", 0)), (("a", 0), ("a", 0), ("b", 1), ("b", 1)), [], 1),
+], ids=["node-0-lost", "grown-node-before"])
+def test_a_job_re_formed_with_its_nodes_numbered_anew_reads_its_memory(tmp_path, old, new, lost, factor):
+    """torchrun numbers a re-formed job's nodes anew: a machine's memory holds its parts under the number it had
+    (node_00001), and finds them under the one it has now (node_00000): no lost memory whichever node went, or
+    came."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    machines, groups = [m for m, _ in old], [g for _, g in old]
+    _fork_world(tmp_path / "old", len(old), {}, _machine_rank, tmp_path, machines, groups, factor, lost)
+    machines, groups = [m for m, _ in new], [g for _, g in new]
+    got = _fork_world(tmp_path / "new", len(new), {}, _renumbered_rank, tmp_path, machines, groups)
+    for rank in range(len(new)):
+        node, machine = groups[rank], machines[rank]
+        assert got[rank]["merged"] == str(tmp_path / machine / "job" / "before" / f"node_{node:05d}" / "merged" /
+                                          "iter_0000003"), got[rank]
+        assert got[rank]["world"] == len(old) and got[rank]["warnings"] == [], got[rank]
+    recovered = [m for r in range(len(new)) for m in got[r]["told"] if "recovered" in m]
+    assert recovered == ([] if lost else [f"NOTICE: rank 0: memory checkpoint of iteration 3 of rank {p} recovered "
+                                          f"from rank 2's replica (node 1)" for p in (0, 1)]), recovered
+    renamed = [m for r in range(len(new)) for m in got[r]["told"] if "are node" in m]
+    assert renamed == [f"NOTICE: memory tier {tmp_path}/b/job/node_00001: the parts this machine held as node 1 are "
+                       f"node 0's now ({tmp_path}/b/job/node_00000)"] if lost else \
+        [f"NOTICE: memory tier {tmp_path}/b/job/node_00000: the parts this machine held as node 0 are node 1's now "
+         f"({tmp_path}/b/job/node_00001)"], got
+
+
 def test_replication_jump_is_validated_before_any_work():
     from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.argument_checks import validate_args

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..paths import checkpoint_dir, join
 
 _RANK = "rank_"
+_NODE = "node_"
 _BEFORE = "before"
 
 
@@ -31,7 +32,7 @@ class NodePaths:
 
     @property
     def node_dir(self) -> str:
-        return join(self.root, f"node_{self.node:05d}")
+        return join(self.root, f"{_NODE}{self.node:05d}")
 
     def rank_dir(self, rank: int) -> str:
         """Where this node holds the parts of `rank`."""
@@ -55,4 +56,11 @@ def rank_of(name: str) -> int | None:
     """The rank whose parts a directory of a node holds (`rank_00005` -> 5); None for any other name."""
     if name.startswith(_RANK) and name[len(_RANK):].isdigit():
         return int(name[len(_RANK):])
+    return None
+
+
+def node_of_dir(name: str) -> int | None:
+    """The node whose parts a directory of a job's tier holds (`node_00001` -> 1); None for any other name."""
+    if name.startswith(_NODE) and name[len(_NODE):].isdigit():
+        return int(name[len(_NODE):])
     return None

@@ -101,6 +101,7 @@ def choose_before(*, storage: SharedMemoryStorage, paths: NodePaths, nodes: tupl
     missing = [(part, holders[(part, best)][0], first) for part in range(old["world_size"])
                for n, first in sorted(firsts.items()) if n not in {nodes[r] for r in holders[(part, best)]}]
     _send_parts(missing, best, nodes=nodes, storage=storage, paths=paths, rank=rank, keep=keep)
+    dist.barrier()  # a node's first rank received its parts before the node's other ranks verify them
     mine = [r for r in range(len(nodes)) if nodes[r] == nodes[rank]]
     share = [paths.part(p, best) for p in range(old["world_size"]) if p % len(mine) == mine.index(rank)]
     if not _verified_everywhere(engine, share, rank, best):

@@ -19,9 +19,9 @@ from ..storage import SharedMemoryStorage
 from . import restart
 from .identity import owner, read_owner, write_owner
 from .notices import notice
-from .node_paths import NodePaths
+from .node_paths import NodePaths, node_of_dir
 from .replication import Replicator, join_clique
-from .topology import fitted_factor, gather_nodes, node_of
+from .topology import fitted_factor, gather_machines, gather_nodes, node_of
 
 
 class LocalTier:
@@ -39,6 +39,7 @@ class LocalTier:
         self.storage = SharedMemoryStorage(writer_threads=writer_threads, ahead=keep)  # the pages of the first saves
         self._owner = owner(job, world_size, layout)
         self._nodes = gather_nodes(world_size, self.node)
+        self._machines = gather_machines(base_dir, world_size)
         self._set_up(distributed=dist.is_available() and dist.is_initialized())
         self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, **engine_kwargs)
         clique, group = [rank], None
@@ -72,6 +73,8 @@ class LocalTier:
             dist.barrier()  # every rank has read the owner record before any rank rewrites it
         node_dir = self.paths.node_dir
         if self._first_of_node:
+            if self._first_of_machine:
+                self._adopt_renumbered()
             for name in self.storage.list(node_dir):
                 clean_leftovers(self.storage, join(node_dir, name))
             if stale:
@@ -86,6 +89,30 @@ class LocalTier:
     @property
     def _first_of_node(self) -> bool:
         return self.rank == min(r for r in range(self.world_size) if self._nodes[r] == self.node)
+
+    @property
+    def _first_of_machine(self) -> bool:
+        return self.rank == min(r for r in range(self.world_size) if self._machines[r] == self._machines[self.rank])
+
+    def _adopt_renumbered(self) -> None:
+        """The parts this machine's memory holds under a node number none of its ranks has now (the job re-formed
+        and its nodes were numbered anew, e.g. node 0 lost and node 1 now node 0) become this node's: a part is
+        the same bytes whichever node holds it, and a restart looks for it under the node's own number."""
+        mine = {self._nodes[r] for r in range(self.world_size) if self._machines[r] == self._machines[self.rank]}
+        for name in self.storage.list(self.paths.root):
+            old = node_of_dir(name)
+            if old is None or old in mine:
+                continue
+            other = NodePaths(self.paths.root, old)
+            for rank_name in self.storage.list(other.node_dir):
+                src, dst = join(other.node_dir, rank_name), join(self.paths.node_dir, rank_name)
+                self.storage.make_dirs(dst)
+                for part in self.storage.list(src):  # a part held under both numbers is kept once
+                    if not self.storage.exists(join(dst, part)):
+                        os.rename(join(src, part), join(dst, part))  # tmpfs: the same pages, nothing copied
+            self.storage.remove(other.node_dir)
+            notice(f"memory tier {other.node_dir}: the parts this machine held as node {old} are node "
+                   f"{self.node}'s now ({self.paths.node_dir})", any_rank=True)
 
     def _set_apart(self, found: dict) -> None:
         """This job's tier in another layout (the world changed): its parts go under `before/` (replacing what an

@@ -12,6 +12,7 @@ peers or none, instead of failing.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -39,6 +40,16 @@ def gather_nodes(world_size: int, node: int) -> tuple[int, ...]:
     if dist.is_available() and dist.is_initialized():
         dist.all_gather_object(nodes, node)
     return tuple(nodes)
+
+
+def gather_machines(base_dir: str, world_size: int) -> tuple[str, ...]:
+    """Every rank's machine and tier directory (`host:path`): the ranks that share one node-local memory, whatever
+    their node numbers (which a job that re-forms may give out anew)."""
+    mine = f"{socket.gethostname()}:{os.path.realpath(base_dir)}"
+    machines = [mine] * world_size
+    if dist.is_available() and dist.is_initialized():
+        dist.all_gather_object(machines, mine)
+    return tuple(machines)
 
 
 def cliques(world_size: int, factor: int, jump: int) -> list[list[int]]:

@@ -194,3 +194,42 @@ def test_the_store_takes_more_buckets_than_a_suite_makes(s3_server):
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(one, range(40)))
+
+
+@pytest.mark.parametrize("point", [paths.METADATA, paths.TRACKER], ids=["index", "tracker"])
+def test_the_store_down_at_publication_leaves_the_last_checkpoint_named(s3, s3_server, monkeypatch, point):
+    """The store dies right before rank 0 puts the index (the checkpoint's publication) or the tracker: that save
+    fails naming its checkpoint, the tracker still names the last one, which loads once the store is back;
+    nothing half-written stays after the next start's clean-up, and saves go on."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # a dead endpoint is given up on quickly
+    (eng,) = engines(s3)
+    storage = eng.storage
+
+    class StopsTheStore(type(storage)):  # the test's hook: the store goes down at `point`'s PUT
+        def write_bytes(self, path, data, replace=False):
+            of_2 = paths.iteration_of(paths.parent(path)) == 2 if point == paths.METADATA else bytes(data) == b"2"
+            if path.endswith("/" + point) and of_2:
+                s3_server.stop()
+            return super().write_bytes(path, data, replace=replace)
+    storage.__class__ = StopsTheStore
+    with eng:
+        eng.save(state(1), paths.checkpoint_dir(s3, 1)).wait()
+        try:
+            with pytest.raises(CheckpointError, match="iter_0000002"):
+                eng.save(state(2), paths.checkpoint_dir(s3, 2)).wait()
+            assert s3_server.proc is None  # the hook ran
+        finally:
+            if s3_server.proc is None:
+                s3_server.start()
+        assert tracker.read_latest(s3) == 1
+        assert_same(eng.load(s3), state(1))
+        eng.save(state(3), paths.checkpoint_dir(s3, 3)).wait()
+        assert tracker.read_latest(s3) == 3
+    tracker.clean_leftovers(s3)
+    # the index never went up: nothing of 2 is left; the tracker did not: 2 is whole (its index is there)
+    assert tracker.published_iterations(s3) == ([1, 3] if point == paths.METADATA else [1, 2, 3])
+    if point == paths.METADATA:
+        assert keys(s3_server, paths.checkpoint_dir(s3, 2)) == ([], [])
+    else:
+        with CheckpointEngine(storage=storage_for(s3)) as reader:
+            assert_same(reader.load(paths.checkpoint_dir(s3, 2)), state(2))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from datastates import CheckpointCorruptError, CheckpointEngine, _native, paths, tracker
-from datastates.save_root import Publisher, SaveRoot
+from datastates.save_root import DIRECTORY_TEXT, ITERATION_TEXT, Publisher, SaveRoot
 from datastates.storage import PosixOptions, PosixStorage, SharedMemoryStorage, Storage, options_for, storage_for
 from memory_storage import MemoryStorage
 
@@ -341,3 +341,49 @@ def test_a_backend_missing_an_operation_is_refused_and_options_are_typed_per_bac
         PosixOptions(read_mode="mmap")
     with pytest.raises(ValueError, match="writer_threads and read_threads must be >= 1"):
         S3Options(read_threads=0)
+
+
+HF_INDEX = "model.safetensors.index.json"
+
+
+def export(root: SaveRoot, iteration: int, keep_last=None, weights=b"weights") -> list[str]:
+    """A model published as the Hugging Face export does: its files written into the staged place, its index
+    (the root's marker) last, then committed, retained and pointed at; returns what was retired."""
+    final = root.path(iteration)
+    place = root.stage(final)
+    root.storage.write_bytes(paths.join(place, "model-00001-of-00001.safetensors"), weights)
+    root.storage.write_bytes(paths.join(place, root.marker), f"index {iteration}".encode())
+    return root.publish(place, final, keep_last=keep_last)
+
+
+def test_a_models_root_publishes_retains_points_and_cleans_by_its_own_names(backend):
+    s = backend.storage
+    models = SaveRoot(s, backend.root, marker=HF_INDEX, pointer="latest", pointer_text=DIRECTORY_TEXT)
+    for iteration in (1, 2, 3):
+        for retired in export(models, iteration, keep_last=2):
+            s.remove(retired)
+    assert models.published() == [2, 3] and models.pointed() == 3 and not s.exists(models.path(1))
+    assert s.read_bytes(paths.join(backend.root, "latest")) == b"iter_0000003\n"
+    assert models.read_pointer() == "iter_0000003"
+    checkpoints = SaveRoot(s, backend.root)  # the same directories are no checkpoints: their marker is another
+    assert checkpoints.published() == [] and checkpoints.read_pointer() is None
+    for retired in export(models, 3, weights=b"again"):  # a re-export of an iteration replaces it
+        s.remove(retired)
+    assert s.read_bytes(paths.join(models.path(3), "model-00001-of-00001.safetensors")) == b"again"
+    place = models.stage(models.path(4))  # a killed export: its weights written, not its index
+    s.write_bytes(paths.join(place, "model-00001-of-00001.safetensors"), b"half")
+    s.write_bytes(paths.join(backend.root, "latest.tmp.4242"), b"iter_0000004\n")  # a killed pointer replacement
+    temporaries = backend.kind in ("posix", "shared_memory")  # only a file system replaces through a temporary
+    assert (s.temporary_of("latest.tmp.4242") == "latest") == temporaries
+    assert s.temporary_of("latest") is None and s.temporary_of("latest.tmp.x") is None
+    removed = models.clean_leftovers()
+    assert place in [paths.normalize(r) for r in removed] and models.published() == [2, 3]
+    assert s.exists(paths.join(backend.root, "latest.tmp.4242")) != temporaries
+    assert models.pointed() == 3 and models.clean_leftovers() == []
+
+
+def test_pointer_texts_name_an_iteration_their_own_way():
+    assert ITERATION_TEXT.write(100) == "100" and ITERATION_TEXT.read("100") == 100
+    assert DIRECTORY_TEXT.write(100) == "iter_0000100\n" and DIRECTORY_TEXT.read("iter_0000100") == 100
+    assert ITERATION_TEXT.read("iter_0000100") is None and DIRECTORY_TEXT.read("100") is None
+    assert DIRECTORY_TEXT.read("../iter_0000100") is None and ITERATION_TEXT.read("release") is None

@@ -14,13 +14,12 @@ import torch.distributed as dist
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
 from ..paths import join
-from ..save_root import clean_leftovers
 from ..storage import SharedMemoryStorage
 from . import restart
 from .identity import owner, read_owner, write_owner
 from .notices import notice
 from .node_paths import NodePaths, node_of_dir
-from .replication import Replicator, join_clique
+from .replication import Replicator, join_clique, parts_root
 from .topology import fitted_factor, gather_machines, gather_nodes, node_of
 
 
@@ -76,7 +75,7 @@ class LocalTier:
             if self._first_of_machine:
                 self._adopt_renumbered()
             for name in self.storage.list(node_dir):
-                clean_leftovers(self.storage, join(node_dir, name))
+                parts_root(self.storage, join(node_dir, name)).clean_leftovers()
             if stale:
                 self._set_apart(found)
             if stale or not self.storage.exists(self.paths.job_file):

@@ -176,15 +176,19 @@ def test_node_detection_from_torchrun_and_slurm(real_nodes):
 WORLD = 4
 
 
-def _tier_rank(rank, warned, results, base, jump, lost_node, compress):
+def _tier_rank(rank, warned, results, base, jump, lost_node, compress, chunk):
     """One rank of a 4-rank world: its memory part of iteration 3 saved (with `compress`) and replicated by its
     LocalTier; then, after `lost_node`'s directory is deleted, a restart of the tier that must find and load this
-    rank's part."""
+    rank's part. `chunk`: replicas travel in pieces of that many bytes, and the ranks' parts differ in size."""
     import torch.distributed as dist
+    from datastates.memory_tier import replication, restart
+    if chunk:
+        replication.CHUNK_BYTES = restart.CHUNK_BYTES = chunk
     kw = dict(replication_factor=2, replication_jump=jump, timeout_s=60, host_buffer_bytes=1 << 20,
               writer_threads=1, compress=compress)
     tier = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
-    handle = tier.engine.save({"w": torch.full((100,), float(rank)), "rank": rank}, tier.path(3))
+    n = _elements(rank, chunk)
+    handle = tier.engine.save({"w": torch.full((n,), float(rank)), "rank": rank}, tier.path(3))
     tier.replicate(3, handle)
     handle.wait()
     tier.close()  # every replication done on this rank
@@ -196,8 +200,10 @@ def _tier_rank(rank, warned, results, base, jump, lost_node, compress):
     dist.barrier()
     again = LocalTier(base, "job", rank, WORLD, [1, 1, WORLD], **kw)
     path = again.choose(None)  # None: no memory checkpoint every rank can load
-    loaded = path and again.engine.load(path, template={"w": torch.zeros(100), "rank": -1})
-    results.put((rank, {"loaded": path and (path, loaded["rank"], loaded["w"].tolist()), "warnings": warned}))
+    loaded = path and again.engine.load(path, template={"w": torch.zeros(n), "rank": -1})
+    # the values, not every one of them: what a rank puts on the queue must fit the pipe before the test reads it
+    w = path and loaded["w"]
+    results.put((rank, {"loaded": path and (path, loaded["rank"], w.unique().tolist(), w.numel()), "warnings": warned}))
     again.close()
 
 
@@ -249,8 +255,12 @@ def _fork_world(tmp_path, world, env, target, *args) -> dict:
     return dict(results.get(timeout=10) for _ in range(world + 1))
 
 
-def _run_tier_world(tmp_path, env, jump, lost_node, compress="off"):
-    return _fork_world(tmp_path, WORLD, env, _tier_rank, str(tmp_path / "mem"), jump, lost_node, compress)
+def _elements(rank: int, chunk: int | None) -> int:
+    return 100 if chunk is None else 100 + 3000 * rank
+
+
+def _run_tier_world(tmp_path, env, jump, lost_node, compress="off", chunk=None):
+    return _fork_world(tmp_path, WORLD, env, _tier_rank, str(tmp_path / "mem"), jump, lost_node, compress, chunk)
 
 
 def _parts(job):
@@ -266,18 +276,20 @@ def _held(job):
     return {int(node[5:]): sorted(r for r, its in ranks.items() if 3 in its) for node, ranks in _parts(job).items()}
 
 
-@pytest.mark.parametrize("env, jump, cliques_, compress", [
+@pytest.mark.parametrize("env, jump, cliques_, compress, chunk", [
     # torchrun on 4 nodes of one rank each, a replication jump of 2 (the default would be 1, the ranks per node)
-    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]], "off"),
+    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]], "off", None),
     # ranks started by Slurm (srun): SLURM_NODEID names the node, the default jump (ranks per node, 1)
-    ({"LOCAL_WORLD_SIZE": "1", "SLURM_NODEID": "{rank}"}, None, [[0, 1], [2, 3]], "off"),
+    ({"LOCAL_WORLD_SIZE": "1", "SLURM_NODEID": "{rank}"}, None, [[0, 1], [2, 3]], "off", None),
     # the same as the first, the parts compressed: replicas and the recovery travel as stored
-    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]], "bytegroup-zstd"),
-], ids=["torchrun-jump2", "slurm-default-jump", "torchrun-jump2-compressed"])
-def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_, compress):
+    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]], "bytegroup-zstd", None),
+    # parts of 4 sizes (0.4 to 36 KB) sent in pieces of 8 KiB: a peer's part ends inside a piece, or before it
+    ({"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, 2, [[0, 2], [1, 3]], "off", 8 << 10),
+], ids=["torchrun-jump2", "slurm-default-jump", "torchrun-jump2-compressed", "torchrun-jump2-in-pieces"])
+def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_, compress, chunk):
     """Nodes from the launcher's environment, not simulated: each node holds its rank's part and the part of
     its clique peer (jump apart), byte for byte the same; a node lost entirely is recovered from its peer."""
-    got = _run_tier_world(tmp_path, env, jump, lost_node=1, compress=compress)
+    got = _run_tier_world(tmp_path, env, jump, lost_node=1, compress=compress, chunk=chunk)
     job = tmp_path / "mem" / "job"
     peer = {a: b for clique in cliques_ for a, b in (clique, clique[::-1])}
     assert got["saved"] == {n: sorted({n, peer[n]}) for n in range(WORLD)}
@@ -286,7 +298,7 @@ def test_replicas_land_on_the_clique_peers_nodes(tmp_path, env, jump, cliques_, 
     assert held == {n: sorted({n, peer[n]}) if n != 1 else [1] for n in range(WORLD)}, held
     for rank in range(WORLD):
         path = str(job / f"node_{rank:05d}" / f"rank_{rank:05d}" / "iter_0000003")
-        assert got[rank]["loaded"] == (path, rank, [float(rank)] * 100)
+        assert got[rank]["loaded"] == (path, rank, [float(rank)], _elements(rank, chunk))
         assert got[rank]["warnings"] == []
     for node in (0, 2, 3):  # a replica is the original's index and data, byte for byte
         other = peer[node]

@@ -2,9 +2,9 @@
 are kept on this node, so that a node lost entirely is recovered from its peers' memory.
 
 The exchange runs on a background thread over a gloo group of the clique, in the order of the saves on every
-rank: the training thread never waits on it. A part travels as its index and its data file (read from the
-mapped pages), and is published on arrival through the same storage (`receive`), which refuses one whose index
-does not verify. A failed exchange costs redundancy, never training: it is logged and
+rank: the training thread never waits on it. A part travels as its index and its data file, read from the
+mapped pages and received into the replica's own pages in pieces of at most CHUNK_BYTES (`Replica`: no whole part
+held in memory on either side), and is published once whole, refused unless its index describes that data. A failed exchange costs redundancy, never training: it is logged and
 kept in `errors`.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 _NOTHING = torch.empty(0, dtype=torch.uint8)
+CHUNK_BYTES = 64 << 20  # what one round of an exchange holds per clique member: replication's host memory bound
 
 
 def parts_root(storage: SharedMemoryStorage, root: str) -> SaveRoot:
@@ -44,24 +45,41 @@ def read_part(storage: SharedMemoryStorage, final: str) -> tuple[bytes, torch.Te
     return index, storage.mapped(join(final, data_file(0)), fmt.parse_index(index, final).part(0).data_bytes)
 
 
-def receive(storage: SharedMemoryStorage, final: str, index: bytes, data: torch.Tensor, keep: int) -> None:
-    """Publish a checkpoint another rank sent (a replica): its data file and its index, refused unless the index
-    verifies and describes that data; then keep the newest `keep` of its save root."""
-    root = parts_root(storage, parent(final))
-    storage.remove(partial_dir(final))
-    partial = root.stage(final)
-    try:
+class Replica:
+    """A part another rank sends, received in pieces straight into this node's pages (`pages`, its data file
+    mapped at its full size: no copy of the whole part in memory), then published with its index. Refused before
+    anything is written unless its index describes `nbytes` of data."""
+
+    def __init__(self, storage: SharedMemoryStorage, final: str, index: bytes, nbytes: int):
         part = fmt.parse_index(index, final).part(0)
-        if part.data_bytes != data.numel():
+        if part.data_bytes != nbytes:
             raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
-                                         f"{data.numel()} came")
-        storage.write_bytes(join(partial, data_file(0)), data.numpy())
-        storage.write_bytes(join(partial, root.marker), index)
-    except BaseException:
-        storage.remove(partial)
-        raise
-    for retired in root.publish(partial, final, None, keep):
-        storage.remove(retired)
+                                         f"{nbytes} come")
+        self.storage, self.final, self.index = storage, final, index
+        self.root = parts_root(storage, parent(final))
+        storage.make_dirs(parent(final))
+        storage.remove(partial_dir(final))
+        self.partial = self.root.stage(final)
+        try:
+            self.pages = storage.mapped(join(self.partial, data_file(0)), nbytes, writable=True)
+        except BaseException:
+            storage.remove(self.partial)
+            raise
+
+    def publish(self, keep: int) -> None:
+        """Every byte arrived: the index goes last, then the newest `keep` of its save root are kept."""
+        try:
+            self.storage.write_bytes(join(self.partial, self.root.marker), self.index)
+        except BaseException:
+            self.discard()
+            raise
+        self.pages = _NOTHING
+        for retired in self.root.publish(self.partial, self.final, None, keep):
+            self.storage.remove(retired)
+
+    def discard(self) -> None:
+        self.pages = _NOTHING
+        self.storage.remove(self.partial)
 
 
 def join_clique(rank: int, world_size: int, factor: int, jump: int, timeout_s: float,
@@ -120,16 +138,15 @@ class Replicator:
             try:
                 mine = self._mine(iteration, handle)
                 try:
-                    received = self._exchange(*mine)
+                    received = self._exchange(iteration, *mine)
                 except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
                     log.warning("rank %d: replication to clique %s stops: the exchange of iteration %d failed: %s",
                                 self.rank, self.clique, iteration, e)
                     self.errors.append(e)
                     stopped = True
                     continue
-                for peer, (index, data) in zip(self.clique, received):
-                    if self.nodes[peer] != self.paths.node and index:  # a rank of this node has it already
-                        self._keep(peer, iteration, index, data)
+                for peer, replica in received.items():
+                    self._publish(peer, iteration, replica)
             finally:
                 self.storage.release(handle.path)
 
@@ -145,31 +162,76 @@ class Replicator:
             self.errors.append(e)
             return b"", _NOTHING
 
-    def _keep(self, peer: int, iteration: int, index: bytes, data: torch.Tensor) -> None:
-        """Publish `peer`'s part of `iteration` on this node."""
+    def _publish(self, peer: int, iteration: int, replica: Replica) -> None:
         try:
-            self.storage.make_dirs(self.paths.rank_dir(peer))
-            receive(self.storage, self.paths.part(peer, iteration), index, data, self.keep)
+            replica.publish(self.keep)
         except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
             log.warning("rank %d: keeping rank %d's memory checkpoint of iteration %d failed: %s", self.rank, peer,
                         iteration, e)
             self.errors.append(e)
 
-    def _exchange(self, index: bytes, data: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
-        """Every clique member's part (all-gather of the sizes, then of the indexes and the data, padded)."""
+    def _exchange(self, iteration: int, index: bytes, data: torch.Tensor) -> dict[int, Replica]:
+        """Every other node's clique member's part, received (all-gathers: the sizes, the indexes, then the data
+        in pieces of at most CHUNK_BYTES a member, each landing in the replica's pages)."""
         sizes = [torch.zeros(2, dtype=torch.int64) for _ in self.clique]
         dist.all_gather(sizes, torch.tensor([len(index), data.numel()], dtype=torch.int64), group=self.group)
-        indexes = [bytes(b[:int(s[0])].numpy()) for b, s in zip(self._gather(
-            torch.frombuffer(bytearray(index), dtype=torch.uint8) if index else _NOTHING, sizes, 0), sizes)]
-        datas = [b[:int(s[1])] for b, s in zip(self._gather(data, sizes, 1), sizes)]
-        return list(zip(indexes, datas))
+        mine = torch.frombuffer(bytearray(index), dtype=torch.uint8) if index else _NOTHING
+        indexes = [bytes(b[:int(s[0])].numpy()) for b, s in zip(self._gather_whole(mine, sizes), sizes)]
+        replicas = {}
+        try:
+            for peer, peer_index, size in zip(self.clique, indexes, sizes):
+                if self.nodes[peer] != self.paths.node and peer_index:  # a rank of this node has it already
+                    replicas[peer] = self._replica(peer, iteration, peer_index, int(size[1]))
+            self._gather_data(data, [int(s[1]) for s in sizes], replicas)
+        except BaseException:
+            for replica in replicas.values():
+                if replica is not None:
+                    replica.discard()
+            raise
+        return {peer: replica for peer, replica in replicas.items() if replica is not None}
 
-    def _gather(self, mine: torch.Tensor, sizes: list[torch.Tensor], which: int) -> list[torch.Tensor]:
-        longest = max(int(s[which]) for s in sizes)
+    def _replica(self, peer: int, iteration: int, index: bytes, nbytes: int) -> Replica | None:
+        """Where `peer`'s part lands; None when it is refused (this rank still takes part in the exchange)."""
+        try:
+            return Replica(self.storage, self.paths.part(peer, iteration), index, nbytes)
+        except BaseException as e:  # noqa: BLE001 - a lost replica costs redundancy, never training
+            log.warning("rank %d: keeping rank %d's memory checkpoint of iteration %d failed: %s", self.rank, peer,
+                        iteration, e)
+            self.errors.append(e)
+            return None
+
+    def _gather_whole(self, mine: torch.Tensor, sizes: list[torch.Tensor]) -> list[torch.Tensor]:
+        longest = max(int(s[0]) for s in sizes)
         if longest == 0:
             return [_NOTHING] * len(self.clique)
-        if mine.numel() != longest:  # all-gather wants one size: pad (parts of one layout rarely differ)
+        if mine.numel() != longest:  # all-gather wants one size: pad
             mine = torch.cat([mine, torch.zeros(longest - mine.numel(), dtype=torch.uint8)])
         out = [torch.empty(longest, dtype=torch.uint8) for _ in self.clique]
         dist.all_gather(out, mine, group=self.group)
         return out
+
+    def _gather_data(self, data: torch.Tensor, sizes: list[int], replicas: dict[int, Replica | None]) -> None:
+        """The members' data, piece by piece: a piece that fits in a replica's pages is received there, the rest
+        (this rank's own, a refused replica, past a shorter part's end) into one scratch piece per member."""
+        longest = max(sizes)
+        if longest == 0:
+            return
+        chunk = min(CHUNK_BYTES, longest)
+        scratch = torch.empty(len(self.clique), chunk, dtype=torch.uint8)
+        for off in range(0, longest, chunk):
+            n = min(chunk, longest - off)
+            mine = data[off:off + n]
+            if mine.numel() < n:  # all-gather wants one size: pad
+                mine = torch.cat([mine, torch.zeros(n - mine.numel(), dtype=torch.uint8)])
+            out, tails = [], []
+            for k, peer in enumerate(self.clique):
+                replica = replicas.get(peer)
+                if replica is not None and off + n <= sizes[k]:
+                    out.append(replica.pages[off:off + n])
+                    continue
+                out.append(scratch[k, :n])
+                if replica is not None and off < sizes[k]:
+                    tails.append((replica.pages[off:sizes[k]], scratch[k, :sizes[k] - off]))
+            dist.all_gather(out, mine, group=self.group)
+            for pages, piece in tails:
+                pages.copy_(piece)

@@ -28,7 +28,7 @@ from ..verifier import CheckpointVerifier
 from .identity import read_owner
 from .notices import notice
 from .node_paths import NodePaths, rank_of
-from .replication import parts_root, read_part, receive
+from .replication import CHUNK_BYTES, Replica, parts_root, read_part
 
 log = logging.getLogger(__name__)
 
@@ -145,23 +145,42 @@ def _send_parts(plan: list[tuple[int, int, int]], iteration: int, *, nodes: tupl
                 storage: SharedMemoryStorage, paths: NodePaths, rank: int, keep: int) -> None:
     """Each (part, sender, receiver) of `plan`: the sender's node's copy of that rank's part of `iteration` is
     sent to the receiver, whose node lacks it (the same plan on every rank, point-to-point over the default
-    group)."""
+    group), in pieces of at most CHUNK_BYTES read from the sender's pages and received into the receiver's."""
     for part, sender, receiver in plan:
         if rank == sender:
             index, data = read_part(storage, paths.part(part, iteration))
             dist.send(torch.tensor([len(index), data.numel()], dtype=torch.int64), receiver)
             dist.send(torch.frombuffer(bytearray(index), dtype=torch.uint8), receiver)
-            dist.send(data, receiver)
+            for off in range(0, data.numel(), CHUNK_BYTES):
+                dist.send(data[off:off + CHUNK_BYTES], receiver)
         elif rank == receiver:
             sizes = torch.zeros(2, dtype=torch.int64)
             dist.recv(sizes, sender)
-            index, data = (torch.empty(int(n), dtype=torch.uint8) for n in sizes)
+            index = torch.empty(int(sizes[0]), dtype=torch.uint8)
             dist.recv(index, sender)
-            dist.recv(data, sender)
-            storage.make_dirs(paths.rank_dir(part))
-            receive(storage, paths.part(part, iteration), bytes(index.numpy()), data, keep)
+            _receive_part(storage, paths.part(part, iteration), bytes(index.numpy()), int(sizes[1]), sender, keep)
             notice(f"rank {receiver}: memory checkpoint of iteration {iteration} of rank {part} recovered from rank "
                    f"{sender}'s replica (node {nodes[sender]})", any_rank=True)
+
+
+def _receive_part(storage: SharedMemoryStorage, final: str, index: bytes, nbytes: int, sender: int,
+                  keep: int) -> None:
+    """`sender`'s pieces of a part, into its replica's pages, published once whole; a refused replica's pieces
+    are still received (into one scratch piece), so that the plan's later sends stay in step, then it raises."""
+    try:
+        replica = Replica(storage, final, index, nbytes)
+    except BaseException:
+        scratch = torch.empty(min(CHUNK_BYTES, nbytes), dtype=torch.uint8)
+        for off in range(0, nbytes, CHUNK_BYTES):
+            dist.recv(scratch[:min(CHUNK_BYTES, nbytes - off)], sender)
+        raise
+    try:
+        for off in range(0, nbytes, CHUNK_BYTES):
+            dist.recv(replica.pages[off:off + CHUNK_BYTES], sender)
+    except BaseException:
+        replica.discard()
+        raise
+    replica.publish(keep)
 
 
 def _verified_everywhere(engine: CheckpointEngine, parts: list[str], rank: int, iteration: int) -> bool:

@@ -232,10 +232,14 @@ class SharedMemoryStorage(PosixStorage):
         for data in gone:
             self._drop(data)
 
-    def mapped(self, path: str, nbytes: int) -> torch.Tensor:
+    def mapped(self, path: str, nbytes: int, writable: bool = False) -> torch.Tensor:
         """The first `nbytes` of the data file `path`, mapped from the tier's pages (never copied here; a reused
-        file may be longer than its data)."""
-        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8) if nbytes else _NOTHING
+        file may be longer than its data). `writable`: a new file of `nbytes`, whose pages are what is written
+        into the tensor (a replica received in pieces straight into them)."""
+        if writable:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        return torch.from_file(path, shared=writable, size=nbytes, dtype=torch.uint8) if nbytes else _NOTHING
 
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

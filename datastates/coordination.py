@@ -136,6 +136,16 @@ class Coordinator:
             raise CheckpointError(result["error"])
         return result["retired"]
 
+    def forget(self, seq: int) -> None:
+        """Rank 0, in an agreement whose verdict no rank waits for (the trainer's Hugging Face export: rank 0 alone
+        publishes), after `await_reports`: save `seq`'s keys removed (a rank that reports after a timeout leaves
+        its own, under a `seq` never used again)."""
+        if self.world_size == 1:
+            self._local.pop(seq, None)
+            return
+        for key in [f"r/{r}" for r in range(self.world_size)] + ["n", "all", "fail", "gate"]:
+            self.store.delete_key(f"{seq}/{key}")
+
     def done(self, seq: int) -> None:
         """Every rank, after the verdict: removes its report; the last one to get here removes the rest."""
         if self.world_size == 1:

@@ -7,8 +7,9 @@ The modules checked are this repository's: datastates/, megatron/training/, tool
    `if TYPE_CHECKING:` never runs, so neither makes a cycle. A package's `__init__` imported on the way to one of
    its submodules is not an edge either (every submodule would then be in a cycle with its package).
 2. The engine's users (the trainer, the tools, the benchmarks) use its public surface only: names in
-   `datastates.__all__`, and the public modules `datastates.megatron`, `datastates.names` and `datastates.logs`
-   (names in their `__all__` where they have one). Every import in the file counts, wherever it is (the whole
+   `datastates.__all__`, the public modules `datastates.megatron`, `datastates.names` and `datastates.logs`
+   (names in their `__all__` where they have one), and the Hugging Face library `datastates.hf` (its modules'
+   names that do not start with `_`). Every import in the file counts, wherever it is (the whole
    AST). A benchmark that deliberately measures an internal is named in `MEASURES_INTERNALS` with the reason.
 3. The engine (datastates/) imports none of its users (the trainer, the tools, the benchmarks); every import counts.
 """
@@ -22,6 +23,7 @@ CHECKED = ("datastates", os.path.join("megatron", "training"), "tools", "benchma
 USERS = ("megatron.training", "tools", "benchmarks")  # the engine's users: rule 2
 ENGINE = "datastates"
 PUBLIC_MODULES = {"datastates", "datastates.megatron", "datastates.names", "datastates.logs"}
+PUBLIC_PACKAGE = "datastates.hf"  # the trainer's --save-hf and the tools' --to hf / --from hf share it
 NATIVE = {"datastates._native"}  # built from csrc/, not a .py file: imports nothing of the repository
 # (benchmark, engine module) -> why: the benchmarks that deliberately measure an internal (rule 2's exceptions)
 MEASURES_INTERNALS = {
@@ -186,6 +188,8 @@ def test_the_engine_s_users_import_only_its_public_surface():
     def allowed(module, target, name):
         if not _is_engine(target) or (module.startswith("benchmarks.") and (module, target) in MEASURES_INTERNALS):
             return True
+        if target == PUBLIC_PACKAGE or target.startswith(PUBLIC_PACKAGE + "."):
+            return name is None or not name.startswith("_")
         return target in PUBLIC_MODULES and (name is None or public_names[target] is None
                                              or name in public_names[target])
     bad = _crossings(_users(), allowed)

@@ -20,7 +20,7 @@ from .problems import Problem, Problems
 from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
 from .load_reads import LoadStats
 from .reader import CheckpointReader
-from .save_root import holds_legacy
+from .save_root import DIRECTORY_TEXT, ITERATION_TEXT, PointerText, SaveRoot, holds_legacy
 from .save_plan import aligned_empty
 from .schema import Box, dtype_from_name, dtype_name
 from .copies import built_on_copy
@@ -52,6 +52,10 @@ __all__ = [
     "TRACKER", "PARTIAL", "DELETING", "METADATA", "manifest_file", "data_file", "RANK_FILE_RE", "read_index",
     # the tracker read as an iteration, the published iterations, and a run's clean-up before its first save
     "read_latest", "published_iterations", "clean_leftovers",
+    # the one publication policy of a save root (stage, commit, pointer, retention, leftovers), for every kind of
+    # root: its marker and pointer are parameters (a Hugging Face models root: the safetensors index, `latest`
+    # holding DIRECTORY_TEXT)
+    "SaveRoot", "PointerText", "ITERATION_TEXT", "DIRECTORY_TEXT",
     # Megatron's legacy torch format detected as the tracker detects it (the trainer's torch format)
     "holds_legacy",
     # small files written durably (the tools' other formats), JSON read with a clear error

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from . import format as fmt
-from . import paths, save_root, tracker
+from . import paths, tracker
 from .errors import CheckpointCorruptError, CheckpointError
 from .load_plan import BoxRead, plan_global, plan_whole
 from .load_reads import LoadStats, Reads
@@ -36,7 +36,7 @@ from .storage import DataSource, Storage, storage_for
 def resolve_checkpoint(path: str, storage: Storage) -> str:
     """An iteration directory, or a save root whose latest published iteration is meant."""
     path = paths.normalize(path)
-    if save_root.is_published(storage, path):
+    if tracker.is_published(path, storage):
         return path
     if paths.iteration_of(path) is None and storage.list(path):
         latest = tracker.find_latest(path, storage)

@@ -60,8 +60,12 @@ def join(path: str, *names: str) -> str:
     return os.path.join(path, *names)
 
 
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
 def checkpoint_dir(save_dir: str, iteration: int) -> str:
-    return join(save_dir, f"iter_{iteration:07d}")
+    return join(save_dir, checkpoint_name(iteration))
 
 
 def iteration_of(path: str) -> int | None:

@@ -1,39 +1,206 @@
-"""The save root's policy, once for every backend (`storage.base.Storage` is bytes only): the order of
-publication, the tracker, retention, who deletes a retired checkpoint, the clean-up of what killed saves left,
-and which directories hold a checkpoint a load may resume from.
+"""The publication policy of a save root, once for every kind of root (checkpoints, the memory tier, published
+Hugging Face models, the tools' outputs) and every backend (`storage.base.Storage` is bytes only and knows no file
+name): where a checkpoint is written unseen, the order of publication, the pointer to the newest, retention, who
+deletes a retired checkpoint, the clean-up of what killed saves left, and which directories hold a checkpoint a
+load may resume from. A root's marker (the object whose presence makes a directory published) and its pointer
+(its name, and how its text names a checkpoint) are `SaveRoot`'s parameters: a checkpoint root's are
+`metadata.json` and `latest_checkpointed_iteration.txt` holding `100`; a Hugging Face models root's are
+`model.safetensors.index.json` and `latest` holding `iter_0000100`.
 
-Publication (`Publisher.publish`, rank 0, once every rank reported its manifest), each step durable before the
-next depends on it:
-  1. the index is written into the unpublished place (`Storage.write_bytes`, durable where the storage syncs);
+Publication (`SaveRoot.publish`; `Publisher.publish` on rank 0 once every rank reported its manifest), each step
+durable before the next depends on it:
+  1. the marker (a checkpoint's index) is written into the unpublished place (`Storage.write_bytes`, durable where
+     the storage syncs), or was written there by the caller, last;
   2. the place is committed under its final name in one step (`Storage.commit`: on a file system an fsync of the
-     directory, the rename, an fsync of the parent; on an object store the index's PUT was the step);
-  3. retention retires the old checkpoints (`Storage.retire`: renamed aside, or their index deleted), then the
-     tracker is replaced in one step (`write_bytes(replace=True)`, which makes both durable).
-A crash leaves the tracker naming the new checkpoint or an older one (`tracker.find_latest` skips a tracker that
+     directory, the rename, an fsync of the parent; on an object store the marker's PUT was the step);
+  3. retention retires the old checkpoints (`Storage.retire`: renamed aside, or their marker deleted), then the
+     pointer is replaced in one step (`write_bytes(replace=True)`, which makes both durable).
+A crash leaves the pointer naming the new checkpoint or an older one (`tracker.find_latest` skips a tracker that
 names a retired one); no rank removes a retired checkpoint's bytes before its retirement is durable.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from . import paths
+from .errors import CheckpointError
 from .storage.base import DataSink, PageLending, Storage
 
 LOOKS = 3  # rank 0 removes a retired directory the ranks are emptying after this many publications, whatever is left
 
 
+@dataclasses.dataclass(frozen=True)
+class PointerText:
+    """How a root's pointer names its newest checkpoint: `write` gives the pointer's text for an iteration,
+    `read` the iteration a stripped text names (None: it names none)."""
+
+    write: Callable[[int], str]
+    read: Callable[[str], int | None]
+
+
+# the checkpoints' tracker: the iteration itself (`100`; Megatron's "release" names no iteration)
+ITERATION_TEXT = PointerText(str, lambda text: int(text) if text.isdigit() else None)
+# a Hugging Face models root's `latest`: the directory's name and a newline (`iter_0000100\n`)
+DIRECTORY_TEXT = PointerText(lambda iteration: paths.checkpoint_name(iteration) + "\n",
+                        lambda text: int(m.group(1)) if (m := paths.ITER_RE.match(text)) else None)
+
+
+class SaveRoot:
+    """The policy of one save root `root` on `storage` (see the module docstring). `marker`: the object, inside a
+    checkpoint's directory, whose presence makes it published (written last); `pointer`: the object, in the root,
+    naming the newest checkpoint (None: the root keeps none, e.g. the memory tier, whose restart lists every
+    rank's parts), its text as `pointer_text` says. Retention scans the root once, then keeps its list up to date:
+    keep one SaveRoot per root for as long as one process publishes there."""
+
+    def __init__(self, storage: Storage, root: str, marker: str = paths.METADATA, pointer: str | None = paths.TRACKER,
+                 pointer_text: PointerText = ITERATION_TEXT):
+        self.storage, self.root = storage, root
+        self.marker, self.pointer, self.pointer_text = marker, pointer, pointer_text
+        self._published: list[int] | None = None
+
+    def path(self, iteration: int) -> str:
+        """The final directory of `iteration`'s checkpoint."""
+        return paths.checkpoint_dir(self.root, iteration)
+
+    # ----- publication -----
+
+    def stage(self, final: str) -> str:
+        """Every writer: the unpublished place of `final`, ready (no reader looks there)."""
+        return self.storage.stage(final, self.marker)
+
+    def commit(self, partial: str, final: str, marker: bytes | None = None) -> list[str]:
+        """Make `partial` visible as `final` in one step: `marker` written into it first (None: the caller wrote
+        the marker there, last). Returns what a checkpoint displaced (a re-save of `final`) was retired to."""
+        if marker is not None:
+            self.storage.write_bytes(paths.join(partial, self.marker), marker)
+        return self.storage.commit(partial, final)
+
+    def publish(self, partial: str, final: str, marker: bytes | None = None, keep_last: int | None = None) -> list[str]:
+        """`commit`, then keep the newest `keep_last` checkpoints (None: all), then point at `final` (when the
+        root has a pointer and `final` is an iteration), in that order (the module docstring). Returns what was
+        retired: out of every reader's sight, its bytes left for `Storage.remove` (or `Publisher.delete`)."""
+        retired = self.commit(partial, final, marker)
+        iteration = paths.iteration_of(final)
+        if iteration is None:
+            return retired
+        if keep_last is not None:
+            retired += self.retain(keep_last, iteration)
+        if self.pointer is not None:
+            self.point(iteration)
+        return retired
+
+    def retain(self, keep_last: int, protect: int) -> list[str]:
+        """Retire all but the newest `keep_last` published checkpoints, never `protect` (just published);
+        returns where their bytes are now."""
+        if self._published is None:
+            self._published = self.published()
+        return [self.retire(self.path(i)) for i in retention(self._published, keep_last, protect)]
+
+    def retire(self, path: str) -> str:
+        """The checkpoint `path` out of every reader's sight in one step; returns where its bytes are now."""
+        return self.storage.retire(path, self.marker)
+
+    # ----- the pointer -----
+
+    def point(self, iteration: int) -> None:
+        """The pointer names `iteration`, replaced in one step (a reader never sees it empty)."""
+        self.storage.write_bytes(self._pointer_path(), self.pointer_text.write(iteration).encode(), replace=True)
+
+    def read_pointer(self) -> str | None:
+        """The pointer's text, stripped; None when there is none. The one reader of a root's pointer."""
+        path = self._pointer_path()
+        try:
+            return self.storage.read_bytes(path).decode().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"cannot read {path!r}: {getattr(e, 'strerror', None) or e}") from None
+
+    def pointed(self) -> int | None:
+        """The iteration the pointer names; None when there is no pointer or it names no iteration."""
+        text = self.read_pointer()
+        return None if text is None else self.pointer_text.read(text)
+
+    def _pointer_path(self) -> str:
+        if self.pointer is None:
+            raise CheckpointError(f"save root {self.root!r} keeps no pointer")
+        return paths.join(self.root, self.pointer)
+
+    # ----- what is there -----
+
+    def is_published(self, path: str) -> bool:
+        """Whether `path` is a published checkpoint: its marker is there (written last, so a reader never sees
+        half of one)."""
+        return self.storage.stat(paths.join(path, self.marker)) is not None
+
+    def holds_checkpoint(self, path: str) -> bool:
+        """Whether a load may resume from `path`: a published checkpoint (a checkpoint root's metadata.json: this
+        engine's format and megatron-core's torch_dist), or Megatron's legacy torch format (`holds_legacy`)."""
+        return self.is_published(path) or holds_legacy(self.storage, path)
+
+    def published(self) -> list[int]:
+        """The iterations of the root with a published checkpoint, oldest first."""
+        its = (paths.iteration_of(name) for name in self.storage.list(self.root))
+        return sorted(i for i in its if i is not None and self.is_published(self.path(i)))
+
+    # ----- leftovers -----
+
+    def clean_leftovers(self) -> list[str]:
+        """What saves killed before publication left in the root, removed; returns what went. On one process,
+        before the first save of a run, while none saves: unpublished places (`.partial`), retired checkpoints
+        (`.deleting`), the pointer's temporaries (as the storage names them), and on a storage that writes in
+        place the iterations without a marker that the pointer does not name; then every upload still open in
+        the root. A re-save of the pointer's iteration killed between retiring the old checkpoint and committing
+        the new one is rolled back first: the old one gets its name back."""
+        storage, root = self.storage, self.root
+        try:
+            pointed = None if self.pointer is None else self.pointed()
+        except CheckpointError:  # unreadable: nothing is rolled back, and `find_latest` will say why
+            pointed = None
+        names = storage.list(root)
+        if pointed is not None and not storage.in_place and storage.stat(self.path(pointed)) is None:
+            prefix = paths.name(self.path(pointed)) + paths.DELETING + "."
+            for name in sorted(n for n in names if n.startswith(prefix)):
+                if self.is_published(paths.join(root, name)):
+                    storage.commit(paths.join(root, name), self.path(pointed))
+                    names.remove(name)
+                    break
+        removed = []
+        for name in names:
+            path = paths.join(root, name)
+            iteration = paths.iteration_of(name)
+            unfinished = name.endswith(paths.PARTIAL) or paths.DELETING in name
+            temporary = self.pointer is not None and storage.temporary_of(name) == self.pointer
+            unindexed = (storage.in_place and iteration is not None and iteration != pointed
+                         and not self.is_published(path))
+            if (unfinished or temporary or unindexed) and storage.exists(path):  # an emptied prefix may be listed
+                storage.remove(path)
+                removed.append(path)
+        return removed + storage.abort_uploads(root)
+
+
 class Publisher:
-    """One engine's saves through `storage`. Rank 0 keeps, per save root, the published iterations (retention
-    scans a root once, then keeps it up to date) and the retired directories the ranks are emptying. `tracker`:
-    whether publication points the tracker at the new checkpoint (the memory tier keeps none: its restart lists
-    every rank's parts)."""
+    """One engine's saves through `storage`: every root it publishes to is a checkpoint root (`SaveRoot` with the
+    index as marker), kept per root by rank 0 (retention scans a root once), and rank 0 keeps the retired
+    directories the ranks are emptying. `tracker`: whether publication points the tracker at the new checkpoint
+    (the memory tier keeps none: its restart lists every rank's parts)."""
 
     def __init__(self, storage: Storage, tracker: bool = True):
         self.storage, self.tracker = storage, tracker
-        self._published: dict[str, list[int]] = {}
+        self._roots: dict[str, SaveRoot] = {}
         self._emptying: list[list] = []  # rank 0: [retired path, looks]
+
+    def root(self, root: str) -> SaveRoot:
+        """The checkpoint root `root`, as this engine publishes there."""
+        root = paths.normalize(root)
+        if root not in self._roots:
+            self._roots[root] = SaveRoot(self.storage, root, pointer=paths.TRACKER if self.tracker else None)
+        return self._roots[root]
 
     def prepare(self, final: str) -> str:
         """Every rank: the unpublished place of `final`, ready."""
-        return self.storage.stage(final)
+        return self.root(paths.parent(final)).stage(final)
 
     def open_data(self, partial: str, rank: int, nbytes: int, packed: bool = False) -> DataSink:
         """`packed`: a compressed save's data, written through the writers (never mapped pages to copy into)."""
@@ -46,23 +213,9 @@ class Publisher:
 
     def publish(self, partial: str, final: str, index: bytes | None, keep_last: int | None) -> list[str]:
         """Rank 0: make `partial` visible as `final` (`index`: its index, or None when it is in place already),
-        keep the newest `keep_last` checkpoints of the save root, point the tracker at `final` (see the module
-        docstring for the order). Returns what was retired, for `delete`."""
-        storage = self.storage
-        if index is not None:
-            storage.write_bytes(paths.join(partial, paths.METADATA), index)
-        retired = storage.commit(partial, final)
-        root, iteration = paths.parent(final), paths.iteration_of(final)
-        if iteration is None:
-            return retired
-        if keep_last is not None:
-            if root not in self._published:
-                self._published[root] = published(storage, root)
-            doomed = retention(self._published[root], keep_last, iteration)
-            retired += [storage.retire(paths.checkpoint_dir(root, i)) for i in doomed]
-        if self.tracker:
-            write_tracker(storage, root, iteration)
-        return retired
+        keep the newest `keep_last` checkpoints of the save root, point the tracker at `final`
+        (`SaveRoot.publish`). Returns what was retired, for `delete`."""
+        return self.root(paths.parent(final)).publish(partial, final, index, keep_last)
 
     def abandon(self, partial: str) -> None:
         """Rank 0, on a failed save: what it wrote goes."""
@@ -122,67 +275,7 @@ def retention(published: list[int], keep_last: int, protect: int) -> list[int]:
     return doomed
 
 
-def write_tracker(storage: Storage, root: str, iteration: int) -> None:
-    """Point the tracker of `root` at `iteration`, replaced in one step (a reader never sees it empty)."""
-    storage.write_bytes(paths.join(root, paths.TRACKER), str(iteration).encode(), replace=True)
-
-
-def is_published(storage: Storage, path: str) -> bool:
-    """Whether `path` is a checkpoint: its index is there (written last, so a reader never sees half of one)."""
-    return storage.stat(paths.join(path, paths.METADATA)) is not None
-
-
-def published(storage: Storage, root: str) -> list[int]:
-    """The iterations of `root` with a published checkpoint, oldest first."""
-    its = (paths.iteration_of(name) for name in storage.list(root))
-    return sorted(i for i in its if i is not None and is_published(storage, paths.checkpoint_dir(root, i)))
-
-
 def holds_legacy(storage: Storage, path: str) -> bool:
     """Whether `path` is in Megatron's legacy torch format: mp_rank_* directories, written without an index before
     the tracker names them."""
     return any(name.startswith("mp_rank_") for name in storage.list(path))
-
-
-def holds_checkpoint(storage: Storage, path: str) -> bool:
-    """Whether a load may resume from `path`: a published checkpoint (its metadata.json: this engine's format and
-    megatron-core's torch_dist), or Megatron's legacy torch format (`holds_legacy`)."""
-    return is_published(storage, path) or holds_legacy(storage, path)
-
-
-def _tracked(storage: Storage, root: str) -> str:
-    try:
-        return storage.read_bytes(paths.join(root, paths.TRACKER)).decode().strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
-def clean_leftovers(storage: Storage, root: str) -> list[str]:
-    """What saves killed before publication left under `root`, removed; returns what went. On one rank, before
-    the first save of a run, while no rank saves: unpublished places (`.partial`), retired checkpoints
-    (`.deleting`), temporary trackers, and on a storage that writes in place the iterations without an index that
-    the tracker does not name; then every upload still open under `root`. A re-save of the tracker's iteration
-    killed between retiring the old checkpoint and committing the new one is rolled back first: the old one gets
-    its name again."""
-    tracked = _tracked(storage, root)
-    names = storage.list(root)
-    final = paths.checkpoint_dir(root, int(tracked)) if tracked.isdigit() else None
-    if final is not None and not storage.in_place and storage.stat(final) is None:
-        prefix = paths.name(final) + paths.DELETING + "."
-        for name in sorted(n for n in names if n.startswith(prefix)):
-            if is_published(storage, paths.join(root, name)):
-                storage.commit(paths.join(root, name), final)
-                names.remove(name)
-                break
-    removed = []
-    for name in names:
-        path = paths.join(root, name)
-        iteration = paths.iteration_of(name)
-        unfinished = name.endswith(paths.PARTIAL) or paths.DELETING in name
-        temporary = name.startswith(paths.TRACKER) and ".tmp." in name
-        unindexed = (storage.in_place and iteration is not None and str(iteration) != tracked
-                     and not is_published(storage, path))
-        if (unfinished or temporary or unindexed) and storage.exists(path):  # an emptied prefix may be listed
-            storage.remove(path)
-            removed.append(path)
-    return removed + storage.abort_uploads(root)

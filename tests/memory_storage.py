@@ -59,7 +59,7 @@ class MemoryStorage(Storage):
             for k in [k for k in self.objects if k == path or k.startswith(path + "/")]:
                 del self.objects[k]
 
-    def stage(self, final):
+    def stage(self, final, marker):
         return paths.partial_dir(final)
 
     def _move(self, src: str, dst: str) -> None:
@@ -68,11 +68,14 @@ class MemoryStorage(Storage):
                 self.objects[dst + k[len(src):]] = self.objects.pop(k)
 
     def commit(self, partial, final):
-        retired = [self.retire(final)] if self.list(final) else []
+        retired = [self._retire(final)] if self.list(final) else []
         self._move(paths.normalize(partial), paths.normalize(final))
         return retired
 
-    def retire(self, path):
+    def retire(self, path, marker):
+        return self._retire(path)
+
+    def _retire(self, path):
         self.versions += 1
         doomed = f"{paths.normalize(path)}{paths.DELETING}.{self.versions}"
         self._move(paths.normalize(path), doomed)

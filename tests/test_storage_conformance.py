@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 
-from datastates import CheckpointCorruptError, CheckpointEngine, _native, paths, save_root, tracker
-from datastates.save_root import Publisher
+from datastates import CheckpointCorruptError, CheckpointEngine, _native, paths, tracker
+from datastates.save_root import DIRECTORY_TEXT, ITERATION_TEXT, Publisher, SaveRoot
 from datastates.storage import PosixOptions, PosixStorage, SharedMemoryStorage, Storage, options_for, storage_for
 from memory_storage import MemoryStorage
 
@@ -156,7 +156,7 @@ def visible(b: Backend) -> list[str]:
 
 def test_ranged_reads_give_the_bytes_and_the_checksum_of_each_segment(backend):
     nbytes = 2 * PART + 12345  # three parts, the last short
-    path = paths.join(backend.storage.stage(backend.checkpoint(1)), paths.data_file(0))
+    path = paths.join(backend.storage.stage(backend.checkpoint(1), paths.METADATA), paths.data_file(0))
     data = content(1, 0, nbytes)
     sink = backend.storage.open_data(path, nbytes)
     crcs = []
@@ -186,7 +186,7 @@ def test_small_objects_listing_and_removal(backend):
     with pytest.raises(FileNotFoundError, match=r"(No such file or directory|no such object): '.*/missing'"):
         s.read_bytes(paths.join(root, "missing"))
     assert s.stat(paths.join(root, "missing")) is None and s.list(root) == [] and not s.exists(root)
-    place = s.stage(backend.checkpoint(1))
+    place = s.stage(backend.checkpoint(1), paths.METADATA)
     s.write_bytes(paths.join(place, "a"), b"first")
     before = s.stat(paths.join(place, "a"))
     s.write_bytes(paths.join(place, "a"), b"second!", replace=True)
@@ -249,7 +249,7 @@ def test_a_reader_never_sees_half_a_checkpoint(backend):
         thread.join()
     assert not errors, errors[0]
     assert sorted(set(seen) - {None}) == [1, 2, 3, 4, 5]
-    assert save_root.published(backend.storage, backend.root) == [1, 2, 3, 4, 5]
+    assert SaveRoot(backend.storage, backend.root).published() == [1, 2, 3, 4, 5]
 
 
 def test_retention_keeps_the_newest_and_a_resave_replaces_whole(backend):
@@ -259,7 +259,7 @@ def test_retention_keeps_the_newest_and_a_resave_replaces_whole(backend):
         for rank in (1, 0):  # every rank its share, rank 0 last (as the deleter threads may run)
             pub.delete(retired, rank, 2)
     pub.sweep()
-    assert save_root.published(backend.storage, backend.root) == [3, 4]
+    assert SaveRoot(backend.storage, backend.root).published() == [3, 4]
     assert visible(backend) == ["iter_0000003", "iter_0000004", paths.TRACKER]
     assert tracker.read_latest(backend.root, backend.storage) == 4
     partial = pub.prepare(backend.checkpoint(4))  # the same iteration saved again: the new one wins
@@ -281,11 +281,11 @@ def test_leftovers_of_a_killed_save_are_cleaned_and_the_last_good_one_stays(back
     sink.submit(content(2, 0, PART), 0, [(0, PART)])()
     pub.write_manifest(partial, 0, b"manifest 2 0")
     assert tracker.read_latest(backend.root, backend.storage) == 1
-    removed = save_root.clean_leftovers(backend.storage, backend.root)
+    removed = SaveRoot(backend.storage, backend.root).clean_leftovers()
     assert removed and all(r.startswith(backend.root) for r in removed)
     assert visible(backend) == ["iter_0000001", paths.TRACKER]
     assert backend.storage.abort_uploads(backend.root) == []  # nothing left open
-    assert save_root.clean_leftovers(backend.storage, backend.root) == []
+    assert SaveRoot(backend.storage, backend.root).clean_leftovers() == []
     check_complete(backend, 1)
     sink.discard()
 
@@ -303,7 +303,7 @@ def test_a_write_failing_midway_fails_the_save_and_leaves_the_last_good_one(back
     sink.discard()
     pub.abandon(partial)  # what the pipeline does with a failed save
     assert visible(backend) == ["iter_0000001", paths.TRACKER]
-    assert save_root.clean_leftovers(backend.storage, backend.root) == []
+    assert SaveRoot(backend.storage, backend.root).clean_leftovers() == []
     assert tracker.read_latest(backend.root, backend.storage) == 1
     check_complete(backend, 1)
 
@@ -315,7 +315,7 @@ def test_the_engine_saves_and_loads_through_it_and_refuses_a_corrupt_byte(backen
             eng.save(dict(state, step=iteration), backend.checkpoint(iteration)).wait()
         got = eng.load(backend.root)
         assert torch.equal(got["w"], state["w"]) and got["step"] == 2
-        assert save_root.published(backend.storage, backend.root) == [2]
+        assert SaveRoot(backend.storage, backend.root).published() == [2]
     data = paths.join(backend.checkpoint(2), paths.data_file(0))
     damaged = bytearray(backend.storage.read_bytes(data))
     damaged[1000] ^= 0x40
@@ -341,3 +341,49 @@ def test_a_backend_missing_an_operation_is_refused_and_options_are_typed_per_bac
         PosixOptions(read_mode="mmap")
     with pytest.raises(ValueError, match="writer_threads and read_threads must be >= 1"):
         S3Options(read_threads=0)
+
+
+HF_INDEX = "model.safetensors.index.json"
+
+
+def export(root: SaveRoot, iteration: int, keep_last=None, weights=b"weights") -> list[str]:
+    """A model published as the Hugging Face export does: its files written into the staged place, its index
+    (the root's marker) last, then committed, retained and pointed at; returns what was retired."""
+    final = root.path(iteration)
+    place = root.stage(final)
+    root.storage.write_bytes(paths.join(place, "model-00001-of-00001.safetensors"), weights)
+    root.storage.write_bytes(paths.join(place, root.marker), f"index {iteration}".encode())
+    return root.publish(place, final, keep_last=keep_last)
+
+
+def test_a_models_root_publishes_retains_points_and_cleans_by_its_own_names(backend):
+    s = backend.storage
+    models = SaveRoot(s, backend.root, marker=HF_INDEX, pointer="latest", pointer_text=DIRECTORY_TEXT)
+    for iteration in (1, 2, 3):
+        for retired in export(models, iteration, keep_last=2):
+            s.remove(retired)
+    assert models.published() == [2, 3] and models.pointed() == 3 and not s.exists(models.path(1))
+    assert s.read_bytes(paths.join(backend.root, "latest")) == b"iter_0000003\n"
+    assert models.read_pointer() == "iter_0000003"
+    checkpoints = SaveRoot(s, backend.root)  # the same directories are no checkpoints: their marker is another
+    assert checkpoints.published() == [] and checkpoints.read_pointer() is None
+    for retired in export(models, 3, weights=b"again"):  # a re-export of an iteration replaces it
+        s.remove(retired)
+    assert s.read_bytes(paths.join(models.path(3), "model-00001-of-00001.safetensors")) == b"again"
+    place = models.stage(models.path(4))  # a killed export: its weights written, not its index
+    s.write_bytes(paths.join(place, "model-00001-of-00001.safetensors"), b"half")
+    s.write_bytes(paths.join(backend.root, "latest.tmp.4242"), b"iter_0000004\n")  # a killed pointer replacement
+    temporaries = backend.kind in ("posix", "shared_memory")  # only a file system replaces through a temporary
+    assert (s.temporary_of("latest.tmp.4242") == "latest") == temporaries
+    assert s.temporary_of("latest") is None and s.temporary_of("latest.tmp.x") is None
+    removed = models.clean_leftovers()
+    assert place in [paths.normalize(r) for r in removed] and models.published() == [2, 3]
+    assert s.exists(paths.join(backend.root, "latest.tmp.4242")) != temporaries
+    assert models.pointed() == 3 and models.clean_leftovers() == []
+
+
+def test_pointer_texts_name_an_iteration_their_own_way():
+    assert ITERATION_TEXT.write(100) == "100" and ITERATION_TEXT.read("100") == 100
+    assert DIRECTORY_TEXT.write(100) == "iter_0000100\n" and DIRECTORY_TEXT.read("iter_0000100") == 100
+    assert ITERATION_TEXT.read("iter_0000100") is None and DIRECTORY_TEXT.read("100") is None
+    assert DIRECTORY_TEXT.read("../iter_0000100") is None and ITERATION_TEXT.read("release") is None

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from .. import format as fmt
-from ..paths import METADATA, data_file, join, partial_dir
+from ..paths import METADATA, data_file, join, parent, partial_dir
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..save_root import Publisher
+from ..save_root import SaveRoot
 from ..storage import SharedMemoryStorage
 from .node_paths import NodePaths
 from .topology import cliques
@@ -31,24 +31,37 @@ _STOP = object()
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
+def parts_root(storage: SharedMemoryStorage, root: str) -> SaveRoot:
+    """A directory of the tier holding one rank's parts (or the merged checkpoints): checkpoints published by
+    their index, and no tracker (a restart lists every rank's parts)."""
+    return SaveRoot(storage, root, pointer=None)
+
+
+def read_part(storage: SharedMemoryStorage, final: str) -> tuple[bytes, torch.Tensor]:
+    """A published part of one rank as it travels: its index, and the bytes of its data file that the index
+    describes, mapped from the tier's pages."""
+    index = storage.read_bytes(join(final, METADATA))
+    return index, storage.mapped(join(final, data_file(0)), fmt.parse_index(index, final).part(0).data_bytes)
+
+
 def receive(storage: SharedMemoryStorage, final: str, index: bytes, data: torch.Tensor, keep: int) -> None:
     """Publish a checkpoint another rank sent (a replica): its data file and its index, refused unless the index
     verifies and describes that data; then keep the newest `keep` of its save root."""
-    partial = partial_dir(final)
-    storage.remove(partial)
-    partial = storage.stage(final)
+    root = parts_root(storage, parent(final))
+    storage.remove(partial_dir(final))
+    partial = root.stage(final)
     try:
         part = fmt.parse_index(index, final).part(0)
         if part.data_bytes != data.numel():
             raise CheckpointCorruptError(f"replica {final!r}: the index says {part.data_bytes} data bytes, "
                                          f"{data.numel()} came")
         storage.write_bytes(join(partial, data_file(0)), data.numpy())
-        storage.write_bytes(join(partial, METADATA), index)
+        storage.write_bytes(join(partial, root.marker), index)
     except BaseException:
         storage.remove(partial)
         raise
-    publisher = Publisher(storage, tracker=False)
-    publisher.delete(publisher.publish(partial, final, None, keep), 0, 1)
+    for retired in root.publish(partial, final, None, keep):
+        storage.remove(retired)
 
 
 def join_clique(rank: int, world_size: int, factor: int, jump: int, timeout_s: float,
@@ -125,7 +138,7 @@ class Replicator:
         if handle.error is not None:
             return b"", _NOTHING
         try:
-            return self.storage.part(handle.path)
+            return read_part(self.storage, handle.path)
         except (OSError, CheckpointError) as e:
             log.warning("rank %d: the memory checkpoint of iteration %d was retired before replication reached it "
                         "(saves come faster than replication): not replicated: %s", self.rank, iteration, e)

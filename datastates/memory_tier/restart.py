@@ -22,14 +22,13 @@ import torch.distributed as dist
 from .. import format as fmt
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
-from ..paths import METADATA, data_file, join
-from ..save_root import published
+from ..paths import data_file, join, parent
 from ..storage import SharedMemoryStorage
 from ..verifier import CheckpointVerifier
 from .identity import read_owner
 from .notices import notice
 from .node_paths import NodePaths, rank_of
-from .replication import receive
+from .replication import parts_root, read_part, receive
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def node_parts(storage: SharedMemoryStorage, paths: NodePaths) -> dict[int, list
     held = {}
     for name in storage.list(paths.node_dir):
         rank = rank_of(name)
-        if rank is not None and (its := published(storage, paths.rank_dir(rank))):
+        if rank is not None and (its := parts_root(storage, paths.rank_dir(rank)).published()):
             held[rank] = its
     return held
 
@@ -116,15 +115,15 @@ def _merge(storage: SharedMemoryStorage, paths: NodePaths, world_size: int, iter
     """The node's parts of every rank of `iteration` as one checkpoint: each part's data file linked under its
     rank's name (no copy), and an index of them all."""
     final = paths.merged(iteration)
+    root = parts_root(storage, parent(final))
     storage.remove(final)
-    partial = storage.stage(final)
+    partial = root.stage(final)
     indexes = {}
     for part in range(world_size):
         src = paths.part(part, iteration)
         indexes[part] = fmt.read_index(storage, src)
         os.link(join(src, data_file(0)), join(partial, data_file(part)))  # tmpfs: the same pages
-    storage.write_bytes(join(partial, METADATA), fmt.encode_json(fmt.merged_index(indexes, iteration)))
-    storage.commit(partial, final)
+    root.commit(partial, final, fmt.encode_json(fmt.merged_index(indexes, iteration)))
 
 
 def _newest_complete(holders: Holders, world_size: int, newer_than: int | None) -> int | None:
@@ -148,7 +147,7 @@ def _send_parts(plan: list[tuple[int, int, int]], iteration: int, *, nodes: tupl
     group)."""
     for part, sender, receiver in plan:
         if rank == sender:
-            index, data = storage.part(paths.part(part, iteration))
+            index, data = read_part(storage, paths.part(part, iteration))
             dist.send(torch.tensor([len(index), data.numel()], dtype=torch.int64), receiver)
             dist.send(torch.frombuffer(bytearray(index), dtype=torch.uint8), receiver)
             dist.send(data, receiver)

@@ -14,13 +14,12 @@ import torch.distributed as dist
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
 from ..paths import join
-from ..save_root import clean_leftovers
 from ..storage import SharedMemoryStorage
 from . import restart
 from .identity import owner, read_owner, write_owner
 from .notices import notice
 from .node_paths import NodePaths
-from .replication import Replicator, join_clique
+from .replication import Replicator, join_clique, parts_root
 from .topology import fitted_factor, gather_nodes, node_of
 
 
@@ -73,7 +72,7 @@ class LocalTier:
         node_dir = self.paths.node_dir
         if self._first_of_node:
             for name in self.storage.list(node_dir):
-                clean_leftovers(self.storage, join(node_dir, name))
+                parts_root(self.storage, join(node_dir, name)).clean_leftovers()
             if stale:
                 self._set_apart(found)
             if stale or not self.storage.exists(self.paths.job_file):

@@ -9,12 +9,15 @@ the backend owns the bytes.
     write_bytes(path, data, replace)  a small object, durable where the storage syncs; `replace`: in one step
     list(path), stat(path)          the names directly under a path; an object's size and version
     remove(path)                    an object, or everything under a path (open uploads included)
-    stage(final), commit(partial, final)   where a checkpoint is written unseen; made visible in one step
-    retire(path)                    a checkpoint out of sight in one step, its bytes left for `remove`
+    stage(final, marker), commit(partial, final)   where a checkpoint is written unseen; made visible in one step
+    retire(path, marker)            a checkpoint out of sight in one step, its bytes left for `remove`
     abort_uploads(root)             writes killed before they completed, cancelled
 
 Every path is a string the backend understands (a file system path, or a URL of its scheme); names inside a
-checkpoint and a save root come from `paths`. Options are typed per backend (`PosixOptions`, `s3.S3Options`). What
+checkpoint and a save root come from `paths`, and the policy above passes the one a backend needs (`marker`: the
+object whose presence makes a checkpoint published): a backend knows no file name. `temporary_of(name)` says
+which object a killed replacing `write_bytes` left `name` as the temporary of (the clean-up asks; only a file
+system has such temporaries). Options are typed per backend (`PosixOptions`, `s3.S3Options`). What
 the memory tier needs beyond the contract (pages lent to another save, replicas, free space) is the declared
 sub-protocol `PageLending`.
 """
@@ -139,8 +142,9 @@ class Storage(abc.ABC):
         """The object at `path`, or everything under it (open uploads included), gone; nothing there is no error."""
 
     @abc.abstractmethod
-    def stage(self, final: str) -> str:
-        """Where the checkpoint `final` is written before `commit` (made ready here): no reader looks there."""
+    def stage(self, final: str, marker: str) -> str:
+        """Where the checkpoint `final` is written before `commit` (made ready here): no reader looks there.
+        `marker`: the name, inside a checkpoint, of the object that publishes it (written last)."""
 
     @abc.abstractmethod
     def commit(self, partial: str, final: str) -> list[str]:
@@ -148,13 +152,19 @@ class Storage(abc.ABC):
         checkpoint `final` displaced is retired (`retire`) and returned, for the caller to remove."""
 
     @abc.abstractmethod
-    def retire(self, path: str) -> str:
-        """Take the checkpoint `path` out of every reader's sight in one step (durable with the next `commit` or
-        replacing `write_bytes` of its root); returns where its bytes are now, for `remove`."""
+    def retire(self, path: str, marker: str) -> str:
+        """Take the checkpoint `path` (published by its object `marker`) out of every reader's sight in one step
+        (durable with the next `commit` or replacing `write_bytes` of its root); returns where its bytes are now,
+        for `remove`."""
 
     @abc.abstractmethod
     def abort_uploads(self, root: str) -> list[str]:
         """Data objects under `root` whose writing a killed process left open, cancelled; what they were."""
+
+    def temporary_of(self, name: str) -> str | None:
+        """The name of the object whose replacing `write_bytes` (killed) left the object `name` beside it as its
+        temporary; None when `name` is no such temporary (an object store replaces in one request: it has none)."""
+        return None
 
     def close(self) -> None:
         """Let go of threads, descriptors and maps."""
@@ -185,8 +195,8 @@ class PageLending(Protocol):
         """A compressed save's data file: its packed bytes written to the file (room for `nbytes` reserved, the
         file cut to what was written at close), no pages mapped, lent or reused."""
 
-    def part(self, final: str) -> tuple[bytes, torch.Tensor]:
-        """A published checkpoint of one rank as it travels: its index, and its data, mapped."""
+    def mapped(self, path: str, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the data object `path`, mapped (never copied): a part sent as a replica."""
 
     def make_dirs(self, path: str) -> None: ...
 

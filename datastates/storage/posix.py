@@ -29,6 +29,8 @@ READ_MODES = ("stream", "parallel")
 # are read at once.
 DEFAULT_READ_THREADS = 8
 
+TEMPORARY = ".tmp."  # a replacing write_bytes writes `<name>.tmp.<pid>`, then renames it over `<name>`
+
 
 def check_read_mode(read_mode: str) -> None:
     if read_mode not in READ_MODES:
@@ -134,7 +136,7 @@ class PosixStorage(Storage):
         if not replace:  # its directory entry is made durable by the commit's fsync of the directory
             write_file(path, data, self.fsync)
             return
-        tmp = f"{path}.tmp.{os.getpid()}"
+        tmp = f"{path}{TEMPORARY}{os.getpid()}"
         write_file(tmp, data, self.fsync)
         os.replace(tmp, path)
         self._sync_dir(paths.parent(path))
@@ -167,7 +169,11 @@ class PosixStorage(Storage):
 
     # ----- publication -----
 
-    def stage(self, final):
+    def temporary_of(self, name):
+        head, sep, pid = name.rpartition(TEMPORARY)
+        return head if sep and pid.isdigit() else None
+
+    def stage(self, final, marker):
         partial = paths.partial_dir(final)
         make_dir(partial)
         return partial
@@ -184,13 +190,13 @@ class PosixStorage(Storage):
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
             # No rename replaces a non-empty directory: a crash before the second rename leaves the old one under
-            # `.deleting` and none under `final`; `save_root.clean_leftovers` gives the old one its name back.
-            retired.append(self.retire(final))
+            # `.deleting` and none under `final`; `SaveRoot.clean_leftovers` gives the old one its name back.
+            retired.append(retire(final))
             os.rename(partial, final)
         self._sync_dir(paths.parent(final))
         return retired
 
-    def retire(self, path):
+    def retire(self, path, marker):
         return retire(path)
 
     def abort_uploads(self, root):
@@ -217,7 +223,7 @@ class PosixStorage(Storage):
 def retire(path: str) -> str:
     """Take a checkpoint out of sight in one atomic rename; returns the new name, for the caller to delete
     (deleting large files can take long, e.g. on file systems mounted with discard). A crash before the
-    deletion leaves a `.deleting` leftover that `save_root.clean_leftovers` removes."""
+    deletion leaves a `.deleting` leftover that `SaveRoot.clean_leftovers` removes."""
     doomed = f"{path}{paths.DELETING}.{os.getpid()}.{time.monotonic_ns()}"
     os.rename(path, doomed)
     return doomed

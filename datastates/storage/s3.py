@@ -3,12 +3,13 @@ provider through `msc.py`), on boto3's low-level client (docs/object-storage.md)
 
 An object store has no rename, no directories and no fsync; the contract (`base`) maps onto it thus:
 - a checkpoint is a key prefix and is written in place: `stage` returns the final prefix itself, after deleting
-  the index an earlier save of the same iteration left there (that one is invisible from then on);
+  the marker (a checkpoint's index, as the policy names it) an earlier save of the same iteration left there
+  (that one is invisible from then on);
 - a rank's data file is one multipart upload whose parts are the submitted buffers themselves when they are
   S3-sized (a staging slot of 5 MiB or more: no copy); smaller submits are copied into a part buffer (at most one
   copy, at most `2 * upload threads` part buffers alive);
 - publication (`save_root`) is the index's PUT (a prefix without it is invisible to every reader; `commit` has
-  nothing left to do), then retention (`retire` deletes a checkpoint's index first), then the tracker's PUT; a
+  nothing left to do), then retention (`retire` deletes a checkpoint's marker first), then the tracker's PUT; a
   PUT is durable once acknowledged and visible to every later read (S3's read-after-write consistency);
 - reads are ranged GETs in parallel, straight into the buffer they fill; a reset connection resumes the range
   where it broke.
@@ -376,20 +377,20 @@ class S3Storage(Storage):
 
     # ----- publication -----
 
-    def stage(self, final):
-        """The final prefix itself, once the index an earlier save of the same iteration left there is deleted
+    def stage(self, final, marker):
+        """The final prefix itself, once the marker an earlier save of the same iteration left there is deleted
         (that one is invisible from then on)."""
         final = paths.normalize(final)
-        self._delete_key(paths.join(final, paths.METADATA))
+        self._delete_key(paths.join(final, marker))
         return final
 
     def commit(self, partial, final):
         """Nothing: the index's PUT made the checkpoint visible, in place."""
         return []
 
-    def retire(self, path):
-        """Its index deleted: no reader sees it; the rest goes with `remove`."""
-        self._delete_key(paths.join(path, paths.METADATA))
+    def retire(self, path, marker):
+        """Its marker deleted: no reader sees it; the rest goes with `remove`."""
+        self._delete_key(paths.join(path, marker))
         return path
 
     def abort_uploads(self, root):

@@ -11,7 +11,6 @@ import threading
 import torch
 
 from .. import _native
-from .. import format as fmt
 from .. import paths
 from ..save_plan import ALIGN, align_up
 from ..slots import cuda_host_register
@@ -131,12 +130,15 @@ class SharedMemoryStorage(PosixStorage):
                 self._live[new] = data
 
     def commit(self, partial, final):
-        retired = [self.retire(final)] if os.path.isdir(final) else []  # re-saving an iteration: the new one wins
+        retired = [self._retire(final)] if os.path.isdir(final) else []  # re-saving an iteration: the new one wins
         self._move(partial, final)
         os.rename(partial, final)
         return retired
 
-    def retire(self, path):
+    def retire(self, path, marker):
+        return self._retire(path)
+
+    def _retire(self, path: str) -> str:
         doomed = retire(path)
         self._move(path, doomed)
         return doomed
@@ -230,13 +232,10 @@ class SharedMemoryStorage(PosixStorage):
         for data in gone:
             self._drop(data)
 
-    def part(self, final: str) -> tuple[bytes, torch.Tensor]:
-        """A published checkpoint of one rank as it travels: its index, and the bytes of its data file that the
-        index describes, mapped (read from the tier's pages, never copied here; a reused file may be longer)."""
-        index = self.read_bytes(paths.join(final, paths.METADATA))
-        size = fmt.parse_index(index, final).part(0).data_bytes
-        data = paths.join(final, paths.data_file(0))
-        return index, (torch.from_file(data, shared=False, size=size, dtype=torch.uint8) if size else _NOTHING)
+    def mapped(self, path: str, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the data file `path`, mapped from the tier's pages (never copied here; a reused
+        file may be longer than its data)."""
+        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8) if nbytes else _NOTHING
 
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

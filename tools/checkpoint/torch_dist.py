@@ -9,7 +9,7 @@ import tempfile
 
 import torch
 
-from datastates import METADATA, iteration_of, read_json, write_latest
+from datastates import METADATA, iteration_of, read_json
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_input, resolve_output
@@ -122,11 +122,9 @@ def write_torch_dist(bundle: Bundle, output: str) -> str:
 def write_pieces(tensors: dict[str, Pieces], objects: dict, object_shapes: dict, common: dict, output: str,
                  iteration) -> str:
     """A torch_dist checkpoint at `output` (an iteration directory, or a save root whose tracker is updated)."""
-    out, root = resolve_output(output, iteration)
+    out, _ = resolve_output(output, iteration)
     bad = [k for k, _ in objects if "/" in k]
     if bad:
         raise ConvertError(f"object keys {bad[:3]} contain '/', which torch_dist cannot name")
-    save_torch_dist(tensors, objects, object_shapes, common, out)
-    if root is not None and iteration_of(out) is not None:
-        write_latest(root, iteration_of(out))
+    save_torch_dist(tensors, objects, object_shapes, common, out)  # published, its tracker pointed at it
     return out

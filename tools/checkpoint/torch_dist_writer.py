@@ -12,7 +12,8 @@ What megatron-core 0.16 and 0.19 read as torch_dist: DCP files whose tensors are
 whose objects by their ShardedObject's unique key (holding `torch.save([value])`), megatron-core's
 `metadata.json`, and the common state in `common.pt` (0.19 writes it inside the DCP files instead but still reads
 `common.pt`, so a checkpoint written under either version loads under both). Files are fsynced and written into
-`<out>.partial`, which is renamed to `out` when complete; a failure removes it (DCP reports a failure as a
+the unpublished place of the save root's policy (`datastates.SaveRoot`, `metadata.json` its marker, written last:
+`<out>.partial`), committed as `out` when complete, the tracker pointed at it; a failure removes it (DCP reports a failure as a
 `CheckpointException`, a BaseException, holding the error that caused it).
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ import io
 import itertools
 import json
 import os
-import shutil
 import warnings
 from typing import Callable
 
@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from datastates import fsync_dir, partial_dir, write_file
+from datastates import SaveRoot, partial_dir, storage_for
+from datastates.paths import parent as parent_path
 
 from .paths import ConvertError
 
@@ -106,31 +107,37 @@ def object_name(key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> st
 def save_torch_dist(tensors: dict[str, Pieces], objects: dict[tuple[str, tuple], object],
                     object_shapes: dict[str, tuple], common: dict, out: str) -> None:
     """Write a torch_dist checkpoint of world size 1 at `out` (which must not exist): `tensors` piece by piece,
-    the ShardedObjects `objects` ({(key, offset): value}) of global shapes `object_shapes`, and `common`."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+    the ShardedObjects `objects` ({(key, offset): value}) of global shapes `object_shapes`, and `common`; the
+    tracker of its save root points at it."""
     named = {object_name(key, offset, object_shapes[key]): value for (key, offset), value in objects.items()}
     for name in named:
         if name in tensors:
             raise ConvertError(f"object {name!r} has the name of a tensor")
-    partial = partial_dir(out)
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    root = SaveRoot(storage_for(out), parent_path(out), marker=CONFIG_FILE)
     try:
-        planner = _PiecePlanner(tensors, named)
+        _publish(root, planner=_PiecePlanner(tensors, named), common=common, out=out)
+    finally:
+        root.storage.close()
+
+
+def _publish(root: SaveRoot, planner: _PiecePlanner, common: dict, out: str) -> None:
+    """DCP's files, the common state and megatron-core's metadata.json (the marker) written unseen, then `out`
+    published and the tracker pointed at it; a failure removes what was written."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+    root.storage.remove(partial_dir(out))  # what a killed conversion left
+    partial = root.stage(out)
+    try:
         writer = dcp.FileSystemWriter(partial, thread_count=1, sync_files=True)
         with warnings.catch_warnings():  # DCP warns that it saves in one process even when told to
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         common_bytes = io.BytesIO()
         torch.save(common, common_bytes)
-        write_file(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer(), fsync=True)
+        root.storage.write_bytes(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer())
         config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
-        write_file(os.path.join(partial, CONFIG_FILE), json.dumps(config).encode(), fsync=True)
-        fsync_dir(partial)
-        os.rename(partial, out)
-        fsync_dir(os.path.dirname(os.path.abspath(out)))
+        root.publish(partial, out, json.dumps(config).encode())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
-        shutil.rmtree(partial, ignore_errors=True)
+        root.storage.remove(partial)
         cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e
         if isinstance(cause, ConvertError):
             raise cause from None

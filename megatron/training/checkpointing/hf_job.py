@@ -83,7 +83,7 @@ class ExportJob:
             self.outcome(job.saved)
             if self.rank == 0:
                 log.info("--save-hf: %s is already published (an earlier run of this job): kept", final)
-                self.models.name(final)
+                self.models.name(job.iteration)
             return None, None
         plan, shards = self._plan(job, self._pieces(job, reports))
         return self._write(job, final, plan, shards, began)
@@ -120,20 +120,20 @@ class ExportJob:
             if self.rank != 0:
                 return None, None
             written = (began, time.perf_counter())
-            self._publish(job, directory, final, shards)
+            self._publish(job, directory, shards)
         except BaseException:
             if directory is not None and self.rank == 0:  # a failed export leaves nothing
                 self.models.discard(directory)
             raise
         return written, passed
 
-    def _publish(self, job: Submitted, directory: str, final: str, shards: list) -> None:
+    def _publish(self, job: Submitted, directory: str, shards: list) -> None:
         """Rank 0: once the checkpoint is published (its save's outcome; SaveFailed when it failed)."""
         if job.saved is not None and job.saved.join() and job.saved.error is not None:
             log.info("--save-hf: the checkpoint of iteration %d failed: the model files written beside it are "
                      "removed", job.iteration)
             raise SaveFailed()
-        self.models.publish(directory, final, shards)
+        self.models.publish(directory, job.iteration, shards)
 
     def outcome(self, saved) -> None:
         """Wait for the save (None: published already); SaveFailed on every rank when it failed on any."""

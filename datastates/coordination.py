@@ -12,6 +12,9 @@ dead. Keys of save `seq` (under a prefix unique to this engine):
                      checkpoints it retired, for each rank to delete its files from
     {seq}/ack        ranks that read the verdict (each deletes its report); the last one deletes the rest
 
+The trainer's Hugging Face export agrees through a Coordinator of its own, with the same keys (`report`,
+`await_reports`, `manifests`, then `forget` on rank 0, which alone publishes: no verdict is waited for).
+
 A dead or stuck rank shows as a timeout on rank 0, which names the ranks that did not report; a dead rank 0
 shows as a timeout on the others. The store is the launcher's (torchrun's TCPStore through the default
 process group), on its own client connection so blocking waits never hold up the training thread's store use.

@@ -43,7 +43,7 @@ class PointerText:
 ITERATION_TEXT = PointerText(str, lambda text: int(text) if text.isdigit() else None)
 # a Hugging Face models root's `latest`: the directory's name and a newline (`iter_0000100\n`)
 DIRECTORY_TEXT = PointerText(lambda iteration: paths.checkpoint_name(iteration) + "\n",
-                        lambda text: int(m.group(1)) if (m := paths.ITER_RE.match(text)) else None)
+                             lambda text: int(m.group(1)) if (m := paths.ITER_RE.match(text)) else None)
 
 
 class SaveRoot:

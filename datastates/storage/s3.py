@@ -377,11 +377,12 @@ class S3Storage(Storage):
 
     # ----- publication -----
 
-    def stage(self, final, marker):
+    def stage(self, final, marker=None):
         """The final prefix itself, once the marker an earlier save of the same iteration left there is deleted
         (that one is invisible from then on)."""
         final = paths.normalize(final)
-        self._delete_key(paths.join(final, marker))
+        if marker is not None:
+            self._delete_key(paths.join(final, marker))
         return final
 
     def commit(self, partial, final):

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from datastates import SaveRoot, partial_dir, storage_for
-from datastates.paths import parent as parent_path
 
 from .paths import ConvertError
 
@@ -113,7 +112,7 @@ def save_torch_dist(tensors: dict[str, Pieces], objects: dict[tuple[str, tuple],
     for name in named:
         if name in tensors:
             raise ConvertError(f"object {name!r} has the name of a tensor")
-    root = SaveRoot(storage_for(out), parent_path(out), marker=CONFIG_FILE)
+    root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=CONFIG_FILE)
     try:
         _publish(root, planner=_PiecePlanner(tensors, named), common=common, out=out)
     finally:

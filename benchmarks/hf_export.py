@@ -111,7 +111,7 @@ def offline(save: str, work: str, shard: int) -> tuple[float, float, list[int]]:
                     "--to", "hf", "--input", save, "--output", out, "--max-shard-size", str(shard)], check=True, cwd=ROOT, capture_output=True)
     wall = time.perf_counter() - t0
     shutil.rmtree(out)
-    from tools.hf.export import export
+    from datastates.hf.export import export
     t0 = time.perf_counter()
     export("datastates", save, out, progress=False, max_shard_bytes=shard)
     call = time.perf_counter() - t0

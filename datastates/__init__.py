@@ -2,13 +2,13 @@
 
 The public API is what `__all__` names, plus three public modules: `datastates.megatron` (the adapter to
 megatron-core's sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core)
-and `datastates.logs`. Every other module is the engine's own and may change (docs/architecture.md, "Public API";
+and `datastates.logs`, and the Hugging Face library `datastates.hf` (transformers in and out). Every other module is the engine's own and may change (docs/architecture.md, "Public API";
 tests/test_import_contract.py holds the trainer, the tools and the benchmarks to it).
 """
 from . import _native  # noqa: F401  (the native writer is required, never optional)
 from .audit import RANK_FILE_RE, Audit, NotACheckpointError, audit_checkpoint, box_str
 from .codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
-from .coordination import default_store
+from .coordination import Coordinator, default_store
 from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
@@ -37,9 +37,9 @@ __all__ = [
     "built_on_copy",
     # what CheckpointEngine(compress=) takes, and the codec `auto` picks (the trainer's --ckpt-compress and its help)
     "CODEC_SETTINGS", "AUTO_CODEC",
-    # a client of the default process group's store: the ranks' own agreement beside the engine's (the trainer's
-    # Hugging Face publisher)
-    "default_store",
+    # a client of the default process group's store, and the ranks' agreement through it (report, wait for every
+    # rank's report): the engine's own, which the trainer's Hugging Face export agrees through too
+    "default_store", "Coordinator",
     # a load's reads passed between ranks (--ckpt-fully-parallel-load: load_sharded's exchange), and what a load read
     "Exchange", "LoadStats",
     # reading and checking one checkpoint

@@ -12,6 +12,9 @@ dead. Keys of save `seq` (under a prefix unique to this engine):
                      checkpoints it retired, for each rank to delete its files from
     {seq}/ack        ranks that read the verdict (each deletes its report); the last one deletes the rest
 
+The trainer's Hugging Face export agrees through a Coordinator of its own, with the same keys (`report`,
+`await_reports`, `manifests`, then `forget` on rank 0, which alone publishes: no verdict is waited for).
+
 A dead or stuck rank shows as a timeout on rank 0, which names the ranks that did not report; a dead rank 0
 shows as a timeout on the others. The store is the launcher's (torchrun's TCPStore through the default
 process group), on its own client connection so blocking waits never hold up the training thread's store use.
@@ -135,6 +138,16 @@ class Coordinator:
         if "error" in result:
             raise CheckpointError(result["error"])
         return result["retired"]
+
+    def forget(self, seq: int) -> None:
+        """Rank 0, in an agreement whose verdict no rank waits for (the trainer's Hugging Face export: rank 0 alone
+        publishes), after `await_reports`: save `seq`'s keys removed (a rank that reports after a timeout leaves
+        its own, under a `seq` never used again)."""
+        if self.world_size == 1:
+            self._local.pop(seq, None)
+            return
+        for key in [f"r/{r}" for r in range(self.world_size)] + ["n", "all", "fail", "gate"]:
+            self.store.delete_key(f"{seq}/{key}")
 
     def done(self, seq: int) -> None:
         """Every rank, after the verdict: removes its report; the last one to get here removes the rest."""

@@ -61,9 +61,9 @@ from datastates import CheckpointEngine, paths  # noqa: E402
 from datastates.memory_tier import LocalTier  # noqa: E402
 from datastates.storage.s3 import MultipartSink  # noqa: E402
 from datastates.storage.posix import FileSink  # noqa: E402
-from datastates.save_root import Publisher  # noqa: E402
-from megatron.training.checkpointing import CheckpointManager, hf_publish  # noqa: E402
-from tools.hf import writer as hf_writer  # noqa: E402
+from datastates.save_root import Publisher, SaveRoot  # noqa: E402
+from megatron.training.checkpointing import CheckpointManager, hf_models  # noqa: E402
+from datastates.hf import writer as hf_writer  # noqa: E402
 from megatron.training.data import RankSampler  # noqa: E402
 
 
@@ -265,7 +265,7 @@ def _kill_in_export(point: str, path: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-_close_after, _write_index, _write_pointer = hf_writer._close_after, hf_writer.write_index, hf_publish.write_pointer
+_close_after, _write_index, _point = hf_writer._close_after, hf_models.write_index, SaveRoot.point
 
 
 def close_after(sink, writes, nbytes):
@@ -278,9 +278,10 @@ def write_index(storage, directory, shards):
     return _write_index(storage, directory, shards)
 
 
-def write_pointer(storage, root, name):
-    _kill_in_export("pointer", name)
-    return _write_pointer(storage, root, name)
+def point(self, iteration):
+    if self.pointer == hf_models.POINTER:  # a Hugging Face models root's `latest`
+        _kill_in_export("pointer", paths.checkpoint_name(iteration))
+    return _point(self, iteration)
 
 
 _sampler_iter = RankSampler.__iter__
@@ -300,7 +301,7 @@ if __name__ == "__main__":
     MultipartSink.__init__, MultipartSink.close = sink_init, sink_close
     FileSink.close = file_close
     Publisher.prepare = prepare
-    hf_writer._close_after, hf_writer.write_index, hf_publish.write_pointer = close_after, write_index, write_pointer
+    hf_writer._close_after, hf_models.write_index, SaveRoot.point = close_after, write_index, point
     if os.environ.get("FAULT_LOG_SAMPLES") == "1":
         RankSampler.__iter__ = sampler_iter
 

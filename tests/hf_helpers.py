@@ -153,8 +153,8 @@ def export_refusal(flags: list[str], shapes: dict | None = None, **changes) -> s
     import pytest
     sys.path.insert(0, ROOT)
     from megatron.training.arguments import parse_args
-    from tools.hf import HFError
-    from tools.hf.arch import geometry_from_args
+    from datastates.hf import HFError
+    from datastates.hf.arch import geometry_from_args
     with pytest.raises(HFError) as e:
         geometry_from_args(Namespace(**{**vars(parse_args(argv=flags)), **changes}), shapes or {}, "ckpt")
     return str(e.value)

@@ -143,3 +143,25 @@ def test_a_rank_killed_between_its_report_and_its_count_is_not_waited_for():
     rank0.report(2, {"rank": 0}, None)
     with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] did not finish within 0.2 s"):
         rank0.await_reports(2, "checkpoint 2", timeout_s=0.2)  # a rank that never reported is still named
+
+
+def test_an_agreement_without_a_verdict_leaves_no_key_behind():
+    """The trainer's Hugging Face export: every rank reports, rank 0 waits for all, reads the reports and
+    `forget`s the agreement (no rank waits for a verdict): nothing of it is left in the store; a failure on one
+    rank is raised on rank 0 naming it."""
+    from datastates.coordination import Coordinator
+    store = torch.distributed.HashStore()
+    rank0, rank1 = Coordinator(store, 0, 2), Coordinator(store, 1, 2)
+    rank1.report(7, {"received": 5}, None)
+    rank0.report(7, {"received": 3}, None)
+    rank0.await_reports(7, "the model of iteration 7", timeout_s=5)
+    assert rank0.manifests(7) == {0: {"received": 3}, 1: {"received": 5}}
+    rank0.forget(7)
+    keys = [f"7/{k}" for k in ("r/0", "r/1", "n", "all", "fail", "gate")]
+    assert [k for k in keys if rank0.store.check([k])] == []
+    rank1.report(8, None, "OSError: disk full")
+    rank0.report(8, {"received": 0}, None)
+    with pytest.raises(CheckpointError, match=r"the model of iteration 8 not published: rank 1: OSError: disk full"):
+        rank0.await_reports(8, "the model of iteration 8", timeout_s=5)
+    rank0.forget(8)
+    assert [k for k in [f"8/{k}" for k in ("r/0", "r/1", "n", "all", "fail", "gate")] if rank0.store.check([k])] == []

@@ -1,4 +1,4 @@
-"""Hugging Face in and out (tools/hf, `convert_checkpoint.py --to hf / --from hf`), checked by transformers itself.
+"""Hugging Face in and out (datastates.hf, tools/hf, `convert_checkpoint.py --to hf / --from hf`), checked by transformers itself.
 
 Tiny models trained with TP2 x PP2 (Llama-style untied with GQA, Llama-style tied with biases, the default GPT as
 GPT-2) are exported and loaded with AutoModelForCausalLM; their logits and loss on the trainer's first
@@ -114,7 +114,7 @@ import os, sys, resource
 sys.path.insert(0, {root!r})
 import safetensors, tqdm, torch
 from tools import convert_checkpoint
-from tools.hf import export, source, writer
+from datastates.hf import export, source, writer
 {preload}
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
@@ -252,8 +252,8 @@ def test_an_unreadable_import_leaves_nothing_behind(tmp_path, fmt):
 def test_an_export_with_no_exact_equivalent_is_refused():
     from argparse import Namespace
     sys.path.insert(0, ROOT)
-    from tools.hf import HFError
-    from tools.hf.arch import geometry_from_args
+    from datastates.hf import HFError
+    from datastates.hf.arch import geometry_from_args
     args = Namespace(position_embedding_type="rope", rotary_percent=1.0, normalization="LayerNorm", swiglu=False,
                      disable_bias_linear=False, group_query_attention=False, num_attention_heads=4, hidden_size=64,
                      kv_channels=None)
@@ -280,7 +280,7 @@ def _odd_tensors() -> dict:
 
 
 def _write(storage, directory: str, tensors: dict, max_bytes: int, in_flight_bytes: int) -> None:
-    from tools.hf.writer import Planned, ShardedWriter, plan_shards
+    from datastates.hf.writer import Planned, ShardedWriter, plan_shards
     shards = plan_shards([Planned(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], max_bytes)
     writer = ShardedWriter(storage, directory, shards, in_flight_bytes=in_flight_bytes)
     try:

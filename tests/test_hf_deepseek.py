@@ -1,4 +1,4 @@
-"""DeepSeek-style models through Hugging Face, both ways (tools/hf), checked by transformers' DeepseekV3ForCausalLM.
+"""DeepSeek-style models through Hugging Face, both ways (datastates.hf, tools/hf), checked by transformers' DeepseekV3ForCausalLM.
 
 A tiny DeepSeek-style model (test_deepseek.py's shape in fp32: multi-latent attention with low-rank queries and
 YaRN, a dense first layer then an MoE layer of 4 routed experts beside a shared one, sigmoid routing limited to 1

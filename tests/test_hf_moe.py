@@ -1,4 +1,4 @@
-"""Mixtral-style mixture of experts through Hugging Face, both ways (tools/hf), checked by transformers itself.
+"""Mixtral-style mixture of experts through Hugging Face, both ways (datastates.hf, tools/hf), checked by transformers itself.
 
 A tiny Mixtral (hidden 64, 2 layers, 4 SwiGLU experts, top-2 softmax router, GQA, RoPE, RMSNorm) trained 2
 iterations in fp32 with EP2 x TP2 (sequence parallel; the experts split by TP as well) and the distributed

@@ -124,7 +124,7 @@ def written_pieces(ckpt: str) -> list:
     from datastates import Box, CheckpointReader
     from datastates.schema import Kind
     from megatron.training.checkpointing.hf_staged import Piece
-    from tools.hf.export import is_model_tensor
+    from datastates.hf.export import is_model_tensor
     with CheckpointReader.open(ckpt) as reader:
         opened = reader.checkpoint
         return [Piece(r, it.id, it.name, it.dtype, Box(tuple(it.global_offset), tuple(it.shape)),
@@ -149,7 +149,7 @@ def assert_each_stage_writes_its_own_layers(ckpt: str) -> None:
     many files a rank as round robin gives, and the fewest bytes passed between the ranks of any such choice
     (fewer than round robin's)."""
     from megatron.training.checkpointing.hf_staged import Pieces
-    from tools.hf.export import plan_export
+    from datastates.hf.export import plan_export
     plan = plan_export("datastates", ckpt, drop_mtp=True)
     try:
         shards = plan.shards(int(SHARD))
@@ -170,7 +170,7 @@ def assert_replicas_written_where_their_files_are(ckpt: str, log: str) -> None:
     one safetensors file was written, in the checkpoint, by the rank that writes that file, and what the export
     reports passing between the ranks is what the layout implies (the units that span files, the experts)."""
     from megatron.training.checkpointing.hf_staged import Pieces
-    from tools.hf.export import plan_export
+    from datastates.hf.export import plan_export
     plan = plan_export("datastates", ckpt, drop_mtp=True)
     try:
         shards = plan.shards(int(SHARD))

@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3 and Qwen3-MoE through Hugging Face, both ways (tools/hf), checked by transformers' own
+"""Qwen2, Qwen3 and Qwen3-MoE through Hugging Face, both ways (datastates.hf, tools/hf), checked by transformers' own
 Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM.
 
 For each family a tiny model built by transformers (biases on q/k/v for Qwen2, q/k norms and a head size other
@@ -110,8 +110,8 @@ def test_an_export_with_no_exact_qwen_equivalent_is_refused(flags, changes, name
 def test_an_import_with_no_exact_equivalent_is_refused(family, overrides, named):
     """transformers' own config of each model, as config.json holds it (the tool's refusal of a model directory,
     nothing written, is checked below)."""
-    from tools.hf import HFError
-    from tools.hf.arch import geometry_from_config
+    from datastates.hf import HFError
+    from datastates.hf.arch import geometry_from_config
     with pytest.raises(HFError) as e:
         geometry_from_config(qwen_config(family, **overrides).to_dict(), "source")
     assert named in str(e.value), str(e.value)

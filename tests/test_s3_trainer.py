@@ -3,7 +3,7 @@ and s3:// every 2 (written from the tier's pages), then an exact resume from s3:
 byte read once and passed on (the default for an object store); the checkpoints read whole onto one process (a
 reshard) through the conversion tool's reader; the store killed in the middle of a save (training goes on with
 --ckpt-on-failure warn, stops with stop) and the whole job killed in the middle of an upload
-(tests/fault_launcher.py), an exact resume without the exchange; the Hugging Face tools on s3://; and refusals
+(tests/fault_launcher.py), an exact resume without the exchange; the Hugging Face tools to and from s3://; and refusals
 that need no run."""
 import os
 import re
@@ -150,19 +150,37 @@ def test_store_killed_mid_save_and_job_killed_mid_upload(s3_server, tmp_path, mo
 
 
 def test_hf_import_to_s3_and_export_from_s3_are_bit_exact(s3_server, tmp_path, monkeypatch, capsys):
-    """--from hf with an s3:// --output, then --to hf with it as --input (the transformers side is a local
-    directory: transformers reads and writes files)."""
+    """--from hf with an s3:// --output, then --to hf with it as --input to a local directory and, in this process,
+    to an s3:// --output (as the trainer's --save-hf writes there): the same bytes, file for file. A transformers
+    model is read from a file system only (safetensors' reader), and torch_dist lives on file systems only."""
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     source = str(tmp_path / "source")
     tiny_llama(source, vocab=100)
-    ckpt = f"s3://{s3_server.create_bucket()}/ckpt"
+    bucket = s3_server.create_bucket()
+    ckpt = f"s3://{bucket}/ckpt"
     assert_round_trip(source, str(tmp_path), 100, ckpt=ckpt)
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from convert_checkpoint import main as convert
-    for fmt in ("hf", "torch_dist"):  # formats of file systems: refused before any work, saying why
-        assert convert(["--from", "datastates", "--input", ckpt, "--to", fmt, "--output", f"{ckpt}-{fmt}"]) == 1
-        assert f"--output '{ckpt}-{fmt}': {fmt} is read and written on a file system only" in capsys.readouterr().err
+    assert convert(["--from", "datastates", "--input", ckpt, "--to", "hf", "--output", f"{ckpt}-hf",
+                    "--max-shard-size", "50000"]) == 0
+    local = str(tmp_path / "local")
+    assert convert(["--from", "datastates", "--input", ckpt, "--to", "hf", "--output", local,
+                    "--max-shard-size", "50000"]) == 0
+    client = s3_server.client()
+    objects = {o["Key"][len("ckpt-hf/"):]: o["Key"] for o in
+               client.list_objects_v2(Bucket=bucket, Prefix="ckpt-hf/")["Contents"]}
+    assert sorted(objects) == sorted(os.listdir(local)) and len(objects) > 3, objects  # several safetensors files
+    for name, key in objects.items():
+        with open(os.path.join(local, name), "rb") as f:
+            assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == f.read(), name
+    capsys.readouterr()
+    assert convert(["--from", "datastates", "--input", ckpt, "--to", "hf", "--output", f"{ckpt}-hf"]) == 1
+    assert f"output '{ckpt}-hf' already exists and is not empty" in capsys.readouterr().err
+    assert convert(["--from", "hf", "--input", f"{ckpt}-hf", "--to", "datastates", "--output", f"{ckpt}-2"]) == 1
+    assert f"--input '{ckpt}-hf': hf is read from a file system only" in capsys.readouterr().err
+    assert convert(["--from", "datastates", "--input", ckpt, "--to", "torch_dist", "--output", f"{ckpt}-td"]) == 1
+    assert f"--output '{ckpt}-td': torch_dist is read and written on a file system only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, match", [

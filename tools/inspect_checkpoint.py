@@ -41,7 +41,7 @@ from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.report import iteration_report, scan_root  # noqa: E402
 from tools.checkpoint.text import print_iteration, print_root, progress  # noqa: E402
 
-Scan = Audit  # the name tools/hf/source.py imports: the engine's audit of one checkpoint directory
+Scan = Audit  # the engine's audit of one checkpoint directory, under the name this tool gave it
 __all__ = ["Problems", "Scan", "UsageError", "main", "scan_root"]
 log = logging.getLogger("tools.inspect_checkpoint")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 from datastates import TRACKER, CheckpointError, find_latest, join_path, normalize_path, storage_for, url_scheme
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla
+from .local_dirs import unwritable
 from .moe import validate_moe
 from .multi_token import validate_mtp
 from .virtual_pipeline import validate_virtual_pipeline
@@ -32,28 +32,6 @@ def _loadable(path: str) -> tuple[bool, str]:
     except CheckpointError as e:  # an unreadable tracker
         return False, f"--load {path!r}: {e}"
     return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
-
-
-def nearest_existing(path: str) -> str:
-    """The path itself or its nearest ancestor that exists (what a directory to be made lands in)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def unwritable(flag: str, path: str) -> str | None:
-    """Why a local directory a flag names cannot be created or written (None: it can): a directory is made and
-    removed where it would go, so the answer is the file system's (permissions, read-only mounts, /proc) and
-    nothing is left behind."""
-    existing = nearest_existing(path)
-    if not os.path.isdir(existing):
-        return f"{flag} {path!r}: {existing!r} is a file, not a directory"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".datastates-probe-", dir=existing))
-    except OSError as e:
-        return f"{flag} {path!r} cannot be created or written: making a directory in {existing!r} failed: {e.strerror}"
-    return None
 
 
 def _validate_local_directories(args) -> None:

@@ -145,7 +145,7 @@ def setup_data_and_schedule(args, rank: int):
     from .tokenizer import build_tokenizer, padded_vocab_size
     tokenizer = build_tokenizer(args)
     # the real vocabulary, saved with the flags: with a tokenizer type other than NullTokenizer --vocab-size is
-    # unset, and the Hugging Face export (tools/hf) needs it to drop the padded rows
+    # unset, and the Hugging Face export (datastates.hf) needs it to drop the padded rows
     args.tokenizer_vocab_size = tokenizer.vocab_size
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)

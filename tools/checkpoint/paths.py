@@ -13,16 +13,22 @@ class ConvertError(Exception):
 
 # the formats kept on file systems only, and why; datastates checkpoints also live in object stores
 FILE_SYSTEM_ONLY = {"torch_dist": "this tool reads and writes it through PyTorch DCP's file system reader and writer",
-                    "safetensors": "it is one file for transformers and safetensors' loaders",
-                    "hf": "transformers reads and writes model directories"}
+                    "safetensors": "it is one file for transformers and safetensors' loaders"}
+# read from a file system only: --to hf writes a model to s3:// or msc:// as the trainer's --save-hf does
+READ_FROM_A_FILE_SYSTEM_ONLY = {"hf": "the import reads the model's files through safetensors' own reader"}
 
 
 def check_locations(src: str, input_path: str, dst: str, output: str) -> None:
     """A URL (s3://, msc://) only where the format can live in an object store: refused before any work."""
     for fmt, path, flag in ((src, input_path, "--input"), (dst, output, "--output")):
-        if fmt in FILE_SYSTEM_ONLY and url_scheme(path) is not None:
+        if url_scheme(path) is None:
+            continue
+        if fmt in FILE_SYSTEM_ONLY:
             raise ConvertError(f"{flag} {path!r}: {fmt} is read and written on a file system only "
                                f"({FILE_SYSTEM_ONLY[fmt]}); datastates checkpoints can live in an object store")
+        if flag == "--input" and fmt in READ_FROM_A_FILE_SYSTEM_ONLY:
+            raise ConvertError(f"{flag} {path!r}: {fmt} is read from a file system only "
+                               f"({READ_FROM_A_FILE_SYSTEM_ONLY[fmt]})")
 
 
 def resolve_input(path: str, iteration: int | None, what: str) -> str:

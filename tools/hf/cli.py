@@ -4,8 +4,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from . import HFError  # noqa: F401 (the dispatcher catches it)
-from .export import DEFAULT_SHARD_BYTES
+from datastates.hf import HFError  # noqa: F401 (the dispatcher catches it)
+from datastates.hf.export import DEFAULT_SHARD_BYTES
 
 
 def add_arguments(ap) -> None:
@@ -37,7 +37,7 @@ def _return_large_frees_to_the_system() -> None:
 
 
 def export(args, init_distributed) -> str:
-    from .export import export as run
+    from datastates.hf.export import export as run
     _return_large_frees_to_the_system()
     return run(args.src, args.input, args.output, tokenizer=args.tokenizer, max_shard_bytes=args.max_shard_size,
                init_distributed=init_distributed, drop_mtp=args.drop_mtp)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datastates import CheckpointError
 
-from . import HFError
+from datastates.hf import HFError
 from .lazy import LazyTensors
 
 STAGING_BYTES = 32 << 20

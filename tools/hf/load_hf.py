@@ -14,12 +14,13 @@ import os
 
 import torch
 
-from . import HFError
-from .arch import extra_state_objects, geometry_from_config, megatron_flags, rules_for
-from .geometry import Geometry
-from .mapping import pad_rows, padded_vocab, unit_indices, unit_sizes
+from datastates.hf import HFError
+from datastates.hf.arch import extra_state_objects, geometry_from_config, megatron_flags, rules_for
+from datastates.hf.geometry import Geometry
+from datastates.hf.mapping import pad_rows, padded_vocab, unit_indices, unit_sizes
+from datastates.hf.writer import SAFETENSORS_DTYPES
+
 from .lazy import LazyTensors
-from .writer import SAFETENSORS_DTYPES
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -27,7 +28,7 @@ SINGLE = "model.safetensors"
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items() if dtype.is_floating_point}
 
-log = logging.getLogger("tools.hf.load_hf")
+log = logging.getLogger(__name__)
 
 
 def _read_config(directory: str) -> dict:

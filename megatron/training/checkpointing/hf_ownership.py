@@ -50,7 +50,7 @@ class FileAlignedWriters:
 
     def __call__(self, shards: list) -> dict:
         from megatron.core.dist_checkpointing import ShardedTensor
-        from tools.hf.export import MTP, is_model_tensor
+        from datastates.hf.export import MTP, is_model_tensor
         weights = [sh for sh in shards if isinstance(sh, ShardedTensor) and sh.flattened_range is None
                    and is_model_tensor(sh.key) and not sh.key.startswith(MTP)]
         me = torch.distributed.get_rank(self.group)
@@ -78,7 +78,7 @@ class FileAlignedWriters:
 
     def _preferences(self, pieces: list, local: list, weights: list) -> dict:
         """`pieces`: (piece, whether one DP rank alone holds it) of the model, each once."""
-        from tools.hf.export import plan_source
+        from datastates.hf.export import plan_source
         pieces = list({(p.name, p.box): (p, one) for p, one in pieces}.values())
         alone = Pieces([p for p, one in pieces if one])  # the experts under EP, by the DP rank that holds them
         mine, tensors = Pieces(local), Pieces([p for p, _ in pieces]).tensors

@@ -4,7 +4,7 @@ back from storage.
 Each rank kept the model weights it wrote: its TP / PP / EP pieces. Which rank holds which piece is gathered from
 the kept items themselves (`layout`, on the export's group), not read from the checkpoint's index, so an export
 reads no file of the checkpoint and --ckpt-keep-last may retire it before the export starts. The export's plan
-(the offline tool's, `tools.hf.export.plan_source`) puts each transformers tensor in a safetensors file, and a
+(the offline tool's, `datastates.hf.export.plan_source`) puts each transformers tensor in a safetensors file, and a
 file's rank (the one that keeps most of its bytes, as many files a rank as round robin gives) needs the
 megatron-core units (a layer, a layer's expert) its tensors are split from. From the pieces and the plan alone
 every rank computes the same schedule: for each unit in plan order, each kept piece of it goes to each rank whose
@@ -112,7 +112,7 @@ def balanced_owners(held: dict, n: int, ranks: int) -> list[int]:
 
 
 class StagedSource:
-    """The export source interface of `tools.hf` (`tensors`, `args()`, `path`, `read(name, index)`, `close`) over
+    """The export source interface of `datastates.hf` (`tensors`, `args()`, `path`, `read(name, index)`, `close`) over
     the ranks' kept weights: `start(plan, shards)` on every rank, then `read` the units of this rank's files.
     `pieces`: every rank's `layout`, in rank order (the same on every rank)."""
 

@@ -29,7 +29,8 @@ from datastates.megatron import make_registry, save_sharded
 
 from .loading import LoadPolicy
 from .formats import Written, format_class, staging_bytes
-from .hf_publish import REFUSED, ExportDropped, Exported, HFPublisher
+from .hf_job import REFUSED, ExportDropped
+from .hf_publish import Exported, HFPublisher
 from .state import build_state, current_layout, saved_bytes_bound
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""What every architecture's name mapping is made of (tools/hf/architectures/ build their rules from it).
+"""What every architecture's name mapping is made of (datastates/hf/architectures/ build their rules from it).
 
 Keys are megatron-core's global (TP/PP-independent) sharded keys; a key under `decoder.layers.` holds every layer
 stacked on a first axis, and maps to one transformers name per layer (`{i}`); an expert's key also stacks the

@@ -1,5 +1,5 @@
 """Which transformers architecture a run is, read from its saved flags (export) or a config.json (import), and
-what the converter asks of it: the registered architectures (tools/hf/architectures/) do the rest.
+what the converter asks of it: the registered architectures (datastates/hf/architectures/) do the rest.
 
 A model is exported only when a transformers class computes exactly what megatron-core computed: every flag
 that changes the computation is checked, and anything else is refused with what differs for each candidate.

@@ -1,4 +1,4 @@
-"""What an architecture module provides (tools/hf/architectures/__init__.py registers one instance of each)."""
+"""What an architecture module provides (datastates/hf/architectures/__init__.py registers one instance of each)."""
 from __future__ import annotations
 
 from ..geometry import Geometry

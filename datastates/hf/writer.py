@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 import struct
 import sys
 import threading
@@ -22,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from datastates import Storage, aligned_empty, fsync_dir, join_path
+from datastates import SaveRoot, Storage, aligned_empty, join_path, normalize_path, url_scheme
+from datastates.paths import parent
 
 from . import HFError
 
@@ -233,22 +233,25 @@ def copy_in(storage: Storage, directory: str, source: str) -> None:
 
 
 class OutputDirectory:
-    """A directory written as `<final>.partial.<pid>` and renamed to `<final>` once complete; removed on failure."""
+    """A model directory published through the save-root policy (`SaveRoot`, its index the marker, no pointer):
+    written where the storage stages it (a file system's `<final>.partial`, renamed to `<final>` once complete; an
+    object store's final prefix, whose index, written last, publishes it) and committed on a clean exit; removed
+    on failure."""
 
-    def __init__(self, final: str):
-        self.final = os.path.normpath(final)
-        if os.path.exists(self.final) and (not os.path.isdir(self.final) or os.listdir(self.final)):
+    def __init__(self, storage: Storage, final: str):
+        self.storage, self.final = storage, normalize_path(final)
+        local_file = url_scheme(self.final) is None and os.path.exists(self.final) and not os.path.isdir(self.final)
+        if local_file or storage.list(self.final):
             raise HFError(f"output {self.final!r} already exists and is not empty: refusing to overwrite it")
-        self.path = f"{self.final}.partial.{os.getpid()}"
+        self.policy = SaveRoot(storage, parent(self.final), marker=INDEX, pointer=None)
+        self.path = self.final
 
     def __enter__(self) -> "OutputDirectory":
-        os.makedirs(self.path)
+        self.path = self.policy.stage(self.final)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
+            self.storage.remove(self.path)
             return
-        fsync_dir(self.path)
-        os.rename(self.path, self.final)  # replaces an empty directory of that name
-        fsync_dir(os.path.dirname(self.final) or ".")
+        self.policy.commit(self.path, self.final)  # the index was written last; replaces an empty directory

@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention (q/k norms, no biases) with a softmax top-k router over
 SwiGLU experts in every layer and no shared expert. norm_topk_prob true is megatron-core's default router,
-false is --moe-router-pre-softmax (tools/hf/architectures/experts.py). Dense layers among the MoE ones
+false is --moe-router-pre-softmax (datastates/hf/architectures/experts.py). Dense layers among the MoE ones
 (decoder_sparse_step other than 1, mlp_only_layers) are refused by key.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ MTP = "mtp."  # megatron-core's multi-token prediction block
 # mixture of experts (a dense and an expert optimizer)
 NOT_MODEL = re.compile(r"(chained_\d+\.)?optimizer\.")
 
-log = logging.getLogger("tools.hf.export")
+log = logging.getLogger(__name__)
 
 
 def is_model_tensor(name: str) -> bool:
@@ -179,14 +179,14 @@ def export(kind: str, path: str, output: str, *, tokenizer: str | None = None,
     plan = plan_export(kind, path, tokenizer=tokenizer, init_distributed=init_distributed, drop_mtp=drop_mtp)
     storage = storage_for(output)
     try:
-        with OutputDirectory(output) as out:
+        with OutputDirectory(storage, output) as out:
             write_metadata(plan, storage, out.path)
             write_tensors(plan, storage, out.path, plan.shards(max_shard_bytes), progress=progress)
     finally:
         storage.close()
         plan.close()
     log.info("exported %s (%s, %s) to %s", plan.source.path, kind, plan.geo.arch, output)
-    return os.path.normpath(output)
+    return out.final
 
 
 def _progress_bar(total: int, shown: bool):

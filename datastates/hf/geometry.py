@@ -1,5 +1,5 @@
 """The sizes and choices of a model that every architecture's names, splits and config need, and the checks of
-saved flags and config.json keys the architectures share (tools/hf/architectures/)."""
+saved flags and config.json keys the architectures share (datastates/hf/architectures/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -181,9 +181,9 @@ class PageLending(Protocol):
 
     def release(self, checkpoint: str) -> None: ...
 
-    def open_packed(self, path: str, nbytes: int) -> DataSink:
-        """A compressed save's data file: its packed bytes written to the file (room for `nbytes` reserved, the
-        file cut to what was written at close), no pages mapped, lent or reused."""
+    def open_file(self, path: str, nbytes: int) -> DataSink:
+        """A data object written through the writers into a plain file (room for `nbytes` reserved, the file cut
+        to what was written at close): no pages mapped, lent or reused."""
 
     def part(self, final: str) -> tuple[bytes, torch.Tensor]:
         """A published checkpoint of one rank as it travels: its index, and its data, mapped."""

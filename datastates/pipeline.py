@@ -1,12 +1,12 @@
-"""The save pipeline: one thread per stage, so that none waits on another's kind of work. The engine owns one
-(`SavePipeline`) and hands it each save; what a save cost comes back on its handle (`SaveStats`).
+"""The save pipeline: a chain of stages, one thread each, so that none waits on another's kind of work. The engine
+owns one (`SavePipeline`) and hands it each save; what a save cost comes back on its handle (`SaveStats`).
 
-    copier      copies tensors into their destination, then packs the pickled objects into slots after them. The
-                destination is the data sink's own pages where it has them (shared memory: the snapshot lands
-                where it is kept), or staging slots (a file system). A save written from another save's pages
-                (`from_save=`) copies nothing: its tensors go to the sink straight from those pages once their
-                snapshot is done.
-    flusher     waits for a slot's copies to land, submits it to the storage's data sink (write + crc32c)
+    copier      the save's snapshot (`snapshot.Copier`): tensors into the data sink's own pages where it has them
+                (the memory tier) or staging slots, then the pickled objects; a save written from another save's
+                pages (`from_save=`) copies nothing
+    flusher     waits for a slot's copies to land, shows it to the save's hooks (`Job.slot_hooks`: the kept
+                tensors' hand-over), submits it to the save's data sink: the storage's own, or the encoding stage
+                around it (`encoding.EncodingSink`, `compress=`), which encodes and writes through it
     completer   collects checksums, returns slots to the pool, closes the sink, writes the rank's manifest and
                 reports it
     publisher   rank 0: gathers every rank's report, publishes with the global index, then tells the others;
@@ -22,20 +22,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import torch
 
 from . import format as fmt
 from . import paths
 from .coordination import Coordinator
-from .copies import CopyBackend, SlotFiller, copy_tensor_bytes
+from .copies import CopyBackend
 from .encoding import Encoder
 from .errors import CheckpointError, CheckpointTimeoutError
 from .save_job import HeldSnapshot, Job, PageWrite, SaveHandle, SaveStats
-from .save_plan import Entry, Plan, align_up
+from .save_plan import Entry, Plan
 from .save_root import Publisher
 from .schema import Kind, Manifest
 from .slots import StagingPool
+from .snapshot import Copier
 from .storage import DataSink, Done, PageLending, Storage
 
 __all__ = ["HeldSnapshot", "SaveHandle", "SavePipeline", "SaveStats"]
@@ -71,6 +70,7 @@ class SavePipeline:
         # retention, off the save path (the memory tier's unpins its pages: bound to the engine's device)
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete", initializer=backend.bind_thread)
         self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
+        self.copier = Copier(pool, backend, self.lends_pages, self._queues["flush"].put, self._sink)
         self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
                          for name, fn in (
             ("copy", self._copier), ("flush", self._flusher), ("complete", self._completer),
@@ -175,61 +175,11 @@ class SavePipeline:
 
     # ----- copier -----
 
-    @torch.no_grad()
     def _copier(self) -> None:
         while (job := self._queues["copy"].get()) is not STOP:
-            self._copy(job)
+            self.copier.copy(job)
             self._queues["flush"].put(job)
         self._queues["flush"].put(STOP)
-
-    def _copy(self, job: Job) -> None:
-        """Copy the tensors to their destination, then pack the pickled objects into slots after them. The
-        destination is the data sink's own pages where it has them (the memory tier: the snapshot lands where it
-        is kept), else staging slots handed to the writers as they fill; a save written from another save's
-        pages (`from_save=`) copies nothing and submits those pages."""
-        filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
-        self.pool.reset_peak()
-
-        def copy_tensors():
-            if job.source is not None:
-                self._write_from_pages(job)
-            elif job.data is not None:
-                self._copy_into_pages(job)
-            else:
-                for e in self._tensors(job):
-                    filler.add(e.item, lambda dst, start, n, src=e.source: copy_tensor_bytes(
-                        dst, src, start, n, self.backend, job.ordering), aligned=True)
-                return
-            filler.position = job.plan.tensor_region
-        pickled = self._snapshot(job, copy_tensors)
-        try:
-            for e, data in pickled:
-                e.item.nbytes = len(data)
-                filler.add(e.item, lambda dst, start, n, data=data: dst.numpy().__setitem__(
-                    slice(None), np.frombuffer(data, np.uint8, n, start)), aligned=False)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-        filler.flush()
-        job.size = filler.position
-
-    def _snapshot(self, job: Job, copy_tensors) -> list[tuple[Entry, bytes]]:
-        """Run `copy_tensors()` and wait for the pickles: then nothing of this save reads the live state any
-        more and the fence opens. Returns the pickled objects (none if the save failed)."""
-        try:
-            if self.lends_pages and not job.encodes and job.source is None:  # the snapshot lands in its pages
-                self._sink(job)
-            copy_tensors()
-            self.backend.finish()
-            pickled = [(e, f.result()) for e, f in job.objects]
-        except BaseException as e:  # noqa: BLE001 - any failure fails this save, never the engine
-            job.fail(e)
-            self.backend.finish()
-            for _, f in job.objects:
-                f.cancel()
-            pickled = []
-        job.handle.stats.snapshot_s = time.perf_counter() - job.t0
-        job.handle._snapshot_done.set()
-        return pickled
 
     def _sink(self, job: Job) -> DataSink:
         """This rank's data of `job`, opened by the first stage that needs it: the copier where the snapshot lands
@@ -238,41 +188,6 @@ class SavePipeline:
             data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region, lent=not job.encodes)
             job.data = self.encoder.wrap(data, [e.item for e in job.entries]) if job.encodes else data
         return job.data
-
-    def _tensors(self, job: Job):
-        return [e for e in job.entries if e.item.kind == Kind.TENSOR and e.item.write]
-
-    def _copy_into_pages(self, job: Job) -> None:
-        """Each tensor's chunks are copied straight to its planned offset in the sink's pages (the padding up to
-        the next item zeroed), and the item goes to the flusher, which submits it once its copies landed."""
-        pages = job.data.pages
-        for e in self._tensors(job):
-            item = e.item
-            for start, n in item.chunks():
-                copy_tensor_bytes(pages[item.offset + start:], e.source, start, n, self.backend, job.ordering)
-            pages[item.offset + item.nbytes:item.offset + align_up(item.nbytes)].zero_()
-            write = PageWrite(pages[item.offset:item.offset + align_up(item.nbytes)], item.offset,
-                              [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())], job)
-            self.backend.mark(write)
-            self._queues["flush"].put(write)
-
-    def _write_from_pages(self, job: Job) -> None:
-        """Once the snapshot of `job.source` is taken, hand each tensor of this save to the writers straight from
-        its bytes there (whole aligned blocks: O_DIRECT takes them as they are)."""
-        source = job.source.job
-        source.handle._snapshot_done.wait()
-        if source.failed:
-            raise CheckpointError(f"the memory checkpoint it is written from failed: {source.handle.error}")
-        saved = {e.item.id: e.item for e in source.entries}
-        pages = source.data.pages
-        for e in self._tensors(job):
-            item, held = e.item, saved.get(e.item.id)
-            if held is None or (held.kind, held.dtype, held.shape) != (item.kind, item.dtype, item.shape):
-                raise CheckpointError(f"the memory checkpoint {source.final!r} has no tensor {item.id!r} of "
-                                      f"{item.dtype} {item.shape}: it was saved from another state")
-            segments = [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())]
-            block = pages[held.offset:held.offset + align_up(item.nbytes)]
-            self._queues["flush"].put(PageWrite(block, item.offset, segments, job))
 
     # ----- flusher, completer -----
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .codecs import Codec
+from .errors import CheckpointError
 from .schema import Item, Kind
 from .storage import DataSink
 
@@ -55,7 +56,8 @@ class EncodingSink(DataSink):
     index), as the staging slots hold them. A slot's bytes are written once encoded, in the order submitted (each
     position depends on the stored sizes before it), by whichever call needs them first: a later submit past
     the encoding threads' worth ahead, or a wait for the slot's checksums. `close` applies the stored offsets
-    and returns the stored length."""
+    and returns the stored length. A failure to encode or submit fails every later wait for checksums (an OSError
+    as it came, anything else as a CheckpointError naming the file)."""
 
     pages = None
 
@@ -120,8 +122,9 @@ class EncodingSink(DataSink):
                     stored.append((pos - first, m))
                     pos += m
                 slot.submitted.append(self.inner.submit(slot.buffer[first:pos], self.position + first, stored))
-        except BaseException as e:  # noqa: BLE001 - every later wait raises it
-            self._error = self._error or e
+        except BaseException as e:  # noqa: BLE001 - every later wait raises it: the save fails, not the engine
+            self._error = self._error or (e if isinstance(e, (OSError, CheckpointError)) else CheckpointError(
+                f"encoding {self.path!r} ({self.encoder.codec.name}) failed: {type(e).__name__}: {e}"))
         finally:
             self.position += pos
 

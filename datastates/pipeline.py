@@ -238,7 +238,7 @@ class SavePipeline:
                         item.crcs[index] = crc
             except OSError as e:
                 slot.job.fail(CheckpointError(f"writing {slot.job.data.path!r} failed: {e.strerror or e}"))
-            except Exception as e:  # noqa: BLE001 - e.g. a codec's: this save fails, not the engine
+            except CheckpointError as e:  # the encoding stage's: this save fails, not the engine
                 slot.job.fail(e)
             finally:
                 if not isinstance(slot, PageWrite):

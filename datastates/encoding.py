@@ -107,10 +107,11 @@ class EncodingSink(DataSink):
 
     def _write(self, slot: _Slot) -> None:
         """Pack the slot's stored chunks to its front and submit them at the next position, run by run as each is
-        encoded. After a failure nothing more is written (the save fails with the first error)."""
+        encoded. Every run is waited for (the slot goes back to the pool after); after a failure nothing more is
+        written (the save fails with the first error)."""
         out, pos = slot.buffer.numpy(), 0
-        try:
-            for run, future in slot.runs:
+        for run, future in slot.runs:
+            try:
                 encoded = future.result()
                 if self._error is not None:
                     continue
@@ -122,11 +123,10 @@ class EncodingSink(DataSink):
                     stored.append((pos - first, m))
                     pos += m
                 slot.submitted.append(self.inner.submit(slot.buffer[first:pos], self.position + first, stored))
-        except BaseException as e:  # noqa: BLE001 - every later wait raises it: the save fails, not the engine
-            self._error = self._error or (e if isinstance(e, (OSError, CheckpointError)) else CheckpointError(
-                f"encoding {self.path!r} ({self.encoder.codec.name}) failed: {type(e).__name__}: {e}"))
-        finally:
-            self.position += pos
+            except BaseException as e:  # noqa: BLE001 - every later wait raises it: the save fails, not the engine
+                self._error = self._error or (e if isinstance(e, (OSError, CheckpointError)) else CheckpointError(
+                    f"encoding {self.path!r} ({self.encoder.codec.name}) failed: {type(e).__name__}: {e}"))
+        self.position += pos
 
     def _record(self, item: Item, index: int, stored: int, pos: int) -> None:
         """What the manifest says of a chunk stored at slot position `pos`: its stored size (tensors), and the

@@ -7,9 +7,9 @@ storage know a codec.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import os
+import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,12 +23,16 @@ from .storage import DataSink
 
 
 class Encoder:
-    """One engine's encoding stage: its codec and the threads that encode (at the writers' priority, below
-    training and the snapshot copies)."""
+    """One engine's encoding stage: its codec, the threads that encode (at the writers' priority, below training and
+    the snapshot copies), and the thread that writes the encoded slots of every save through their inner sinks,
+    one after the other in the order they were submitted (each position depends on the stored sizes before it)."""
 
     def __init__(self, codec: Codec, threads: int):
         self.codec, self.threads = codec, threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-encode", initializer=_lower_priority)
+        self._writes: queue.Queue = queue.Queue()  # (sink, slot) in submission order; None stops the writer
+        self._writer = threading.Thread(target=self._write_all, name="ds-encode-write", daemon=True)
+        self._writer.start()
 
     def encode(self, buffer: torch.Tensor, run: list) -> Future:
         """A run of a slot's segments, encoded on a thread of this stage (`_encode`)."""
@@ -38,7 +42,22 @@ class Encoder:
         """`sink` (one save's data) behind this stage; `items`: every item of the save."""
         return EncodingSink(sink, self, items)
 
+    def write(self, sink: "EncodingSink", slot: "_Slot") -> None:
+        """Queue `slot` of `sink` for the writer thread."""
+        self._writes.put((sink, slot))
+
+    def _write_all(self) -> None:
+        while (work := self._writes.get()) is not None:
+            sink, slot = work
+            try:
+                sink._write(slot)
+            finally:
+                slot.written.set()
+
     def close(self) -> None:
+        """After every save's last wait: stop the writer, then the encoder threads."""
+        self._writes.put(None)
+        self._writer.join()
         self._pool.shutdown()
 
 
@@ -48,27 +67,24 @@ class _Slot:
     __slots__ = ("buffer", "runs", "submitted", "written")
 
     def __init__(self, buffer: torch.Tensor, runs: list[tuple[list, Future]]):
-        self.buffer, self.runs, self.submitted, self.written = buffer, runs, [], False
+        self.buffer, self.runs, self.submitted, self.written = buffer, runs, [], threading.Event()
 
 
 class EncodingSink(DataSink):
     """A save's data, encoded on its way to `inner`. Its segments carry their item: (start, length, item, chunk
-    index), as the staging slots hold them. A slot's bytes are written once encoded, in the order submitted (each
-    position depends on the stored sizes before it), by whichever call needs them first: a later submit past
-    the encoding threads' worth ahead, or a wait for the slot's checksums. `close` applies the stored offsets
-    and returns the stored length. A failure to encode or submit fails every later wait for checksums (an OSError
-    as it came, anything else as a CheckpointError naming the file)."""
+    index), as the staging slots hold them. A slot is written by the stage's writer thread once it is encoded, run
+    by run, each at the next stored position, while the next slots encode and the runs before it are still being
+    written. `close` applies the stored offsets and returns the stored length. A failure to encode or submit
+    fails every later wait for checksums (an OSError as it came, anything else as a CheckpointError naming the
+    file)."""
 
     pages = None
 
     def __init__(self, inner: DataSink, encoder: Encoder, items: list[Item]):
         self.inner, self.encoder, self.items = inner, encoder, items
         self.path, self.direct = inner.path, inner.direct
-        self.position = 0  # where the next stored bytes go
+        self.position = 0  # where the next stored bytes go (the writer thread's)
         self._placed: list[tuple[Item, int]] = []  # (item, its stored offset), applied at close
-        self._pending: collections.deque[_Slot] = collections.deque()  # submitted, not written yet, in order
-        self._queue_lock = threading.Lock()
-        self._write_lock = threading.Lock()  # one writer at a time: positions follow the order of submission
         self._error: BaseException | None = None
 
     def submit(self, buffer, offset, segments):
@@ -77,33 +93,16 @@ class EncodingSink(DataSink):
         later slots one run per encoding thread, so that every thread works on the slot at once."""
         runs = _runs(segments, len(segments) if offset == 0 else self.encoder.threads)
         slot = _Slot(buffer, [(run, self.encoder.encode(buffer, run)) for run in runs])
-        with self._queue_lock:
-            self._pending.append(slot)
-            ahead = len(self._pending) > self.encoder.threads
-        if ahead:
-            self._write_through(None)
+        self.encoder.write(self, slot)
         return functools.partial(self._done, slot)
 
     def _done(self, slot: _Slot) -> list[int]:
-        """Write up to `slot`, then the crc32c of each of its stored chunks (the slot is lent until this returns)."""
-        self._write_through(slot)
+        """The crc32c of each of the slot's stored chunks, once written (the slot is lent until this returns)."""
+        slot.written.wait()
         crcs = [crc for done in slot.submitted for crc in _drained(done, self._error)]
         if self._error is not None:
             raise self._error
         return crcs
-
-    def _write_through(self, last: _Slot | None) -> None:
-        """Write the pending slots in order up to `last` (None: the oldest one)."""
-        with self._write_lock:
-            while last is None or not last.written:
-                with self._queue_lock:
-                    if not self._pending:
-                        return
-                    slot = self._pending.popleft()
-                self._write(slot)
-                slot.written = True
-                if last is None:
-                    return
 
     def _write(self, slot: _Slot) -> None:
         """Pack the slot's stored chunks to its front and submit them at the next position, run by run as each is

@@ -133,7 +133,7 @@ class HeldSnapshot:
         if handle is None:
             return None
         if handle._lender is None:
-            log.info("the save of %r lends no pages (not to the memory tier, or encoded): a save from it copies "
+            log.debug("the save of %r lends no pages (not to the memory tier, or encoded): a save from it copies "
                      "the state itself", handle.path)
             return None
         return cls(*handle._lender)

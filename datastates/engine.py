@@ -29,6 +29,7 @@ from .loader import CheckpointLoader
 from .open_checkpoint import OpenCheckpoint, resolve_checkpoint
 from .copies import CopyBackend, make_backend
 from .kept import KeepBudget, Kept
+from .encoding import Encoder
 from .pipeline import HeldSnapshot, SaveHandle, SavePipeline, SaveStats
 from .slots import StagingPool, chunk_size, slot_size
 from .storage import PosixOptions, PosixStorage, Storage
@@ -45,7 +46,7 @@ class CheckpointEngine:
                  publish_timeout_s: float = 600.0, registry: ProviderRegistry | None = None,
                  copy_threads: int | None = None, copy_backend: CopyBackend | None = None,
                  store: torch.distributed.Store | None = None, compress: str = "off", encode_threads: int = 2,
-                 stage_ahead: bool | None = None):
+                 stage_ahead: bool | None = None, tracker: bool = True):
         """`storage` is where checkpoints are saved and loaded: a backend (`storage.storage_for`), or the options
         of a POSIX file system (`PosixOptions`: fsync, O_DIRECT, threads, read mode) to use one with; its
         `writer_threads` also size the staging slots. `store` (a torch.distributed Store shared by the ranks)
@@ -54,7 +55,9 @@ class CheckpointEngine:
         `codecs.for_storage`) or a codec's name; tensor chunks are encoded on `encode_threads` threads.
         `stage_ahead`: make the whole staging budget now, in the background (mapped, faulted in and, with CUDA,
         pinned), so that no save allocates or pins on its way; by default with CUDA, where pinning as saves go
-        cost the first saves most of their speed. Size `host_buffer_bytes` to what a save holds when it is on."""
+        cost the first saves most of their speed. Size `host_buffer_bytes` to what a save holds when it is on.
+        `tracker`: whether publication points the save root's tracker at each new checkpoint (the memory tier
+        keeps none: its restart lists every rank's parts)."""
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -78,9 +81,10 @@ class CheckpointEngine:
                                 device=self.backend.device)
         if pinned if stage_ahead is None else stage_ahead:
             self.pool.prepare()
+        encoder = None if self.codec is None else Encoder(self.codec, encode_threads)
         self.keep_budget = KeepBudget(host_buffer_bytes)  # what saves keep past themselves (`save(keep=)`)
         self.pipeline = SavePipeline(self.rank, self.world_size, self.storage, self.pool, self.backend, store,
-                                     keep_last, publish_timeout_s, self.codec, encode_threads)
+                                     keep_last, publish_timeout_s, encoder, tracker)
         self._copy_threads = copy_threads
         self._load_backend: CopyBackend | None = None  # a load's copies out of the slots, apart from the saves'
         self._open: tuple[tuple | None, OpenCheckpoint] | None = None  # the last checkpoint read, and its key
@@ -96,7 +100,8 @@ class CheckpointEngine:
 
         `from_save`: a save of the same state by an engine on storage that lends its pages (the memory tier),
         just started. This save then copies nothing: it writes its tensors from that save's pages once their
-        snapshot is done.
+        snapshot is done. A save that lends none (another storage, or encoded) is no source: this save then
+        copies the state itself.
 
         `keep`: which global tensors (by name) of this rank's part to keep past the save, copied from where the
         save staged them (`handle.kept`, `kept.Kept`): within the staging budget over every save's kept bytes,

@@ -1,12 +1,12 @@
-"""The save pipeline: one thread per stage, so that none waits on another's kind of work. The engine owns one
-(`SavePipeline`) and hands it each save; what a save cost comes back on its handle (`SaveStats`).
+"""The save pipeline: a chain of stages, one thread each, so that none waits on another's kind of work. The engine
+owns one (`SavePipeline`) and hands it each save; what a save cost comes back on its handle (`SaveStats`).
 
-    copier      copies tensors into their destination, then packs the pickled objects into slots after them. The
-                destination is the data sink's own pages where it has them (shared memory: the snapshot lands
-                where it is kept), or staging slots (a file system). A save written from another save's pages
-                (`from_save=`) copies nothing: its tensors go to the sink straight from those pages once their
-                snapshot is done.
-    flusher     waits for a slot's copies to land, submits it to the storage's data sink (write + crc32c)
+    copier      the save's snapshot (`snapshot.Copier`): tensors into the data sink's own pages where it has them
+                (the memory tier) or staging slots, then the pickled objects; a save written from another save's
+                pages (`from_save=`) copies nothing
+    flusher     waits for a slot's copies to land, shows it to the save's hooks (`Job.slot_hooks`: the kept
+                tensors' hand-over), submits it to the save's data sink: the storage's own, or the encoding stage
+                around it (`encoding.EncodingSink`, `compress=`), which encodes and writes through it
     completer   collects checksums, returns slots to the pool, closes the sink, writes the rank's manifest and
                 reports it
     publisher   rank 0: gathers every rank's report, publishes with the global index, then tells the others;
@@ -16,156 +16,32 @@ If a stage thread dies, every pending save fails with the cause, the fence opens
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
-import functools
 import logging
-import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import torch
 
 from . import format as fmt
-from .codecs import Codec
 from . import paths
 from .coordination import Coordinator
+from .copies import CopyBackend
+from .encoding import Encoder
 from .errors import CheckpointError, CheckpointTimeoutError
-from .save_plan import Entry, Plan, align_up
-from .schema import Kind, Manifest
-from .copies import CopyBackend, SlotFiller, copy_tensor_bytes
-from .kept import Kept
-from .slots import StagingPool
+from .save_job import HeldSnapshot, Job, PageWrite, SaveHandle, SaveStats
+from .save_plan import Entry, Plan
 from .save_root import Publisher
-from .storage import DataSink, PageLending, Storage
+from .schema import Kind, Manifest
+from .slots import StagingPool
+from .snapshot import Copier
+from .storage import DataSink, Done, PageLending, Storage
+
+__all__ = ["HeldSnapshot", "SaveHandle", "SavePipeline", "SaveStats"]
 
 log = logging.getLogger(__name__)
 
 STOP = object()
-
-
-@dataclasses.dataclass
-class SaveStats:
-    """What one save cost this rank (seconds from its `save()` call, bytes)."""
-
-    blocking_s: float = 0.0  # the training thread inside the engine: the save() call and its fence waits
-    snapshot_s: float | None = None  # until nothing of the save read the live state any more (the fence open)
-    durable_s: float | None = None  # until published, durable where the storage syncs
-    bytes: int = 0  # this rank's data
-    throughput_gbps: float = 0.0  # bytes / durable_s
-    peak_staging_bytes: int = 0  # the staging slots the save held at most
-    staging_allocated_bytes: int = 0  # the host memory the staging pool holds
-    staging_pinned_bytes: int = 0
-    wait_ranks_s: float | None = None  # rank 0: from its own report to every rank's
-    publish_s: float | None = None  # rank 0: from every rank's report to the tracker naming the checkpoint
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-class SaveHandle:
-    """One save in flight. `wait()` raises the save's error, if any, and the engine never raises it again."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.error: BaseException | None = None
-        self.delivered = False  # the error was raised to the caller (by this handle's or the engine's wait)
-        self.stats = SaveStats()
-        self._snapshot_done = threading.Event()
-        self._done = threading.Event()
-        self._lender: tuple | None = None  # (storage, job) of a save whose pages another save may write from
-        self.kept: Kept | None = None  # the tensors this save keeps past itself (`CheckpointEngine.save(keep=)`)
-
-    @property
-    def snapshot_done(self) -> bool:
-        return self._snapshot_done.is_set()
-
-    def wait_for_snapshot(self) -> None:
-        self._snapshot_done.wait()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait until the save finished, successfully or not (see `.error`); False on timeout."""
-        return self._done.wait(timeout)
-
-    def wait(self, timeout: float | None = None) -> SaveStats:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save of {self.path!r} still running after {timeout} s")
-        if self.error is not None:
-            self.delivered = True
-            raise self.error
-        return self.stats
-
-
-class Job:
-    """One save on this rank, as the stages see it."""
-
-    def __init__(self, seq: int, handle: SaveHandle, entries: list[Entry], plan: Plan, ordering, t0: float,
-                 source: "HeldSnapshot | None" = None):
-        self.seq = seq  # the same on every rank: ranks save in the same order
-        self.handle = handle
-        self.reported = False
-        self.final = handle.path
-        self.partial: str | None = None
-        self.entries, self.plan, self.ordering, self.t0 = entries, plan, ordering, t0
-        self.objects: list[tuple[Entry, Future]] = []  # the objects being pickled
-        self.source = source  # the save whose pages this one writes its tensors from
-        self.data: DataSink | None = None  # this rank's data, as the storage takes it
-        self.size = 0
-        self.manifest: dict | None = None
-        self.codec: Codec | None = None  # the codec of this save's tensor chunks (None: stored as planned)
-        self.position = 0  # compressed saves: where the next stored bytes go (chunks back to back)
-        self.packed: list = []  # compressed saves: (item, its stored offset)
-
-    def fail(self, error: BaseException) -> None:
-        if self.handle.error is None:
-            self.handle.error = _describe(error, self.final)
-
-    @property
-    def failed(self) -> bool:
-        return self.handle.error is not None
-
-
-class PageWrite:
-    """A write straight from mapped pages (this save's sink's, or another save's snapshot), shaped like a staging
-    slot for the flusher and the completer: (offset, length, item, chunk index) segments, and the copies into
-    it to wait on."""
-
-    __slots__ = ("buffer", "fill", "file_offset", "segments", "job", "waits")
-
-    def __init__(self, buffer: torch.Tensor, file_offset: int, segments: list, job: Job):
-        self.buffer, self.fill, self.file_offset = buffer, buffer.numel(), file_offset
-        self.segments, self.job, self.waits = segments, job, []
-
-
-class HeldSnapshot:
-    """The snapshot of a save to storage that lends its pages (the memory tier), held (not reused by its
-    storage) while another save writes from it."""
-
-    def __init__(self, storage: PageLending, job: Job):
-        self.storage, self.job, self.held = storage, job, True
-        storage.hold(job.final)
-
-    @classmethod
-    def of(cls, handle: SaveHandle | None) -> "HeldSnapshot | None":
-        """The snapshot a save writes from: `handle`'s, held until that save finishes."""
-        if handle is None:
-            return None
-        if handle._lender is None:
-            raise CheckpointError(f"save(from_save=...) needs a save to storage that lends its pages (the memory "
-                                  f"tier, uncompressed); {handle.path!r} is not one")
-        return cls(*handle._lender)
-
-    def release(self) -> None:
-        """Let go of the pages (once, whichever of a finished save or a dying engine comes first)."""
-        if self.held:
-            self.held = False
-            self.storage.release(self.job.final)
 
 
 class SavePipeline:
@@ -173,18 +49,16 @@ class SavePipeline:
     pending save fails with the cause, the fence opens, and later saves fail at once (`check_usable`)."""
 
     def __init__(self, rank: int, world_size: int, storage: Storage, pool: StagingPool, backend: CopyBackend,
-                 store, keep_last: int | None, publish_timeout_s: float, codec: Codec | None = None,
-                 encode_threads: int = 2):
+                 store, keep_last: int | None, publish_timeout_s: float, encoder: Encoder | None = None,
+                 tracker: bool = True):
         """`store` carries the agreement on each save (`coordination`); the coordinator is made at the first
-        save: an engine that only loads needs none. `codec`: tensor chunks staged through slots are encoded
-        with it on `encode_threads` threads (at writer priority) before they are written."""
+        save: an engine that only loads needs none. `encoder`: the encoding stage every save's data goes through
+        (closed with the pipeline). `tracker`: whether publication points the save root's tracker at each new
+        checkpoint."""
         self.rank, self.world_size, self.storage, self.pool, self.backend = rank, world_size, storage, pool, backend
-        self.lends_pages = isinstance(storage, PageLending)  # the memory tier, which keeps no tracker
-        self.publisher = Publisher(storage, tracker=not self.lends_pages)  # publication, retention, the tracker
-        self.codec = codec
-        self._encoder = None if codec is None else ThreadPoolExecutor(
-            encode_threads, thread_name_prefix="ds-encode", initializer=_lower_priority)
-        self._encode_ahead = self._encode_threads = encode_threads
+        self.lends_pages = isinstance(storage, PageLending)  # the memory tier: a snapshot may land in its pages
+        self.publisher = Publisher(storage, tracker=tracker)  # publication, retention, the tracker
+        self.encoder = encoder
         self.keep_last, self.publish_timeout_s = keep_last, publish_timeout_s
         self._store = store
         self.coordinator: Coordinator | None = None
@@ -196,6 +70,7 @@ class SavePipeline:
         # retention, off the save path (the memory tier's unpins its pages: bound to the engine's device)
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete", initializer=backend.bind_thread)
         self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
+        self.copier = Copier(pool, backend, self.lends_pages, self._queues["flush"].put, self._sink)
         self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
                          for name, fn in (
             ("copy", self._copier), ("flush", self._flusher), ("complete", self._completer),
@@ -216,9 +91,11 @@ class SavePipeline:
             self.coordinator = Coordinator(self._store, self.rank, self.world_size)
         self._seq += 1
         job = Job(self._seq, handle, entries, plan, self.backend.begin(), t0, source)
-        # a save whose tensors are written from another save's pages keeps their planned layout; a compressed
-        # save to the memory tier stages and encodes like any other, and lends no pages
-        job.codec = self.codec if source is None else None
+        # a save whose tensors are written from another save's pages keeps their planned layout; an encoded save
+        # to the memory tier stages like any other, and lends no pages
+        job.encodes = self.encoder is not None and source is None
+        if handle.kept is not None:
+            job.slot_hooks.append(handle.kept.take)
         try:
             job.partial = self.publisher.prepare(handle.path)
         except OSError as e:
@@ -227,7 +104,7 @@ class SavePipeline:
             refused = CheckpointError(f"cannot prepare checkpoint {handle.path!r} ({e.filename!r}): {e.strerror}")
             self._refused(job, refused)
             raise refused from e
-        handle._lender = (self.storage, job) if self.lends_pages and job.codec is None else None
+        handle._lender = (self.storage, job) if self.lends_pages and not job.encodes else None
         job.objects = [(e, self._pickler.submit(fmt.dumps, e.source, e.item.id))
                        for e in entries if e.item.kind == Kind.OBJECT and e.item.write]
         with self._jobs_lock:  # a stage dying meanwhile either sees this job or is seen here
@@ -258,8 +135,8 @@ class SavePipeline:
         for t in self._threads:
             t.join()
         self._pickler.shutdown()
-        if self._encoder is not None:
-            self._encoder.shutdown()
+        if self.encoder is not None:
+            self.encoder.close()
         self._deleter.submit(_logged, self.publisher.sweep)
         self._deleter.shutdown()
 
@@ -298,192 +175,54 @@ class SavePipeline:
 
     # ----- copier -----
 
-    @torch.no_grad()
     def _copier(self) -> None:
         while (job := self._queues["copy"].get()) is not STOP:
-            self._copy(job)
+            self.copier.copy(job)
             self._queues["flush"].put(job)
         self._queues["flush"].put(STOP)
-
-    def _copy(self, job: Job) -> None:
-        """Copy the tensors to their destination, then pack the pickled objects into slots after them. The
-        destination is the data sink's own pages where it has them (the memory tier: the snapshot lands where it
-        is kept), else staging slots handed to the writers as they fill; a save written from another save's
-        pages (`from_save=`) copies nothing and submits those pages."""
-        filler = SlotFiller(self.pool, self.backend, job, self._queues["flush"].put)
-        self.pool.reset_peak()
-
-        def copy_tensors():
-            if job.source is not None:
-                self._write_from_pages(job)
-            elif job.data is not None:
-                self._copy_into_pages(job)
-            else:
-                for e in self._tensors(job):
-                    filler.add(e.item, lambda dst, start, n, src=e.source: copy_tensor_bytes(
-                        dst, src, start, n, self.backend, job.ordering), aligned=True)
-                return
-            filler.position = job.plan.tensor_region
-        pickled = self._snapshot(job, copy_tensors)
-        try:
-            for e, data in pickled:
-                e.item.nbytes = len(data)
-                filler.add(e.item, lambda dst, start, n, data=data: dst.numpy().__setitem__(
-                    slice(None), np.frombuffer(data, np.uint8, n, start)), aligned=False)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-        filler.flush()
-        job.size = filler.position
-
-    def _snapshot(self, job: Job, copy_tensors) -> list[tuple[Entry, bytes]]:
-        """Run `copy_tensors()` and wait for the pickles: then nothing of this save reads the live state any
-        more and the fence opens. Returns the pickled objects (none if the save failed)."""
-        try:
-            if self.lends_pages and job.codec is None and job.source is None:  # the snapshot lands in its pages
-                self._sink(job)
-            copy_tensors()
-            self.backend.finish()
-            pickled = [(e, f.result()) for e, f in job.objects]
-        except BaseException as e:  # noqa: BLE001 - any failure fails this save, never the engine
-            job.fail(e)
-            self.backend.finish()
-            for _, f in job.objects:
-                f.cancel()
-            pickled = []
-        job.handle.stats.snapshot_s = time.perf_counter() - job.t0
-        job.handle._snapshot_done.set()
-        return pickled
 
     def _sink(self, job: Job) -> DataSink:
         """This rank's data of `job`, opened by the first stage that needs it: the copier where the snapshot lands
         in the sink's pages, else the flusher, so that making the file is not on the snapshot's path."""
         if job.data is None:
-            job.data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region,
-                                                packed=job.codec is not None)
+            data = self.publisher.open_data(job.partial, self.rank, job.plan.tensor_region, lent=not job.encodes)
+            job.data = self.encoder.wrap(data, [e.item for e in job.entries]) if job.encodes else data
         return job.data
-
-    def _tensors(self, job: Job):
-        return [e for e in job.entries if e.item.kind == Kind.TENSOR and e.item.write]
-
-    def _copy_into_pages(self, job: Job) -> None:
-        """Each tensor's chunks are copied straight to its planned offset in the sink's pages (the padding up to
-        the next item zeroed), and the item goes to the flusher, which submits it once its copies landed."""
-        pages = job.data.pages
-        for e in self._tensors(job):
-            item = e.item
-            for start, n in item.chunks():
-                copy_tensor_bytes(pages[item.offset + start:], e.source, start, n, self.backend, job.ordering)
-            pages[item.offset + item.nbytes:item.offset + align_up(item.nbytes)].zero_()
-            write = PageWrite(pages[item.offset:item.offset + align_up(item.nbytes)], item.offset,
-                              [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())], job)
-            self.backend.mark(write)
-            self._queues["flush"].put(write)
-
-    def _write_from_pages(self, job: Job) -> None:
-        """Once the snapshot of `job.source` is taken, hand each tensor of this save to the writers straight from
-        its bytes there (whole aligned blocks: O_DIRECT takes them as they are)."""
-        source = job.source.job
-        source.handle._snapshot_done.wait()
-        if source.failed:
-            raise CheckpointError(f"the memory checkpoint it is written from failed: {source.handle.error}")
-        saved = {e.item.id: e.item for e in source.entries}
-        pages = source.data.pages
-        for e in self._tensors(job):
-            item, held = e.item, saved.get(e.item.id)
-            if held is None or (held.kind, held.dtype, held.shape) != (item.kind, item.dtype, item.shape):
-                raise CheckpointError(f"the memory checkpoint {source.final!r} has no tensor {item.id!r} of "
-                                      f"{item.dtype} {item.shape}: it was saved from another state")
-            segments = [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())]
-            block = pages[held.offset:held.offset + align_up(item.nbytes)]
-            self._queues["flush"].put(PageWrite(block, item.offset, segments, job))
 
     # ----- flusher, completer -----
 
     def _flusher(self) -> None:
-        """Submit each slot in order. A compressed save's slots are first encoded on the encoder threads, up to
-        `_encode_ahead` at once, and written back to back in the same order (`_write_encoded`)."""
+        """Submit each slot to its save's data sink, in order; a save's marker (after its last slot) opens its
+        data if no slot did (a save with nothing to write still has its, empty)."""
         flush_q, complete_q = self._queues["flush"], self._queues["complete"]
-        encoding: collections.deque = collections.deque()  # (slot, futures of its encoded segments), in order
-        while True:
-            if encoding:
-                try:
-                    slot = flush_q.get_nowait()
-                except queue.Empty:  # nothing new: write the oldest encoded slot meanwhile
-                    complete_q.put(self._write_encoded(*encoding.popleft()))
-                    continue
-            else:
-                slot = flush_q.get()
-            if slot is STOP:
-                break
-            if isinstance(slot, Job) or slot.job.failed:
-                while encoding:
-                    complete_q.put(self._write_encoded(*encoding.popleft()))
-                if isinstance(slot, Job) and not slot.failed:
+        while (slot := flush_q.get()) is not STOP:
+            if isinstance(slot, Job):
+                if not slot.failed:
                     try:
-                        self._sink(slot)  # a save with nothing to write still has its (empty) data
+                        self._sink(slot)
                     except BaseException as e:  # noqa: BLE001
                         slot.fail(e)
-                if isinstance(slot, Job) and slot.codec is not None:  # every slot is packed: the offsets move
-                    slot.size = slot.position
-                    for e in slot.entries:  # nothing stored: no planned offset may lie past the packed bytes
-                        if e.item.nbytes == 0:
-                            e.item.offset = 0
-                    for item, offset in slot.packed:
-                        item.offset = offset
                 complete_q.put((slot, None))
-                continue
-            done = None
-            try:
-                self._sink(slot.job)
-                self.backend.ready(slot)
-                if slot.job.handle.kept is not None:  # before the slot is encoded, written and reused
-                    slot.job.handle.kept.take(slot.buffer, slot.segments)
-                if slot.job.codec is not None:
-                    runs = _runs(slot.segments, len(slot.segments) if slot.file_offset == 0 else self._encode_threads)
-                    encoding.append((slot, [(run, self._encoder.submit(_encode, slot.job.codec, slot.buffer, run))
-                                            for run in runs]))
-                    while len(encoding) > self._encode_ahead:
-                        complete_q.put(self._write_encoded(*encoding.popleft()))
-                    continue
-                done = slot.job.data.submit(slot.buffer[:slot.fill], slot.file_offset,
-                                            [(s[0], s[1]) for s in slot.segments])
-            except BaseException as e:  # noqa: BLE001
-                slot.job.fail(e)
-            complete_q.put((slot, done))
-        while encoding:
-            complete_q.put(self._write_encoded(*encoding.popleft()))
+            else:
+                complete_q.put((slot, self._submit(slot)))
         complete_q.put(STOP)
 
-    def _write_encoded(self, slot, encoded: list[tuple[list, Future]]) -> tuple:
-        """Pack a slot's stored chunks (encoded, or raw where the codec did not make them smaller) to its front,
-        record each tensor chunk's codec and stored size and each item's offset, and submit the packed bytes
-        at the job's next position, run by run as each is encoded: the chunks of a compressed save lie back to
-        back. Returns the slot and what waits for every submit (the slot is lent until then)."""
+    def _submit(self, slot) -> Done | None:
+        """Once a slot's copies landed, its save's hooks see it (`Job.slot_hooks`), then it is written; what waits
+        for its checksums, or None when its save failed."""
         job = slot.job
         if job.failed:
-            return slot, None
-        out, pos, submitted = slot.buffer.numpy(), 0, []
+            return None
         try:
-            for run, future in encoded:
-                first, segments = pos, []
-                for (start, n, item, index), data in zip(run, future.result()):
-                    m = n if data is None else len(data)
-                    out[pos:pos + m] = out[start:start + n] if data is None else np.frombuffer(data, np.uint8)
-                    if index == 0:  # applied once the copier is done: it lays out later chunks by the plan's
-                        job.packed.append((item, job.position + pos))
-                    if item.kind == Kind.TENSOR:
-                        if item.stored is None:
-                            item.codec, item.stored = job.codec.name, [0] * len(item.crcs)
-                        item.stored[index] = m
-                    segments.append((pos - first, m))
-                    pos += m
-                submitted.append(job.data.submit(slot.buffer[first:pos], job.position + first, segments))
+            data = self._sink(job)
+            self.backend.ready(slot)
+            for hook in job.slot_hooks:
+                hook(slot.buffer, slot.segments)
+            segments = slot.segments if job.encodes else [(s[0], s[1]) for s in slot.segments]
+            return data.submit(slot.buffer[:slot.fill], slot.file_offset, segments)
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
-            return slot, functools.partial(_drained, submitted)
-        finally:
-            job.position += pos
-        return slot, functools.partial(_crcs, submitted)
+            return None
 
     def _completer(self) -> None:
         complete_q = self._queues["complete"]
@@ -499,6 +238,8 @@ class SavePipeline:
                         item.crcs[index] = crc
             except OSError as e:
                 slot.job.fail(CheckpointError(f"writing {slot.job.data.path!r} failed: {e.strerror or e}"))
+            except CheckpointError as e:  # the encoding stage's: this save fails, not the engine
+                slot.job.fail(e)
             finally:
                 if not isinstance(slot, PageWrite):
                     self.pool.release(slot)
@@ -513,7 +254,9 @@ class SavePipeline:
             self.pool.peak_bytes, self.pool.allocated_bytes, self.pool.pinned_bytes)
         try:
             if not job.failed:
-                job.data.close(job.size)
+                stored = job.data.close(job.size)
+                if stored is not None:  # the encoding stage's length: its chunks back to back
+                    job.size = stored
                 job.manifest = fmt.signed_manifest(Manifest.written(self.rank, self.world_size, job.size,
                                                                     job.data.direct, [e.item for e in job.entries]))
                 self.publisher.write_manifest(job.partial, self.rank, fmt.encode_json(job.manifest))
@@ -589,74 +332,9 @@ class SavePipeline:
         handle._done.set()
 
 
-def _runs(segments: list, n: int) -> list[list]:
-    """A slot's segments cut, in order, into at most `n` runs of about equal bytes, one encoder job each, each
-    written once it is encoded: every encoder thread works on the slot at once, so its bytes reach storage n times
-    sooner. The slot holding a save's first bytes is cut into one run per chunk (the flusher's `n`): on a
-    link-bound object store the wait for its encoding was most of what a compressed save added before its first
-    byte went up."""
-    total, runs, run, done = sum(seg[1] for seg in segments) or 1, [], [], 0
-    for seg in segments:
-        run.append(seg)
-        done += seg[1]
-        if done * n >= total * (len(runs) + 1):
-            runs.append(run)
-            run = []
-    return runs + [run] if run else runs
-
-
-def _crcs(submitted: list) -> list[int]:
-    """The crc32c of every segment of a slot written in several submits, in order (each waited for)."""
-    return [crc for done in submitted for crc in done()]
-
-
-def _drained(submitted: list) -> list[int]:
-    """Wait for the submits of a slot whose save failed (the storage may still read the slot); no crc32c."""
-    for done in submitted:
-        try:
-            done()
-        except Exception:  # noqa: BLE001 - the save failed already: its own error is the one reported
-            pass
-    return []
-
-
-def _encode(codec: Codec, buffer: torch.Tensor, segments: list) -> list[bytes | None]:
-    """Each segment of a run of a slot's segments encoded (tensor chunks), or None where it is stored raw (objects, and chunks the
-    codec does not make smaller); on an encoder thread."""
-    raw = buffer.numpy()
-    out = []
-    for start, n, item, _ in segments:
-        data = codec.encode(memoryview(raw[start:start + n]), item.element_size) if item.kind == Kind.TENSOR else None
-        out.append(data if data is not None and len(data) < n else None)
-    return out
-
-
-def _lower_priority() -> None:
-    """Encoder threads run at the writers' priority (nice +5), below training and the snapshot copies."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
-    except OSError:
-        pass
-
-
 def _logged(fn, *args) -> None:
     """Run a clean-up step, logging its failure (a leftover is removed at the next start, never fatal)."""
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001
         log.warning("deleting retired checkpoints: %s", e)
-
-
-def _describe(error: BaseException, path: str) -> CheckpointError:
-    """A CheckpointError whose message names the checkpoint being saved."""
-    if isinstance(error, CheckpointError) and path in str(error):
-        return error
-    if isinstance(error, CheckpointError):
-        wrapped = type(error)(f"saving {path!r} failed: {error}")
-    elif isinstance(error, OSError):
-        where = f" {error.filename!r}" if error.filename else ""
-        wrapped = CheckpointError(f"saving {path!r} failed:{where} {error.strerror or error}")
-    else:
-        wrapped = CheckpointError(f"saving {path!r} failed: {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
-    return wrapped

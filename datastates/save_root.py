@@ -202,11 +202,14 @@ class Publisher:
         """Every rank: the unpublished place of `final`, ready."""
         return self.root(paths.parent(final)).stage(final)
 
-    def open_data(self, partial: str, rank: int, nbytes: int, packed: bool = False) -> DataSink:
-        """`packed`: a compressed save's data, written through the writers (never mapped pages to copy into)."""
+    def open_data(self, partial: str, rank: int, nbytes: int, lent: bool = True) -> DataSink:
+        """`rank`'s data of the checkpoint being written at `partial`. `lent`: on the memory tier, pages the
+        snapshot lands in and a storage save writes from (a save laid out as planned); else a plain file written
+        through the writers (an encoded save: its stored bytes are not the planned layout)."""
         path = paths.join(partial, paths.data_file(rank))
-        return self.storage.open_packed(path, nbytes) if packed and isinstance(self.storage, PageLending) \
-            else self.storage.open_data(path, nbytes)
+        if not lent and isinstance(self.storage, PageLending):
+            return self.storage.open_file(path, nbytes)
+        return self.storage.open_data(path, nbytes)
 
     def write_manifest(self, partial: str, rank: int, doc: bytes) -> None:
         self.storage.write_bytes(paths.join(partial, paths.manifest_file(rank)), doc)

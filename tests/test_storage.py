@@ -31,7 +31,7 @@ class CountingCopies(HostCopyBackend):
 
 def _memory(tmp_path, **kw):
     kw.setdefault("host_buffer_bytes", MiB)
-    return CheckpointEngine(rank=0, world_size=1, keep_last=2,
+    return CheckpointEngine(rank=0, world_size=1, keep_last=2, tracker=False,  # as the memory tier keeps none
                             storage=SharedMemoryStorage(pinned=False, writer_threads=1), **kw)
 
 
@@ -75,11 +75,16 @@ def test_storage_writes_from_the_memory_pages_without_a_copy_of_its_own(tmp_path
         assert_same(mem.load(str(tmp_path / "mem")), expected)
 
 
-def test_a_save_from_another_needs_one_to_storage_that_lends_its_pages(tmp_path):
-    with _disk() as disk:
+def test_a_save_from_one_that_lends_no_pages_copies_the_state_itself(tmp_path):
+    """`from_save` names a save to a file system (no pages to lend): the save falls back to its own copy."""
+    counting = CountingCopies()
+    with _disk(copy_backend=counting) as disk:
         first = disk.save({"w": torch.ones(4)}, paths.checkpoint_dir(str(tmp_path), 1))
-        with pytest.raises(CheckpointError, match="needs a save to storage that lends its pages"):
-            disk.save({"w": torch.ones(4)}, paths.checkpoint_dir(str(tmp_path), 2), from_save=first)
+        first.wait()
+        counting.bytes = 0
+        disk.save({"w": torch.full((4,), 2.0)}, paths.checkpoint_dir(str(tmp_path), 2), from_save=first).wait()
+        assert counting.bytes == 16
+        assert_same(disk.load(paths.checkpoint_dir(str(tmp_path), 2)), {"w": torch.full((4,), 2.0)})
 
 
 def test_a_failed_memory_snapshot_fails_the_storage_save_and_spares_the_last_good_one(tmp_path):

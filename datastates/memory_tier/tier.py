@@ -40,7 +40,8 @@ class LocalTier:
         self._nodes = gather_nodes(world_size, self.node)
         self._machines = gather_machines(base_dir, world_size)
         self._set_up(distributed=dist.is_available() and dist.is_initialized())
-        self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, **engine_kwargs)
+        self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, tracker=False,
+                                       **engine_kwargs)
         clique, group = [rank], None
         factor = self._fit_replication(replication_factor, replication_jump or per_node, per_node)
         if factor > 1:

@@ -193,9 +193,9 @@ class PageLending(Protocol):
 
     def release(self, checkpoint: str) -> None: ...
 
-    def open_packed(self, path: str, nbytes: int) -> DataSink:
-        """A compressed save's data file: its packed bytes written to the file (room for `nbytes` reserved, the
-        file cut to what was written at close), no pages mapped, lent or reused."""
+    def open_file(self, path: str, nbytes: int) -> DataSink:
+        """A data object written through the writers into a plain file (room for `nbytes` reserved, the file cut
+        to what was written at close): no pages mapped, lent or reused."""
 
     def mapped(self, path: str, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the data object `path`, mapped (never copied): a part sent as a replica."""

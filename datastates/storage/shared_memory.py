@@ -112,8 +112,8 @@ class SharedMemoryStorage(PosixStorage):
             self._live[partial] = data
         return data
 
-    def open_packed(self, path, nbytes):
-        """A compressed save holds only its stored bytes: a plain file of the memory file system, no pages."""
+    def open_file(self, path, nbytes):
+        """A plain file of the memory file system (`PageLending.open_file`)."""
         return super().open_data(path, nbytes)
 
     def data_of(self, checkpoint: str) -> MappedSink | None:

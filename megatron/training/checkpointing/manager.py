@@ -124,8 +124,8 @@ class CheckpointManager:
         self.agree_on_failures(iteration)
         memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
         # (unless the tier saved this iteration already, e.g. the last one: a second memory save of it would
-        # collide with the first, so storage then copies on its own; nor when the tier compresses: its bytes
-        # are packed, not the planned layout, so storage copies on its own then too)
+        # collide with the first, so storage then copies on its own; a tier that encodes lends no pages, and
+        # the storage save then copies on its own by itself)
         if self.tier is not None and self.checkpoint_format.writes_from_pages and \
                 self._memory_iteration != iteration:
             self._one_storage_save_on_pages()
@@ -134,9 +134,7 @@ class CheckpointManager:
         last = iteration >= self.args.train_iters
         keep = None if self.hf is None else self.hf.keep(iteration, last)
         try:
-            started = self.checkpoint_format.save(
-                state, iteration, from_save=memory if self.tier is None or self.tier.engine.codec is None else None,
-                keep=keep)
+            started = self.checkpoint_format.save(state, iteration, from_save=memory, keep=keep)
         except CheckpointError as e:  # refused at the call (storage unreachable): as a failure found later
             self._failed(iteration, e)
             if keep is not None:  # the ranks whose save started queued its export: this rank joins in dropping it

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError, paths, tracker
+from datastates import CheckpointCorruptError, CheckpointEngine, PosixOptions, CheckpointError, paths, read_index, tracker
 from datastates.copies import HostCopyBackend
-from datastates.memory_tier.replication import receive
+from datastates.memory_tier.replication import Replica
 from datastates.storage import SPARES, SharedMemoryStorage
 from datastates.verifier import CheckpointVerifier
 from late_copies import LateCopyBackend
@@ -153,21 +153,29 @@ def test_pages_made_ahead_are_the_next_saves_pages_and_nothing_more_is_kept(tmp_
 
 
 def test_a_replica_whose_index_does_not_verify_is_refused(tmp_path):
+    """A replica is refused before anything is written unless its index verifies and describes the bytes that
+    come; one whose pieces stop coming is discarded whole; one received whole loads."""
     with _memory(tmp_path) as mem:
         path = paths.checkpoint_dir(str(tmp_path / "mine"), 1)
         mem.save({"w": torch.arange(5000.0)}, path).wait()
         index = open(os.path.join(path, paths.METADATA), "rb").read()
-        data = torch.from_file(os.path.join(path, paths.data_file(0)), size=os.path.getsize(
-            os.path.join(path, paths.data_file(0))), dtype=torch.uint8)
+        n = read_index(path).part(0).data_bytes
+        data = torch.from_file(os.path.join(path, paths.data_file(0)), size=n, dtype=torch.uint8)
         peer = paths.checkpoint_dir(str(tmp_path / "peer"), 1)
-        os.makedirs(os.path.dirname(peer))
         with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
-            receive(mem.storage, peer, index.replace(b'"iteration":1', b'"iteration":2'), data, keep=2)
-        assert os.listdir(os.path.dirname(peer)) == []  # nothing half-written is left
-        with pytest.raises(CheckpointCorruptError, match="data bytes"):
-            receive(mem.storage, peer, index, data[:-1], keep=2)
+            Replica(mem.storage, peer, index.replace(b'"iteration":1', b'"iteration":2'), n)
+        assert not os.path.exists(os.path.dirname(peer))  # nothing half-written is left
+        with pytest.raises(CheckpointCorruptError, match=f"the index says {n} data bytes, {n - 1} come"):
+            Replica(mem.storage, peer, index, n - 1)
+        assert not os.path.exists(os.path.dirname(peer))
+        half = Replica(mem.storage, peer, index, n)
+        half.pages[:n // 2].copy_(data[:n // 2])
+        half.discard()  # the sender went away midway
         assert os.listdir(os.path.dirname(peer)) == []
-        receive(mem.storage, peer, index, data, keep=2)
+        whole = Replica(mem.storage, peer, index, n)
+        for off in range(0, n, 4096):  # in pieces, as an exchange delivers them
+            whole.pages[off:off + 4096].copy_(data[off:off + 4096])
+        whole.publish(keep=2)
         assert torch.equal(mem.load(peer)["w"], torch.arange(5000.0))
 
 

@@ -59,7 +59,7 @@ class MemoryStorage(Storage):
             for k in [k for k in self.objects if k == path or k.startswith(path + "/")]:
                 del self.objects[k]
 
-    def stage(self, final, marker=None):
+    def stage(self, final, marker):
         return paths.partial_dir(final)
 
     def _move(self, src: str, dst: str) -> None:

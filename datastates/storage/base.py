@@ -142,11 +142,10 @@ class Storage(abc.ABC):
         """The object at `path`, or everything under it (open uploads included), gone; nothing there is no error."""
 
     @abc.abstractmethod
-    def stage(self, final: str, marker: str | None = None) -> str:
+    def stage(self, final: str, marker: str) -> str:
         """Where the checkpoint `final` is written before `commit` (made ready here): no reader looks there.
         `marker`: the name, inside a checkpoint, of the object that publishes it (written last), which a store
-        writing in place deletes first; None (a caller not yet on `save_root.SaveRoot`: the trainer's Hugging
-        Face export until it moves there) hides nothing an earlier save left."""
+        writing in place deletes first (an earlier save of `final` is out of sight from then on)."""
 
     @abc.abstractmethod
     def commit(self, partial: str, final: str) -> list[str]:

@@ -173,7 +173,7 @@ class PosixStorage(Storage):
         head, sep, pid = name.rpartition(TEMPORARY)
         return head if sep and pid.isdigit() else None
 
-    def stage(self, final, marker=None):
+    def stage(self, final, marker):
         partial = paths.partial_dir(final)
         make_dir(partial)
         return partial

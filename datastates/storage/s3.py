@@ -377,12 +377,11 @@ class S3Storage(Storage):
 
     # ----- publication -----
 
-    def stage(self, final, marker=None):
+    def stage(self, final, marker):
         """The final prefix itself, once the marker an earlier save of the same iteration left there is deleted
         (that one is invisible from then on)."""
         final = paths.normalize(final)
-        if marker is not None:
-            self._delete_key(paths.join(final, marker))
+        self._delete_key(paths.join(final, marker))
         return final
 
     def commit(self, partial, final):

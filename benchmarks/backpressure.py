@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datastates import (METADATA, TRACKER, CheckpointEngine, PosixOptions, checkpoint_dir,  # noqa: E402
-                        published_iterations, read_json, read_latest)
+from datastates import CheckpointEngine, PosixOptions, published_iterations, read_json, read_latest
+from datastates.paths import METADATA, TRACKER, checkpoint_dir
 
 RSS_SLACK = 96 << 20  # interpreter, threads, pickles, page-table noise
 

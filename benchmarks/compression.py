@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datastates import CheckpointEngine, CheckpointReader, checkpoint_dir, data_file, join_path, storage_for
+from datastates import CheckpointEngine, CheckpointReader, storage_for
+from datastates.paths import checkpoint_dir, data_file, join as join_path
 from datastates.codecs import CODECS, group_bytes, ungroup_bytes  # the internal measured: the codecs themselves
 from datastates.storage import SharedMemoryStorage  # the memory tier's storage, as LocalTier makes it
 

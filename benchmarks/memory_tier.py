@@ -144,7 +144,8 @@ def save_cost(memory_dir: str, rounds: int) -> dict:
     against mapped (copied straight into the reused pages of SharedMemoryStorage). CPU seconds of the process
     per save, snapshot and durable times."""
     import torch
-    from datastates import CheckpointEngine, PosixOptions, checkpoint_dir
+    from datastates import CheckpointEngine, PosixOptions
+    from datastates.paths import checkpoint_dir
     from datastates.storage import SharedMemoryStorage  # the internal measured: the memory tier's backend
     state = {f"t{i}": torch.randn(SIZES["save_numel"], generator=torch.Generator().manual_seed(i))
              for i in range(SIZES["save_tensors"])}

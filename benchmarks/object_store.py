@@ -23,7 +23,8 @@ from object_store_peers import PEERS, init_single_rank  # noqa: E402
 from object_store_raw import boto3_raw  # noqa: E402
 from s3_store import S3Store  # noqa: E402
 
-from datastates import CheckpointEngine, checkpoint_dir, storage_for  # noqa: E402
+from datastates import CheckpointEngine, storage_for
+from datastates.paths import checkpoint_dir  # noqa: E402
 
 
 class Raw:

@@ -88,7 +88,8 @@ def _mark(label: str) -> None:
 def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
     """A real engine as rank 0 or 1: save `iters` checkpoints, then (rank 1) load its row back."""
     import torch
-    from datastates import CheckpointEngine, PosixOptions, checkpoint_dir
+    from datastates import CheckpointEngine, PosixOptions
+    from datastates.paths import checkpoint_dir
     WORLD[0] = world
     store = _store(port)
     out = {}
@@ -115,7 +116,8 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
 
 def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, queue) -> None:
     """Lightweight ranks: the real file layout and the real Coordinator, without an engine's threads."""
-    from datastates import checkpoint_dir, data_file, manifest_file, partial_dir, write_file
+    from datastates.storage.posix import write_file
+    from datastates.paths import checkpoint_dir, data_file, manifest_file, partial_dir
     # the internals measured: a rank's report as the engine makes it (crc32c, records, signed manifest, Coordinator)
     from datastates import _native, format as fmt
     from datastates.coordination import Coordinator

@@ -1,33 +1,32 @@
 """datastates: lazy asynchronous multi-level checkpointing for Megatron-style LLM training.
 
-The public API is what `__all__` names, plus three public modules: `datastates.megatron` (the adapter to
-megatron-core's sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core)
-and `datastates.logs`, and the Hugging Face library `datastates.hf` (transformers in and out). Every other module is the engine's own and may change (docs/architecture.md, "Public API";
-tests/test_import_contract.py holds the trainer, the tools and the benchmarks to it).
+The public API is what `__all__` names, plus the public modules: `datastates.paths` (what a save root and a
+checkpoint hold: its names, and paths and URLs alike), `datastates.megatron` (the adapter to megatron-core's
+sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core), `datastates.logs`,
+and the Hugging Face library `datastates.hf` (transformers in and out). Every other module is the engine's own and
+may change (docs/architecture.md, "Public API"; tests/test_import_contract.py holds the trainer, the tools and
+the benchmarks to it).
 """
 from . import _native  # noqa: F401  (the native writer is required, never optional)
-from .audit import RANK_FILE_RE, Audit, NotACheckpointError, audit_checkpoint, box_str
+from .audit import Audit, NotACheckpointError, audit_checkpoint, box_str
 from .codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
 from .coordination import Coordinator, default_store
 from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
-from .paths import (DELETING, METADATA, PARTIAL, TRACKER, checkpoint_dir, data_file, iteration_of, manifest_file,
-                     partial_dir)
 from .memory_tier import LocalTier, check_fits, job_id, node_of
-from .problems import Problem, Problems
+from .problems import Problems
 from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
 from .load_reads import LoadStats
 from .reader import CheckpointReader
-from .save_root import DIRECTORY_TEXT, ITERATION_TEXT, PointerText, SaveRoot, holds_legacy
+from .save_root import DIRECTORY_TEXT, ITERATION_TEXT, SaveRoot, holds_legacy
 from .save_plan import aligned_empty
 from .schema import Box, dtype_from_name, dtype_name
 from .copies import built_on_copy
-from .paths import join as join_path, normalize as normalize_path, scheme as url_scheme
 from .storage import DEFAULT_READ_THREADS, PosixOptions, Storage, read_index, read_json, storage_for
-from .storage.posix import fsync_dir, write_file
-from .tracker import Latest, clean_leftovers, find_latest, is_published, published_iterations, read_latest, write_latest
+from .storage.posix import fsync_dir
+from .tracker import clean_leftovers, find_latest, is_published, published_iterations, read_latest, write_latest
 
 __all__ = [
     # saving and loading
@@ -43,25 +42,25 @@ __all__ = [
     # a load's reads passed between ranks (--ckpt-fully-parallel-load: load_sharded's exchange), and what a load read
     "Exchange", "LoadStats",
     # reading and checking one checkpoint
-    "CheckpointReader", "Audit", "audit_checkpoint", "Problem", "Problems", "Box", "box_str", "dtype_from_name",
+    "CheckpointReader", "Audit", "audit_checkpoint", "Problems", "Box", "box_str", "dtype_from_name",
     "dtype_name",  # and back: the name an index gives a dtype (the trainer's --save-hf plans from model shapes)
     # errors
     "CheckpointError", "CheckpointCorruptError", "CheckpointTimeoutError", "NotACheckpointError",
-    # a save root's paths: iteration directories, the tracker, a checkpoint's files
-    "checkpoint_dir", "iteration_of", "partial_dir", "is_published", "find_latest", "Latest", "write_latest",
-    "TRACKER", "PARTIAL", "DELETING", "METADATA", "manifest_file", "data_file", "RANK_FILE_RE", "read_index",
+    # a save root's checkpoints (their names: `datastates.paths`): which one a load resumes from, published or not,
+    # the tracker pointed at one written outside the engine, a checkpoint's index
+    "is_published", "find_latest", "write_latest", "read_index",
     # the tracker read as an iteration, the published iterations, and a run's clean-up before its first save
     "read_latest", "published_iterations", "clean_leftovers",
     # the one publication policy of a save root (stage, commit, pointer, retention, leftovers), for every kind of
     # root: its marker and pointer are parameters (a Hugging Face models root: the safetensors index, `latest`
     # holding DIRECTORY_TEXT)
-    "SaveRoot", "PointerText", "ITERATION_TEXT", "DIRECTORY_TEXT",
+    "SaveRoot", "ITERATION_TEXT", "DIRECTORY_TEXT",
     # Megatron's legacy torch format detected as the tracker detects it (the trainer's torch format)
     "holds_legacy",
-    # small files written durably (the tools' other formats), JSON read with a clear error
-    "write_file", "fsync_dir", "read_json",
-    # where checkpoints live: the backend a path or URL names (s3://, msc://, a file system), paths and URLs alike
-    "storage_for", "Storage", "url_scheme", "normalize_path", "join_path",
+    # a directory's entries made durable (the benchmarks' files), JSON read with a clear error
+    "fsync_dir", "read_json",
+    # where checkpoints live: the backend a path or URL names (s3://, msc://, a file system)
+    "storage_for", "Storage",
     # bytes a storage writes with O_DIRECT straight from their pages (the trainer's --save-hf assembles units in them)
     "aligned_empty",
     # a storage's reads in flight when not told (the trainer's --ckpt-read-threads default)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import os
 import re
 
+__all__ = ["METADATA", "TRACKER", "PARTIAL", "DELETING", "RANK_FILE_RE", "data_file", "manifest_file", "scheme",
+           "normalize", "parent", "name", "join", "checkpoint_dir", "iteration_of", "partial_dir"]
+
 METADATA = "metadata.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"^iter_(\d{7,})$")

@@ -33,10 +33,10 @@ import sys
 if __package__ in (None, ""):  # run as `python tools/inspect_checkpoint.py`: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datastates import (METADATA, PARTIAL, RANK_FILE_RE, Audit, Problems, checkpoint_dir, iteration_of,  # noqa: E402
-                        partial_dir)
+from datastates import Audit, Problems, storage_for  # noqa: E402
 from datastates import NotACheckpointError as UsageError  # noqa: E402  (exit status 2)
-from datastates import normalize_path, storage_for, url_scheme  # noqa: E402
+from datastates.paths import (METADATA, PARTIAL, RANK_FILE_RE, checkpoint_dir, iteration_of,  # noqa: E402
+                              normalize as normalize_path, partial_dir, scheme as url_scheme)
 from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.report import iteration_report, scan_root  # noqa: E402
 from tools.checkpoint.text import print_iteration, print_root, progress  # noqa: E402

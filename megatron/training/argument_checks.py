@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from datastates import TRACKER, CheckpointError, find_latest, join_path, normalize_path, storage_for, url_scheme
+from datastates import CheckpointError, find_latest, storage_for
+from datastates.paths import TRACKER, join as join_path, normalize as normalize_path, scheme as url_scheme
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla

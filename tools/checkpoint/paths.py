@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 
-from datastates import METADATA, PARTIAL, checkpoint_dir, find_latest, iteration_of, partial_dir
-from datastates import normalize_path, storage_for, url_scheme
+from datastates import find_latest, storage_for
+from datastates.paths import (METADATA, PARTIAL, checkpoint_dir, iteration_of, normalize as normalize_path,
+                              partial_dir, scheme as url_scheme)
 
 
 class ConvertError(Exception):

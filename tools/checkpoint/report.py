@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 
-from datastates import (DELETING, METADATA, PARTIAL, RANK_FILE_RE, TRACKER, Audit, CheckpointError, Problems,
-                        find_latest, is_published, iteration_of, manifest_file, read_index)
-from datastates import Storage, normalize_path, storage_for, url_scheme
+from datastates import Audit, CheckpointError, Problems, Storage, find_latest, is_published, read_index, storage_for
+from datastates.paths import (DELETING, METADATA, PARTIAL, RANK_FILE_RE, TRACKER, iteration_of, manifest_file,
+                              normalize as normalize_path, scheme as url_scheme)
 
 from .summary import experts_summary, optimizer_summary
 

@@ -9,7 +9,8 @@ import tempfile
 
 import torch
 
-from datastates import METADATA, iteration_of, read_json
+from datastates import read_json
+from datastates.paths import METADATA, iteration_of
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_input, resolve_output

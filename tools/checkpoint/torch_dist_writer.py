@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from datastates import SaveRoot, partial_dir, storage_for
+from datastates import SaveRoot, storage_for
+from datastates.paths import partial_dir
 
 from .paths import ConvertError
 

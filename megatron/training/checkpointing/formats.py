@@ -23,9 +23,9 @@ import torch
 
 from megatron.core import parallel_state as ps
 
-from datastates import CheckpointEngine, CheckpointError
-from datastates import (DEFAULT_READ_THREADS, METADATA, Exchange, LoadStats, SaveHandle, checkpoint_dir,
-                        clean_leftovers, data_file, holds_legacy, join_path, storage_for, url_scheme, write_latest)
+from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, Exchange, LoadStats, SaveHandle,
+                        clean_leftovers, holds_legacy, storage_for, write_latest)
+from datastates.paths import METADATA, checkpoint_dir, data_file, join as join_path, scheme as url_scheme
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
 from ..virtual_pipeline import chunk_keys

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from datastates import CheckpointError, Coordinator, url_scheme
+from datastates import CheckpointError, Coordinator
+from datastates.paths import scheme as url_scheme
 from datastates.hf.export import plan_export, plan_source, write_metadata, write_tensors
 
 from ..local_dirs import nearest_existing

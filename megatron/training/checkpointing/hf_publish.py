@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from datastates import CheckpointError, Coordinator, normalize_path, storage_for, url_scheme
+from datastates import CheckpointError, Coordinator, storage_for
+from datastates.paths import normalize as normalize_path, scheme as url_scheme
 from datastates.hf import HFError
 from datastates.hf.arch import architecture_of
 from datastates.hf.export import MTP, TOKENIZER_FILES, is_model_tensor

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from datastates import CheckpointError
-from datastates import (LocalTier, SaveHandle, SaveStats, check_fits, checkpoint_dir, default_store, iteration_of,
-                        job_id, node_of, read_latest)
+from datastates import (CheckpointError, LocalTier, SaveHandle, SaveStats, check_fits, default_store, job_id, node_of,
+                        read_latest)
+from datastates.paths import checkpoint_dir, iteration_of
 from datastates.megatron import make_registry, save_sharded
 
 from .loading import LoadPolicy

@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from datastates import (METADATA, TRACKER, Audit, CheckpointError, CheckpointReader, NotACheckpointError,
-                        find_latest, storage_for, url_scheme)
+from datastates import Audit, CheckpointError, CheckpointReader, NotACheckpointError, find_latest, storage_for
+from datastates.paths import METADATA, TRACKER, scheme as url_scheme
 from datastates.names import common_name
 
 from . import HFError

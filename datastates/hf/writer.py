@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from datastates import SaveRoot, Storage, aligned_empty, join_path, normalize_path, url_scheme
-from datastates.paths import parent
+from datastates import SaveRoot, Storage, aligned_empty
+from datastates.paths import join as join_path, normalize as normalize_path, parent, scheme as url_scheme
 
 from . import HFError
 

@@ -3,7 +3,7 @@ import subprocess
 
 import pytest
 
-from s3_store import s3_server  # noqa: F401  one SeaweedFS for the whole run, started by the first test that asks
+from s3_store import s3, s3_server  # noqa: F401  one SeaweedFS for the whole run, started by the first test that asks
 
 
 @pytest.fixture(scope="module")

@@ -285,3 +285,12 @@ def s3_server():
         yield store.start()
     finally:
         store.close()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The store's variables in this process's environment, and a fresh bucket's URL."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return f"s3://{s3_server.create_bucket()}/run"

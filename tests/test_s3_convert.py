@@ -4,7 +4,6 @@ tracker after it), loadable from there."""
 import os
 import sys
 
-import pytest
 import torch
 
 from datastates import CheckpointEngine, paths, tracker
@@ -12,14 +11,6 @@ from datastates.storage import storage_for
 from test_tools import EMB, NORM, OPT, QKV, full_tensors, save_two_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return f"s3://{s3_server.create_bucket()}/converted"
 
 
 def test_convert_to_datastates_on_s3_publishes_and_loads_back(s3, s3_server, tmp_path):

@@ -14,15 +14,6 @@ SMALL_SLOTS = 1 << 20  # a budget whose slots (256 KiB) are far below S3's 5 MiB
 PART_SLOTS = 32 << 20  # slots of 8 MiB: whole slots go up as parts, no copy
 
 
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    """The store's variables in this process's environment, and a fresh bucket's URL."""
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return f"s3://{s3_server.create_bucket()}/run"
-
-
 def engines(root, n=1, budget=SMALL_SLOTS, **kw):
     store = torch.distributed.HashStore() if n > 1 else None
     return [CheckpointEngine(host_buffer_bytes=budget, rank=r, world_size=n, store=store,

@@ -25,7 +25,7 @@ bash scripts/setup.sh
 FIRST=(test_audit.py test_bad_input.py test_built_on_copy.py test_coordination.py test_crash.py
        test_crash_states.py test_engine.py test_engine_alone.py test_faults.py test_load_plan.py
        test_multirank.py test_native.py test_read_once.py test_load_reads.py test_snapshot.py test_storage.py
-       test_compatibility.py test_reader_api.py test_import_contract.py test_s3_store.py test_s3_storage.py
+       test_compatibility.py test_reader_api.py test_import_contract.py test_s3_store.py test_s3_storage.py test_s3_convert.py
        test_s3_trainer.py test_s3_retries.py test_megatron_args.py test_exits.py test_trainer_kills.py
        test_memory_tier.py test_compare_losses.py test_compression.py
        test_hf.py test_hf_moe.py test_reshard.py test_virtual_pipeline.py test_trainer_flags.py test_tools.py

@@ -136,36 +136,44 @@ class ReplicaOwnership:
         prefer = self.prefer([sh for sh in shards if self._candidate(sh)]) if self.prefer is not None else {}
         gathered: list = [None] * world
         dist.all_gather_object(gathered, [(ident, n, prefer.get(ident)) for ident, n in local], group=self.group)
-        holders: dict[tuple, list[int]] = {}
-        sizes: dict[tuple, int] = {}
-        preferred: dict[tuple, int] = {}
-        for rank, entries in enumerate(gathered):
-            for ident, n, p in entries:
-                holders.setdefault(ident, []).append(rank)
-                sizes[ident] = max(sizes.get(ident, 0), n)
-                if p is not None:
-                    preferred.setdefault(ident, p)
-        load = [0] * world
-        owner: dict[tuple, int] = {}
-
-        def take(ident: tuple, r: int) -> None:
-            owner[ident] = r
-            load[r] += sizes[ident]
-        order = sorted(holders, key=lambda i: (-sizes[i], repr(i)))
-        for ident in order:
-            if len(holders[ident]) == 1:
-                take(ident, holders[ident][0])
-        most = sum(sizes.values()) / world * (1 + PREFERENCE_SLACK)
-        for ident in order:
-            p = preferred.get(ident)
-            if ident not in owner and p in holders[ident] and load[p] + sizes[ident] <= most:
-                take(ident, p)
-        for ident in order:
-            if ident not in owner:
-                take(ident, min(holders[ident], key=lambda x: (load[x], x)))
+        owner, load = _assign_owners(gathered)
         self._owned = {**never, **{ident: owner[ident] == me for ident, _ in local}}
         self.bytes_per_rank = load
         self._digest = digest
+
+
+def _assign_owners(gathered: list) -> tuple[dict[tuple, int], list[int]]:
+    """Who writes each shard, from every rank's (identity, bytes, preferred rank) of the shards it holds: a shard
+    held once by its holder; then, largest first, by the rank preferred for it unless that rank would hold more
+    than its share (plus PREFERENCE_SLACK); then by the least loaded holder. (owner of each shard, bytes a rank)."""
+    holders: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    preferred: dict[tuple, int] = {}
+    for rank, entries in enumerate(gathered):
+        for ident, n, p in entries:
+            holders.setdefault(ident, []).append(rank)
+            sizes[ident] = max(sizes.get(ident, 0), n)
+            if p is not None:
+                preferred.setdefault(ident, p)
+    load = [0] * len(gathered)
+    owner: dict[tuple, int] = {}
+
+    def take(ident: tuple, r: int) -> None:
+        owner[ident] = r
+        load[r] += sizes[ident]
+    order = sorted(holders, key=lambda i: (-sizes[i], repr(i)))
+    for ident in order:
+        if len(holders[ident]) == 1:
+            take(ident, holders[ident][0])
+    most = sum(sizes.values()) / len(gathered) * (1 + PREFERENCE_SLACK)
+    for ident in order:
+        p = preferred.get(ident)
+        if ident not in owner and p in holders[ident] and load[p] + sizes[ident] <= most:
+            take(ident, p)
+    for ident in order:
+        if ident not in owner:
+            take(ident, min(holders[ident], key=lambda x: (load[x], x)))
+    return owner, load
 
 
 class Common:

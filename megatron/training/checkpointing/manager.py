@@ -122,14 +122,7 @@ class CheckpointManager:
                 del self._save_called[min(self._save_called)]
         state = self._state(iteration, consumed, wrap_common=self.checkpoint_format.wraps_common)
         self.agree_on_failures(iteration)
-        memory = None  # with the memory tier, the snapshot lands in its pages and storage writes from them
-        # (unless the tier saved this iteration already, e.g. the last one: a second memory save of it would
-        # collide with the first, so storage then copies on its own; a tier that encodes lends no pages, and
-        # the storage save then copies on its own by itself)
-        if self.tier is not None and self.checkpoint_format.writes_from_pages and \
-                self._memory_iteration != iteration:
-            self._one_storage_save_on_pages()
-            memory = self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
+        memory = self._memory_first(iteration, state)
         # --save-hf: the save keeps the model weights it stages for the export (a due or the run's last checkpoint)
         last = iteration >= self.args.train_iters
         keep = None if self.hf is None else self.hf.keep(iteration, last)
@@ -144,6 +137,20 @@ class CheckpointManager:
             dt = time.perf_counter() - t0
             self._record(iteration, SaveStats(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
             return
+        self._in_flight(iteration, started, t0, keep, last)
+
+    def _memory_first(self, iteration: int, state: dict):
+        """With the memory tier, the snapshot lands in its pages and storage writes from them: the memory save's
+        handle (None: storage copies on its own, when the tier saved this iteration already, e.g. the last one, as
+        a second memory save of it would collide with the first; a tier that encodes lends no pages, and the
+        storage save then copies on its own by itself)."""
+        if self.tier is None or not self.checkpoint_format.writes_from_pages or self._memory_iteration == iteration:
+            return None
+        self._one_storage_save_on_pages()
+        return self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
+
+    def _in_flight(self, iteration: int, started, t0: float, keep, last: bool) -> None:
+        """A storage save under way: tracked, its export queued; in SYNC mode waited for, finalized and agreed."""
         log.info(f"saving checkpoint at iteration {iteration:8d} to {self.args.save} in "
                  f"{self.checkpoint_format.name} format ({self.mode})")
         if self.mode is SaveMode.SYNC:

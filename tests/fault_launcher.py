@@ -18,6 +18,10 @@ runs. Environment (iterations are checkpoint iterations, read from the checkpoin
     FAULT_KILL_NODE_AFTER_LOCAL=<node>:<it>  as FAULT_KILL_JOB_AFTER_LOCAL, but only the ranks of torchrun node
                                      <node> (GROUP_RANK) SIGKILL their agent and themselves: a node lost, the
                                      other nodes' ranks go on into <it>+1 (tests/test_elastic.py)
+    FAULT_WAIT_AFTER_LOCAL=<world>:<it>  in a world of that many ranks, once every rank's memory checkpoint of
+                                     <it> is saved (and every earlier storage save ended), every rank waits (prints
+                                     FAULT-WAIT first) until its agent restarts it, e.g. for a node that joins (at
+                                     most 300 s, then it goes on)
     FAULT_KILL_JOB_IN_UPLOAD=<it>    (s3://) once the earlier saves are published (the tracker names the last)
                                      and the parts of a rank's data object of <it> are up, before the upload
                                      completes, that rank SIGKILLs itself (rank 0 the launcher first)
@@ -137,6 +141,11 @@ _replicate = LocalTier.replicate
 def replicate(self, iteration, handle):
     _replicate(self, iteration, handle)
     kill, node = _spec("FAULT_KILL_JOB_AFTER_LOCAL"), _spec("FAULT_KILL_NODE_AFTER_LOCAL")
+    pause = _spec("FAULT_WAIT_AFTER_LOCAL")
+    if pause and pause == [int(os.environ["WORLD_SIZE"]), iteration]:
+        _until_held_everywhere(self, handle, iteration)
+        print(f"FAULT-WAIT rank {self.rank} after the memory checkpoint of iteration {iteration}", flush=True)
+        time.sleep(300)
     if kill and kill[0] == iteration:
         _until_held_everywhere(self, handle, iteration)
         print(f"FAULT-KILL-JOB rank {self.rank} after the memory checkpoint of iteration {iteration}", flush=True)

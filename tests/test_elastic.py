@@ -1,4 +1,4 @@
-"""A node lost for good inside one elastic torchrun job: two real torchrun agents on this machine as two nodes of
+"""A node lost for good, and a node that joins, inside one elastic torchrun job. The loss: two real torchrun agents on this machine as two nodes of
 2 ranks under one c10d rendezvous (`--nnodes 1:2`, a store the test hosts, `--max-restarts 3`), TP2 with the
 distributed optimizer, the memory tier every iteration with replication factor 2, each node its own tier directory.
 
@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -29,15 +30,17 @@ FLAGS = TINY + ["--global-batch-size", str(GBS), "--train-iters", str(ITERS), "-
 SAMPLES_RE = re.compile(r"FAULT-SAMPLES rank (\d+) attempt (\d+): ([\d ]+)")
 
 
-def _agent(node: int, port: int, flags: list[str], work: str) -> tuple[subprocess.Popen, str]:
+def _agent(node: int, port: int, flags: list[str], work: str, faults: dict | None = None,
+           rdzv_conf: str = "is_host=false") -> tuple[subprocess.Popen, str]:
     """One node: a torchrun agent of 2 ranks joining the c10d rendezvous on the test's store, with a memory tier
     directory of its own; (the agent, its log), every worker's output in that log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-           "--rdzv-conf", "is_host=false", "--max-restarts", "3", os.path.join(ROOT, "tests", "fault_launcher.py"),
+           "--rdzv-conf", rdzv_conf, "--max-restarts", "3", os.path.join(ROOT, "tests", "fault_launcher.py"),
            *flags, "--non-persistent-local-ckpt-dir", os.path.join(work, f"mem{node}")]
     env = environment({"DATASTATES_JOB_ID": "elastic-test", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                       "FAULT_KILL_NODE_AFTER_LOCAL": f"1:{KILLED_AFTER}", "FAULT_LOG_SAMPLES": "1"})
+                       "FAULT_LOG_SAMPLES": "1",
+                       **({"FAULT_KILL_NODE_AFTER_LOCAL": f"1:{KILLED_AFTER}"} if faults is None else faults)})
     log = os.path.join(work, f"agent{node}.log")
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -119,3 +122,61 @@ def test_a_node_lost_for_good_the_survivor_goes_on_as_dp1_at_the_exact_sample(tm
     expected = losses(ref_log)
     assert sorted(expected) == list(range(KILLED_AFTER + 1, ITERS + 1)), ref_log[-3000:]
     assert losses(log) == expected, (losses(log), expected)
+
+
+def test_a_node_that_joins_grows_the_job_to_dp2_from_the_memory_tier(tmp_path):
+    """One agent (node A) trains as TP2 x DP1; after its memory checkpoint of iteration 7 its ranks wait, a second
+    agent (node B, an empty tier directory) joins, and A's agent restarts its workers into one job of both nodes:
+    TP2 x DP2, 2 micro-batches a step, from the memory tier's iteration 7 (A's parts of the old layout, sent to B,
+    resharded), whichever number the rendezvous gives each node. Checked as the shrink is: the resume line, every
+    sample index after the growth, and the losses against a run loading iteration 7 from storage into DP2."""
+    work, ck = str(tmp_path), str(tmp_path / "ck")
+    flags = FLAGS + ["--save", ck, "--load", ck, "--save-interval", str(STORAGE_EVERY), "--async-ckpt",
+                     "--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=datetime.timedelta(seconds=60))
+    conf = "is_host=false,last_call_timeout=2"
+    grown = KILLED_AFTER
+    first, first_log = _agent(0, store.port, flags, work, {"FAULT_WAIT_AFTER_LOCAL": f"2:{grown}"}, conf)
+    agents = [(first, first_log)]
+    try:
+        deadline = time.monotonic() + 300
+        while "FAULT-WAIT" not in open(first_log).read():
+            assert first.poll() is None and time.monotonic() < deadline, open(first_log).read()[-6000:]
+            time.sleep(0.5)
+        agents.append(_agent(1, store.port, flags, work, {}, conf))
+        codes = [proc.wait(timeout=400) for proc, _ in agents]
+    finally:
+        for proc, _ in agents:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+    logs = [open(log).read() for _, log in agents]
+    assert codes == [0, 0], (codes, logs[0][-6000:], logs[1][-6000:])
+    log = logs[0] + logs[1]
+    assert "> world size 2: tensor-parallel 2, pipeline-parallel 1, data-parallel 1, 4 micro-batch(es)" in log
+    assert "> world size 4: tensor-parallel 2, pipeline-parallel 1, data-parallel 2, 2 micro-batch(es)" in log
+    resumed = re.findall(r"RESUMED from (.+?) at iteration (\d+), saved [\d.]+ s ago \((.*?)\); torchrun restart "
+                         r"(\d) of 3: (\S+)", log)
+    assert resumed and {r[:2] for r in resumed} == {("the memory tier", str(grown))}, log[-6000:]
+    assert re.search(rf"resharded checkpoint \S+/merged/iter_{grown:07d} from TP2xPP1xDP1 to TP2xPP1xDP2", log), \
+        log[-6000:]
+    assert re.search(r"rank \d: memory checkpoint of iteration 7 of rank [01] recovered from rank \d's replica", log), \
+        log[-6000:]
+    # every iteration after the growth reads its samples once, over both DP ranks (no sample skipped or repeated);
+    # a restart for a joining node keeps torchrun's restart count: a rank's last micro-batches are the grown job's
+    samples = {}
+    for m in SAMPLES_RE.finditer(log):
+        samples.setdefault(int(m.group(1)), []).append(list(map(int, m.group(3).split())))
+    assert sorted(samples) == [0, 1, 2, 3], sorted(samples)
+    per_dp = GBS // MBS // 2
+    after = {r: batches[-(ITERS - grown) * per_dp:] for r, batches in samples.items()}
+    for it in range(grown + 1, ITERS + 1):
+        k = (it - grown - 1) * per_dp
+        read = sorted(sum((sum(batches[k:k + per_dp], []) for batches in after.values()), []))
+        assert read == sorted(list(range((it - 1) * GBS, it * GBS)) * 2), (it, read)  # each DP rank's TP pair
+    # every loss after the growth equals that of a 4-rank run loading iteration 7, saved to storage by a 2-rank run
+    ref = str(tmp_path / "ref")
+    _, ref_log = torchrun(2, FLAGS + ["--save", ref, "--save-interval", "100", "--exit-interval", str(grown)])
+    _, ref_log = torchrun(4, FLAGS + ["--load", ref])
+    expected = losses(ref_log)
+    assert sorted(expected) == list(range(grown + 1, ITERS + 1)), ref_log[-3000:]
+    assert {it: loss for it, loss in losses(log).items() if it > grown} == expected, (losses(log), expected)

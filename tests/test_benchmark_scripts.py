@@ -225,6 +225,15 @@ def test_restart(tmp_path):
 
 
 @slow
+def test_elastic():
+    """A node lost after iteration 7, the survivor resumed from the memory tier: one iteration trained again (the
+    one in flight), timed from the kill."""
+    (row,) = script("elastic").main(["--quick"])
+    assert (row["resumed_from"], row["resumed_at"], row["trained_again"]) == ("the memory tier", 7, 1), row
+    assert row["loss_to_first_iteration_s"] > 0 and row["load_s"] > 0, row
+
+
+@slow
 def test_trainer_syscalls(tmp_path, capsys):
     script("trainer_syscalls").main(["--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out

@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, Exchange, LoadStats, SaveHandle,
-                        clean_leftovers, holds_legacy, storage_for, write_latest)
+                        Storage, clean_leftovers, holds_legacy, storage_for, write_latest)
 from datastates.paths import METADATA, checkpoint_dir, data_file, join as join_path, scheme as url_scheme
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
@@ -132,7 +132,7 @@ class DatastatesFormat(CheckpointFormat):
         if engine is None and self.root:
             self.engine = _engine(args, self.ownership, self.root, model)
             if self.root == args.save and clean_leftovers:
-                _clean_leftovers(args.save)
+                _clean_leftovers(args.save, self.engine.storage)
 
     @classmethod
     def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
@@ -407,11 +407,12 @@ def _engine(args, ownership: ReplicaOwnership, root: str, model: list | None) ->
         registry=make_registry(ownership), storage=storage, compress=args.ckpt_compress)
 
 
-def _clean_leftovers(save_dir: str) -> None:
-    """Remove what saves killed before publication left behind; one rank, while no one saves."""
+def _clean_leftovers(save_dir: str, storage: Storage) -> None:
+    """Remove what saves killed before publication left behind (through the engine's own storage of `save_dir`);
+    one rank, while no one saves."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
-        for path in clean_leftovers(save_dir):
+        for path in clean_leftovers(save_dir, storage):
             log.info("removed the leftovers of an unfinished checkpoint: %s", path)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -1,5 +1,7 @@
 #include "copy.h"
 
+#include "crc32c.h"
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -24,6 +26,27 @@ void CopyBatch::wait() {
 bool CopyBatch::done() {
   std::lock_guard lock(mu_);
   return remaining_ == 0;
+}
+
+void Checksums::finish_part(const Part& part, uint32_t crc) {
+  std::lock_guard lock(mu_);
+  partial_[part.range][part.index] = crc;
+  if (--remaining_) return;
+  crcs_.resize(partial_.size());
+  for (size_t r = 0; r < partial_.size(); r++) {  // pieces combined in order; all but the last are kCopyPiece
+    const auto& pieces = partial_[r];
+    uint32_t crc_r = pieces.empty() ? 0 : pieces[0];
+    for (size_t k = 1; k < pieces.size(); k++)
+      crc_r = crc32c_combine(crc_r, pieces[k], k + 1 == pieces.size() ? last_len_[r] : kCopyPiece);
+    crcs_[r] = crc_r;
+  }
+  cv_.notify_all();
+}
+
+std::vector<uint32_t> Checksums::wait() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [this] { return remaining_ == 0; });
+  return crcs_;
 }
 
 CopyPool::CopyPool(int threads) {
@@ -68,6 +91,34 @@ void CopyPool::copy(const std::shared_ptr<CopyBatch>& batch, uintptr_t dst, uint
   cv_.notify_all();
 }
 
+std::shared_ptr<Checksums> CopyPool::checksum(const std::shared_ptr<CopyBatch>& after, uintptr_t ptr,
+                                              const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  if (!ptr && !ranges.empty()) throw std::invalid_argument("null pointer");
+  auto sums = std::make_shared<Checksums>();
+  std::vector<Piece> parts;
+  sums->partial_.resize(ranges.size());
+  sums->last_len_.resize(ranges.size());
+  for (uint64_t r = 0; r < ranges.size(); r++) {
+    const auto [start, n] = ranges[r];
+    const uint64_t pieces = std::max<uint64_t>(1, (n + kCopyPiece - 1) / kCopyPiece);  // an empty range: crc 0
+    sums->partial_[r].assign(pieces, 0);
+    sums->last_len_[r] = n - (pieces - 1) * kCopyPiece;
+    for (uint64_t k = 0; k < pieces; k++)
+      parts.push_back(Piece{nullptr, nullptr, nullptr, 0, sums, after,
+                            Checksums::Part{r, k, reinterpret_cast<const char*>(ptr + start + k * kCopyPiece),
+                                            std::min(kCopyPiece, n - k * kCopyPiece)}});
+  }
+  sums->remaining_ = parts.size();
+  if (parts.empty()) return sums;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) throw std::runtime_error("CopyPool is closed");
+    for (auto& part : parts) queue_.push_back(std::move(part));
+  }
+  cv_.notify_all();
+  return sums;
+}
+
 void CopyPool::worker() {
   for (;;) {
     Piece p;
@@ -77,6 +128,12 @@ void CopyPool::worker() {
       if (queue_.empty()) return;  // stopping, and everything queued has been copied
       p = std::move(queue_.front());
       queue_.pop_front();
+    }
+    if (p.sums) {
+      // Every copy of `after` was queued before this piece, so each is taken by now: waiting cannot deadlock.
+      if (p.after) p.after->wait();
+      p.sums->finish_part(p.part, crc32c(0, p.part.p, p.part.n));
+      continue;
     }
     std::memcpy(p.dst, p.src, p.n);
     p.batch->finish_one();

@@ -1,6 +1,8 @@
 // Host memory copies on native threads: the CPU side of the snapshot, issued now and waited for later.
 // The protocol is the CUDA one: a copy is issued into a batch (one batch per staging slot), the batch records
 // its completion, and the writer waits on it before it reads the slot. No Python, no GIL.
+// The same threads checksum what they copied once it landed (`checksum`): one engine thread touches the bytes
+// after another, instead of a second thread reading them beside training.
 #pragma once
 
 #include <condition_variable>
@@ -32,6 +34,28 @@ class CopyBatch {
   uint64_t remaining_ = 0;
 };
 
+// The crc32c of each range of a checksum request, once the copy threads have computed them all.
+class Checksums {
+ public:
+  std::vector<uint32_t> wait();
+
+ private:
+  friend class CopyPool;
+  struct Part {  // one piece of one range
+    uint64_t range, index;
+    const char* p;
+    uint64_t n;
+  };
+  void finish_part(const Part& part, uint32_t crc);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::vector<uint32_t>> partial_;  // per range, the crc of each of its pieces
+  std::vector<uint64_t> last_len_;              // per range, the length of its last piece
+  std::vector<uint32_t> crcs_;
+  uint64_t remaining_ = 0;
+};
+
 class CopyPool {
  public:
   explicit CopyPool(int threads);
@@ -41,15 +65,22 @@ class CopyPool {
 
   // Queues memcpy(dst, src, n) into `batch`; both ranges must stay valid until the batch is done.
   void copy(const std::shared_ptr<CopyBatch>& batch, uintptr_t dst, uintptr_t src, uint64_t n);
+  // Queues the crc32c of each (start, length) range of the memory at `ptr`, to run once `after` (may be null) is
+  // done; every copy of `after` must be queued already. The memory must stay valid until the result is waited.
+  std::shared_ptr<Checksums> checksum(const std::shared_ptr<CopyBatch>& after, uintptr_t ptr,
+                                      const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
   // Finishes queued copies, then joins the threads. Idempotent.
   void close();
 
  private:
-  struct Piece {
+  struct Piece {  // a copy (batch set) or a piece of a checksum (sums set)
     std::shared_ptr<CopyBatch> batch;
     char* dst;
     const char* src;
     uint64_t n;
+    std::shared_ptr<Checksums> sums;
+    std::shared_ptr<CopyBatch> after;
+    Checksums::Part part;
   };
   void worker();
 

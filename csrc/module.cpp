@@ -175,11 +175,20 @@ PYBIND11_MODULE(_native, m) {
            "Block until every copy queued into this batch has landed.")
       .def("done", &ds::CopyBatch::done);
 
+  py::class_<ds::Checksums, std::shared_ptr<ds::Checksums>>(
+      m, "Checksums", "The crc32c of each range of a `CopyPool.checksum` request.")
+      .def("wait", &ds::Checksums::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block until every range is checksummed; their crc32c, in order.");
+
   py::class_<ds::CopyPool>(m, "CopyPool")
       .def(py::init<int>(), py::arg("threads"))
       .def("copy", &ds::CopyPool::copy, py::arg("batch"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>(),
            "Queue memcpy(dst, src, nbytes) on the pool's threads, counted in `batch`. Both ranges must stay "
            "valid until the batch is done.")
+      .def("checksum", &ds::CopyPool::checksum, py::arg("after"), py::arg("ptr"), py::arg("ranges"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Queue the crc32c of each (start, length) range of the memory at `ptr` on the pool's threads, once the "
+           "copies of `after` (a CopyBatch whose copies are all queued, or None) have landed.")
       .def("close", &ds::CopyPool::close, py::call_guard<py::gil_scoped_release>());
 }

@@ -8,7 +8,6 @@ storage know a codec.
 from __future__ import annotations
 
 import functools
-import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +17,7 @@ import torch
 
 from .codecs import Codec
 from .errors import CheckpointError
+from .priority import lower_priority
 from .schema import Item, Kind
 from .storage import DataSink
 
@@ -29,7 +29,7 @@ class Encoder:
 
     def __init__(self, codec: Codec, threads: int):
         self.codec, self.threads = codec, threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-encode", initializer=_lower_priority)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-encode", initializer=lower_priority)
         self._writes: queue.Queue = queue.Queue()  # (sink, slot) in submission order; None stops the writer
         self._writer = threading.Thread(target=self._write_all, name="ds-encode-write", daemon=True)
         self._writer.start()
@@ -187,10 +187,3 @@ def _encode(codec: Codec, buffer: torch.Tensor, segments: list) -> list[bytes | 
         out.append(data if data is not None and len(data) < n else None)
     return out
 
-
-def _lower_priority() -> None:
-    """Encoder threads run at the writers' priority (nice +5), below training and the snapshot copies."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
-    except OSError:
-        pass

@@ -193,7 +193,7 @@ class CheckpointEngine:
         The last one is kept while its metadata.json is the same: a resume that loads in several steps reads the
         index once."""
         if self._load_backend is None:
-            self._load_backend = make_backend(self._copy_threads)
+            self._load_backend = make_backend(self._copy_threads, beside_training=False)
         resolved = resolve_checkpoint(path, self.storage)
         version = self.storage.stat(paths.join(resolved, paths.METADATA))
         key = None if version is None else (resolved, version)  # None: gone meanwhile, opening it reports it

@@ -74,7 +74,7 @@ class OpenCheckpoint:
     def standalone(cls, path: str, threads: int = 4, staging_bytes: int = 256 << 20) -> "OpenCheckpoint":
         """For a process that only reads (the tools, the audit): the storage `path` names with `threads` readers,
         host staging of `staging_bytes`; `close()` (or leaving a `with` block) frees them."""
-        storage, backend = storage_for(path, read_threads=threads), HostCopyBackend()
+        storage, backend = storage_for(path, read_threads=threads), HostCopyBackend(beside_training=False)
         pool = StagingPool(staging_bytes, threads)
         try:
             checkpoint = cls(path, storage, pool, backend)

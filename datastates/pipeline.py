@@ -28,6 +28,7 @@ from . import paths
 from .coordination import Coordinator
 from .copies import CopyBackend
 from .encoding import Encoder
+from .priority import lower_priority
 from .errors import CheckpointError, CheckpointTimeoutError
 from .save_job import HeldSnapshot, Job, PageWrite, SaveHandle, SaveStats
 from .save_plan import Entry, Plan
@@ -68,7 +69,7 @@ class SavePipeline:
         self._broken: CheckpointError | None = None
         self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
         # retention, off the save path (the memory tier's unpins its pages: bound to the engine's device)
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete", initializer=backend.bind_thread)
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete", initializer=self._background_thread)
         self._queues = {name: queue.Queue() for name in ("copy", "flush", "complete", "publish")}
         self.copier = Copier(pool, backend, self.lends_pages, self._queues["flush"].put, self._sink)
         self._threads = [threading.Thread(target=self._guard, args=(name, fn), name=f"ds-{name}", daemon=True)
@@ -140,10 +141,16 @@ class SavePipeline:
         self._deleter.submit(_logged, self.publisher.sweep)
         self._deleter.shutdown()
 
+    def _background_thread(self) -> None:
+        self.backend.bind_thread()
+        lower_priority()
+
     def _guard(self, name: str, stage) -> None:
         """Run a stage; if it dies (an error outside its handlers), fail everything pending instead of hanging."""
         try:
             self.backend.bind_thread()
+            if name != "copy":  # only the snapshot is on training's path (`priority`)
+                lower_priority()
             stage()
         except BaseException as e:  # noqa: BLE001
             self._die(name, e)
@@ -218,6 +225,8 @@ class SavePipeline:
             self.backend.ready(slot)
             for hook in job.slot_hooks:
                 hook(slot.buffer, slot.segments)
+            if isinstance(slot, PageWrite) and slot.crcs is not None:
+                return slot.crcs  # already where the sink keeps it, checksummed as it landed: nothing to write
             segments = slot.segments if job.encodes else [(s[0], s[1]) for s in slot.segments]
             return data.submit(slot.buffer[:slot.fill], slot.file_offset, segments)
         except BaseException as e:  # noqa: BLE001

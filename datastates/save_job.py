@@ -110,11 +110,12 @@ class PageWrite:
     slot for the flusher and the completer: (offset, length, item, chunk index) segments, and the copies into
     it to wait on."""
 
-    __slots__ = ("buffer", "fill", "file_offset", "segments", "job", "waits")
+    __slots__ = ("buffer", "fill", "file_offset", "segments", "job", "waits", "crcs")
 
     def __init__(self, buffer: torch.Tensor, file_offset: int, segments: list, job: Job):
         self.buffer, self.fill, self.file_offset = buffer, buffer.numel(), file_offset
         self.segments, self.job, self.waits = segments, job, []
+        self.crcs = None  # copied into the sink's own pages and checksummed by the copy backend: its checksums
 
 
 class HeldSnapshot:

@@ -85,7 +85,8 @@ class Copier:
 
     def _copy_into_pages(self, job: Job) -> None:
         """Each tensor's chunks are copied straight to its planned offset in the sink's pages (the padding up to
-        the next item zeroed), and the item goes to the flusher, which submits it once its copies landed."""
+        the next item zeroed), and the item goes to the flusher, which submits it once its copies landed; the copy
+        backend checksums it where it can (the bytes are where they are kept: nothing more to write)."""
         pages = job.data.pages
         for e in self._tensors(job):
             item = e.item
@@ -95,6 +96,7 @@ class Copier:
             write = PageWrite(pages[item.offset:item.offset + align_up(item.nbytes)], item.offset,
                               [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())], job)
             self.backend.mark(write)
+            write.crcs = self.backend.checksum(write.buffer, [(start, n) for start, n, _, _ in write.segments])
             self.emit(write)
 
     def _write_from_pages(self, job: Job) -> None:

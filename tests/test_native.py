@@ -421,3 +421,24 @@ def test_stream_read_of_a_tmpfs_file_keeps_it(tmp_path):
             assert fh.read() == src.numpy().tobytes()
     finally:
         os.unlink(path)
+
+
+def test_copy_pool_checksums_what_it_copied_once_it_landed():
+    """Ranges across pieces (4 MiB), within one, empty, overlapping: each crc equals the source's, computed after
+    the copies it follows (a checksum queued before they land would read zeros)."""
+    pool = native.CopyPool(3)
+    try:
+        src = random_tensor(21 * MiB, seed=7)
+        dst = torch.zeros_like(src)
+        batch = native.CopyBatch()
+        for off in range(0, src.numel(), 5 * MiB):  # several copies into the one batch
+            n = min(5 * MiB, src.numel() - off)
+            pool.copy(batch, dst.data_ptr() + off, src.data_ptr() + off, n)
+        ranges = [(0, 0), (3, 5), (MiB - 1, 9 * MiB + 2), (12 * MiB, 9 * MiB), (4 * MiB, 4 * MiB), (0, 21 * MiB)]
+        got = pool.checksum(batch, dst.data_ptr(), ranges).wait()
+        assert got == [native.crc32c(src[a:a + n].numpy()) for a, n in ranges]
+        assert pool.checksum(None, 0, []).wait() == []
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.checksum(None, dst.data_ptr(), [(0, 1)])

@@ -2,13 +2,15 @@
 happens when a stage thread dies. A backend that completes copies late and out of order stands in for a GPU's
 side stream: if the writer read a slot early, or the fence opened early, the bytes on disk would show it."""
 import mmap
+import os
 import threading
 
 import pytest
 import torch
 
 from datastates import CheckpointEngine, PosixOptions, CheckpointError
-from datastates.copies import HostCopyBackend
+from datastates.copies import HostCopyBackend, default_copy_threads
+from datastates.priority import BACKGROUND_NICE
 from datastates.slots import StagingPool
 from late_copies import LateCopyBackend
 
@@ -240,3 +242,35 @@ def test_views_of_one_buffer_load_as_saved_whether_their_copies_join_or_not(tmp_
         flat.add_(1)  # the optimizer step: after the fence, not seen by the save
         eng.wait()
         _assert_equal(eng.load(str(tmp_path / "iter_0000001")), want)
+
+
+def test_only_the_snapshot_runs_at_training_priority(tmp_path):
+    """The stages after the snapshot (flush: the memory tier's checksums; complete; publish; retention's deleter)
+    yield the CPU to training; the copier, which the fence waits for, keeps training's priority."""
+    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=1) as eng:
+        for it in (1, 2):  # the second save retires the first: the deleter thread runs
+            eng.save(_state(it), str(tmp_path / f"iter_{it:07d}")).wait()
+        training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        nice = {t.name.split("_")[0]: os.getpriority(os.PRIO_PROCESS, t.native_id)
+                for t in threading.enumerate() if t.name.startswith("ds-")}
+    assert nice["ds-copy"] == training, nice
+    for stage in ("ds-flush", "ds-complete", "ds-publish", "ds-delete"):
+        assert nice[stage] == training + BACKGROUND_NICE, (stage, nice)
+
+
+def test_host_copies_leave_training_a_core_and_a_load_takes_them_all():
+    """`default_copy_threads` sized by the cores this thread may run on (sched_setaffinity is per thread)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    got = {}
+
+    def on(allowed):
+        os.sched_setaffinity(0, allowed)
+        got[len(allowed)] = (default_copy_threads(), default_copy_threads(beside_training=False))
+
+    for allowed in (cores[:1], cores[:2]):
+        t = threading.Thread(target=on, args=(allowed,))
+        t.start()
+        t.join()
+    assert got == {1: (1, 1), 2: (1, 2)}

@@ -13,11 +13,8 @@ import time
 
 from .. import _native
 from .. import paths
+from ..priority import BACKGROUND_NICE
 from .base import DataSink, DataSource, Options, Stat, Storage
-
-# Writers run at a lower priority than training and the snapshot copies: a flush may take a little longer,
-# the copies the fence waits for and the next step do not.
-WRITER_NICE = 5
 
 # How a load reads the data files. "stream" (the default): each file as one sequential stream through the page
 # cache. "parallel": as many reads of a file in flight as the read pool has threads, with O_DIRECT as `direct_io`
@@ -115,7 +112,7 @@ class PosixStorage(Storage):
         """The writers (below training's priority) or the readers (a restart waits on them: normal priority)."""
         with self._pools_lock:
             if kind not in self._pools:
-                self._pools[kind] = _native.IOPool(self._threads[kind], WRITER_NICE if kind == "write" else 0)
+                self._pools[kind] = _native.IOPool(self._threads[kind], BACKGROUND_NICE if kind == "write" else 0)
             return self._pools[kind]
 
     # ----- data objects -----

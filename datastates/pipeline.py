@@ -28,8 +28,8 @@ from . import paths
 from .coordination import Coordinator
 from .copies import CopyBackend
 from .encoding import Encoder
-from .priority import lower_priority
 from .errors import CheckpointError, CheckpointTimeoutError
+from .priority import lower_priority
 from .save_job import HeldSnapshot, Job, PageWrite, SaveHandle, SaveStats
 from .save_plan import Entry, Plan
 from .save_root import Publisher

@@ -353,6 +353,8 @@ class SlotFiller:
             slot.buffer[slot.fill:padded].zero_()
             slot.fill = padded
         self.backend.mark(slot)
+        if not self.job.encodes:  # an encoder reads the chunks itself
+            slot.crcs = self.backend.checksum(slot.buffer, [(start, n) for start, n, _, _ in slot.segments])
         self.position = slot.file_offset + slot.fill
         self.emit(slot)
 

@@ -225,10 +225,13 @@ class SavePipeline:
             self.backend.ready(slot)
             for hook in job.slot_hooks:
                 hook(slot.buffer, slot.segments)
-            if isinstance(slot, PageWrite) and slot.crcs is not None:
+            if slot.crcs is None:  # the writer checksums it
+                segments = slot.segments if job.encodes else [(s[0], s[1]) for s in slot.segments]
+                return data.submit(slot.buffer[:slot.fill], slot.file_offset, segments)
+            if isinstance(slot, PageWrite):
                 return slot.crcs  # already where the sink keeps it, checksummed as it landed: nothing to write
-            segments = slot.segments if job.encodes else [(s[0], s[1]) for s in slot.segments]
-            return data.submit(slot.buffer[:slot.fill], slot.file_offset, segments)
+            written, crcs = data.submit(slot.buffer[:slot.fill], slot.file_offset, []), slot.crcs
+            return lambda: (written(), crcs())[1]  # written by the sink, checksummed as it landed
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
             return None

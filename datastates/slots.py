@@ -50,10 +50,11 @@ def chunk_size(slot_bytes: int) -> int:
 
 
 class Slot:
-    """One staging buffer and what it holds: (offset in slot, length, item, chunk index) segments, and the
-    completions of the copies into it (`waits`) that a writer must wait on before reading it."""
+    """One staging buffer and what it holds: (offset in slot, length, item, chunk index) segments, the
+    completions of the copies into it (`waits`) that a writer must wait on before reading it, and what gives its
+    segments' checksums where the copy backend computes them (`crcs`; else the writer does)."""
 
-    __slots__ = ("buffer", "memory", "file_offset", "fill", "segments", "job", "waits")
+    __slots__ = ("buffer", "memory", "file_offset", "fill", "segments", "job", "waits", "crcs")
 
     def __init__(self, memory: mmap.mmap):
         self.memory = memory  # owns the pages; the tensor is a view of them
@@ -66,6 +67,7 @@ class Slot:
         self.segments = []
         self.job = None
         self.waits = []
+        self.crcs = None
 
 
 def cuda_host_register(ptr: int, nbytes: int) -> None:

@@ -101,11 +101,10 @@ class CopyBackend:
         for wait in slot.waits:
             wait()
 
-    def checksum(self, buffer: torch.Tensor, ranges: list[tuple[int, int]]) -> Callable[[], list[int]] | None:
-        """Called right after `mark`: what gives the crc32c of each (start, length) range of `buffer` once the
-        copies marked have landed, computed by the backend's own threads; None where it does not (its writer
+    def checksum(self, slot: Slot) -> None:
+        """Called right after `mark(slot)`: where the backend's own threads can, `slot.crcs` becomes what gives the
+        crc32c of each of its segments once the copies marked have landed; else it stays None (its writer
         checksums the bytes then)."""
-        return None
 
     def finish(self) -> None:
         # the completions of the slot being filled stay issued: its mark() still attaches them
@@ -158,10 +157,11 @@ class HostCopyBackend(CopyBackend):
         self._marked, self._batch = self._batch, None
         super().mark(slot)
 
-    def checksum(self, buffer, ranges):
+    def checksum(self, slot):
         """On the copy threads, after the marked copies: the bytes are read once more by the thread that just
         wrote them (in cache), and training keeps its core."""
-        return self.pool.checksum(self._marked, buffer.data_ptr(), ranges).wait
+        ranges = [(start, n) for start, n, _, _ in slot.segments]
+        slot.crcs = self.pool.checksum(self._marked, slot.buffer.data_ptr(), ranges).wait
 
     def finish(self):
         self._issue()
@@ -251,10 +251,11 @@ class CudaCopyBackend(HostCopyBackend):
         self._marked_on_device = self._record()
         super().mark(slot)
 
-    def checksum(self, buffer, ranges):
+    def checksum(self, slot):
         """The copy threads cannot wait on the side stream: a destination a device copy went into is checksummed
         by its writer."""
-        return None if self._marked_on_device else super().checksum(buffer, ranges)
+        if not self._marked_on_device:
+            super().checksum(slot)
 
     def finish(self):
         self._record()
@@ -354,7 +355,7 @@ class SlotFiller:
             slot.fill = padded
         self.backend.mark(slot)
         if not self.job.encodes:  # an encoder reads the chunks itself
-            slot.crcs = self.backend.checksum(slot.buffer, [(start, n) for start, n, _, _ in slot.segments])
+            self.backend.checksum(slot)
         self.position = slot.file_offset + slot.fill
         self.emit(slot)
 

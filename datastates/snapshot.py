@@ -96,7 +96,7 @@ class Copier:
             write = PageWrite(pages[item.offset:item.offset + align_up(item.nbytes)], item.offset,
                               [(start, n, item, index) for index, (start, n) in enumerate(item.chunks())], job)
             self.backend.mark(write)
-            write.crcs = self.backend.checksum(write.buffer, [(start, n) for start, n, _, _ in write.segments])
+            self.backend.checksum(write)
             self.emit(write)
 
     def _write_from_pages(self, job: Job) -> None:

@@ -87,5 +87,11 @@ def write_latest(root: str, iteration: int, fsync: bool = True) -> None:
 
 def clean_leftovers(root: str, storage: Storage | None = None) -> list[str]:
     """What saves killed before publication left under the checkpoint root `root`, removed
-    (`SaveRoot.clean_leftovers`)."""
-    return SaveRoot(storage or storage_for(root), root).clean_leftovers()
+    (`SaveRoot.clean_leftovers`), through `storage` if given, else one made here and closed after."""
+    owned = storage is None
+    storage = storage_for(root) if owned else storage
+    try:
+        return SaveRoot(storage, root).clean_leftovers()
+    finally:
+        if owned:
+            storage.close()

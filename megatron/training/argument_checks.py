@@ -13,6 +13,7 @@ from datastates.paths import TRACKER, join as join_path, normalize as normalize_
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla
 from .local_dirs import unwritable
+from .fsdp import validate_fsdp2
 from .moe import validate_moe
 from .multi_token import validate_mtp
 from .virtual_pipeline import validate_virtual_pipeline
@@ -97,6 +98,7 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         validate_mla(args, cuda)
         validate_mtp(args, cuda)
         validate_virtual_pipeline(args)
+        validate_fsdp2(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     _validate_save_hf(args)

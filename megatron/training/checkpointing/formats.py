@@ -28,6 +28,7 @@ from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError,
 from datastates.paths import METADATA, checkpoint_dir, data_file, join as join_path, scheme as url_scheme
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
+from ..fsdp import localized, with_dtensors
 from ..virtual_pipeline import chunk_keys
 from .hf_ownership import FileAlignedWriters
 from .state import get_rng_state, saved_bytes_bound, state_nbytes
@@ -158,6 +159,9 @@ class DatastatesFormat(CheckpointFormat):
                             ownership=self.ownership, from_save=from_save, keep=keep)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
+        if self.args is not None and self.args.use_torch_fsdp2:  # each DTensor's rows, read in place
+            return with_dtensors(load_sharded(self.engine, localized(template), ckpt_dir, self._exchange(ckpt_dir)),
+                                 template)
         return load_sharded(self.engine, template, ckpt_dir, self._exchange(ckpt_dir))
 
     def read_stats(self, ckpt_dir: str) -> LoadStats:

@@ -31,6 +31,7 @@ from .loading import LoadPolicy
 from .formats import Written, format_class, staging_bytes
 from .hf_job import REFUSED, ExportDropped
 from .hf_publish import Exported, HFPublisher
+from ..fsdp import localized
 from .state import build_state, current_layout, saved_bytes_bound
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,9 @@ class CheckpointManager:
 
     def _state(self, iteration: int, consumed: int, wrap_common: bool) -> dict:
         self._finish_param_gather()
-        return build_state(self.args, self.model, self.optimizer, self.scheduler, iteration, consumed,
-                           wrap_common=wrap_common)
+        state = build_state(self.args, self.model, self.optimizer, self.scheduler, iteration, consumed,
+                            wrap_common=wrap_common)
+        return localized(state) if self.args.use_torch_fsdp2 else state  # FSDP2: each DTensor's own rows
 
     def _started(self, level: str, handle: SaveHandle, t0: float) -> None:
         """Note the training thread's time outside the engine (building the state, a synchronous

@@ -16,7 +16,8 @@ Two adaptations, both inactive when `torch.cuda.is_available()` is True (then `i
   side stream, which megatron-core creates once per process, is given a CPU stream instead: CPU work is
   synchronous, so its waits do nothing and its events are done when recorded; and its device-to-host copy of
   the split sizes, which only converts CUDA tensors, turns CPU tensors into the same numpy arrays (what
-  `all_to_all_single` takes). Every other public `torch.cuda`
+  `all_to_all_single` takes). --use-torch-fsdp2's wrapper asks for its device mesh on "cuda": it gets it on
+  the CPU, where torch's `fully_shard` runs on gloo. Every other public `torch.cuda`
   function (and `Stream`/`Event`), called on the thread that installed the shim (the training thread), raises
   `ShimError` naming the calling file and line: a megatron-core release that adds a CUDA call fails there, in a
   test, not with "Found no NVIDIA driver" deep in a user's run. Queries that never touch a device

@@ -1,7 +1,7 @@
 """--use-torch-fsdp2 end to end through pretrain_gpt.py: megatron-core's TorchFullyShardedDataParallel trains on CPU
 ranks, its DTensor state is checkpointed lazily as each rank's own rows, resumes exactly, and loads into another
-number of FSDP2 ranks and into TP x DP (DDP with megatron-core's non-distributed optimizer) and back, model, fp32
-main params and Adam moments bit for bit.
+number of FSDP2 ranks, into PP with the distributed optimizer and TP x DP (DDP with megatron-core's non-distributed
+optimizer) and back, model, fp32 main params and Adam moments bit for bit.
 
 The model's sizes make the shards uneven: 33 position-embedding rows over 2 and 3 ranks, SwiGLU's fc1 of 148 rows
 over 3 ranks (50, 50, 48) whose W/V halves (74 rows each) split inside rank 1's rows.
@@ -68,17 +68,37 @@ def test_resume_is_exact(source, tmp_path):
     assert losses(log) == {i: reference[i] for i in range(N + 1, 2 * N + 1)}, log[-3000:]
 
 
-def test_reshards_across_fsdp2_ranks_and_into_tp_and_back(source, tmp_path):
-    """FSDP2 DP2 -> FSDP2 DP3 -> TP2 (DDP) -> FSDP2 DP2: each checkpoint written after the load equals the
-    source's, every full tensor and every common object."""
+def test_reshards_across_fsdp2_ranks_and_into_tp_pp_and_the_distributed_optimizer_and_back(source, tmp_path):
+    """FSDP2 DP2 -> FSDP2 DP3 -> PP2 with the distributed optimizer -> TP2 (DDP) -> FSDP2 DP2: each checkpoint
+    written after the load equals the source's, every full tensor (the distributed optimizer's main parameters
+    under its own name) and the optimizer's values."""
     root, _ = source
     start = _root_at(tmp_path, root, N)
+    src = iter_dir(start, N)
     dp3 = convert(3, FSDP2, start, str(tmp_path / "dp3"), N)
-    assert_same_state(iter_dir(start, N), dp3)
-    tp2 = convert(2, MODEL + ["--tensor-model-parallel-size", "2"], os.path.dirname(dp3), str(tmp_path / "tp2"), N)
-    assert_same_state(iter_dir(start, N), tp2)
+    assert_same_state(src, dp3)
+    distopt = convert(2, MODEL + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                                  "--dist-ckpt-optim-fully-reshardable"], os.path.dirname(dp3),
+                      str(tmp_path / "distopt"), N)
+    assert_same_as_distributed(src, distopt)
+    tp2 = convert(2, MODEL + ["--tensor-model-parallel-size", "2"], os.path.dirname(distopt), str(tmp_path / "tp2"),
+                  N)
+    assert_same_state(src, tp2)
     back = convert(2, FSDP2, os.path.dirname(tp2), str(tmp_path / "back"), N)
-    assert_same_state(iter_dir(start, N), back)
+    assert_same_state(src, back)
+
+
+def assert_same_as_distributed(src: str, dst: str) -> None:
+    """`dst`, a distributed optimizer's checkpoint, holds `src`'s model, main parameters and moments bit for bit,
+    and its Adam step in every param group."""
+    st, so = read_full(src)
+    dt, do = read_full(dst)
+    renamed = {k.replace("optimizer.state.fp32_param.", "optimizer.state.param."): v for k, v in st.items()}
+    assert any(k.startswith("optimizer.state.param.") for k in renamed), sorted(renamed)
+    assert_same_tensors(renamed, dt, src, dst)
+    step = so["common:optimizer/optimizer/state/common_step"]
+    groups = do["common:optimizer/optimizer"]["param_groups"]
+    assert step > 0 and [g["step"] for g in groups] == [step] * len(groups), (step, groups)
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -23,8 +23,8 @@ import torch
 
 from megatron.core import parallel_state as ps
 
-from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, Exchange, LoadStats, SaveHandle,
-                        Storage, clean_leftovers, holds_legacy, storage_for, write_latest)
+from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, CheckpointReader, Exchange,
+                        LoadStats, SaveHandle, Storage, clean_leftovers, holds_legacy, storage_for, write_latest)
 from datastates.paths import METADATA, checkpoint_dir, data_file, join as join_path, scheme as url_scheme
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
@@ -101,6 +101,10 @@ class CheckpointFormat:
         """The checkpoint's common state, top-level names -> values (at least args and content_metadata read, and
         the keys under the optimizer's entry)."""
         raise NotImplementedError
+
+    def saved_optimizer(self, ckpt_dir: str) -> dict:
+        """The plain values of the checkpoint's optimizer entry (param groups, steps), as saved."""
+        return self.saved_common(ckpt_dir)["optimizer"]
 
     def read_stats(self, ckpt_dir: str) -> LoadStats | None:
         """What this rank read of `ckpt_dir` from storage and passed between ranks, where the format counts it."""
@@ -188,6 +192,9 @@ class DatastatesFormat(CheckpointFormat):
                               self._exchange(ckpt_dir)) if present else {}
         values["optimizer"] = {p[1] for p in paths if p[0] == "optimizer" and len(p) > 1}
         return {n: values.get(n) for n in names}
+
+    def saved_optimizer(self, ckpt_dir: str) -> dict:
+        return CheckpointReader(self.engine.checkpoint(ckpt_dir)).common()["optimizer"]
 
     def close(self) -> None:
         if self.engine is not None:

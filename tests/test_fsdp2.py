@@ -9,11 +9,13 @@ over 3 ranks (50, 50, 48) whose W/V halves (74 rows each) split inside rank 1's 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 
 import pytest
 
-from megatron_helpers import convert, iter_dir, losses, torchrun
+from megatron_helpers import ROOT, convert, iter_dir, losses, torchrun, torchrun_command
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.argument_checks import validate_args
 from test_reshard import _comparable_objects, _plain, assert_same_tensors, read_full
@@ -45,6 +47,27 @@ def _root_at(tmp_path, root: str, iteration: int) -> str:
     with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
     return out
+
+
+def test_a_killed_rank_restarts_from_the_memory_tier_with_the_same_losses(source, tmp_path):
+    """torchrun --max-restarts 1: rank 1 SIGKILLed in iteration 5, the restarted workers read the memory tier's
+    FSDP2 shards back in place, and every loss the job prints equals the uninterrupted run's."""
+    _, reference = source
+    flags = FSDP2 + ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"), "--save-interval", "100",
+                     "--async-ckpt", "--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir",
+                     str(tmp_path / "mem"), "--log-all-ranks"]
+    cmd, env = torchrun_command(2, flags, env={"DATASTATES_JOB_ID": "fsdp2-restart", "FAULT_KILL_IN_STEP": "1:5:0"},
+                                faults=True)
+    cmd.insert(cmd.index("--nproc_per_node"), "--max-restarts=1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    log = done.stdout
+    assert done.returncode == 0 and "FAULT-KILL-STEP rank 1 in iteration 5" in log, log[-6000:]
+    assert re.search(r"RESUMED from the memory tier at iteration [34]", log), log[-6000:]
+    printed = [(int(i), loss) for i, loss in re.findall(r"\[rank 1\] .*iteration\s+(\d+)/\s*\d+ \|.* lm loss: "
+                                                        r"([^ ]+) \|", log)]
+    assert {i for i, _ in printed} == set(reference), log[-6000:]
+    assert all(loss == reference[i] for i, loss in printed), (printed, reference)
 
 
 def assert_same_state(src: str, dst: str) -> None:

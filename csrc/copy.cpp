@@ -2,6 +2,8 @@
 
 #include "crc32c.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -120,6 +122,7 @@ std::shared_ptr<Checksums> CopyPool::checksum(const std::shared_ptr<CopyBatch>& 
 }
 
 void CopyPool::worker() {
+  (void)::pthread_setname_np(::pthread_self(), "ds-copy-pool");  // training's priority: the fence waits on it
   for (;;) {
     Piece p;
     {

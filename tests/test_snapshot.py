@@ -247,6 +247,21 @@ def test_views_of_one_buffer_load_as_saved_whether_their_copies_join_or_not(tmp_
         _assert_equal(eng.load(str(tmp_path / "iter_0000001")), want)
 
 
+@pytest.mark.parametrize("where", ["staging", "pages"])
+def test_checksummed_ranges_of_several_copy_pieces_save_and_load(tmp_path, where):
+    """The copy threads checksum a range in 4 MiB pieces and combine their crc32c: a save whose checksummed ranges
+    (a staging slot's 16 MiB chunks; the memory tier's whole items) span several pieces, uneven ends included,
+    loads back verified and equal."""
+    from datastates.storage.shared_memory import SharedMemoryStorage
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(9_437_189, generator=g), "odd": torch.randn(1_048_583, generator=g).double()}
+    storage = (PosixOptions(writer_threads=1) if where == "staging" else
+               SharedMemoryStorage(pinned=False, writer_threads=1))
+    with CheckpointEngine(host_buffer_bytes=256 << 20, storage=storage, copy_threads=2) as eng:
+        eng.save(state, str(tmp_path / "iter_0000001")).wait()
+        _assert_equal(eng.load(str(tmp_path / "iter_0000001")), state)
+
+
 _NICE_OF_EVERY_THREAD = """
 import json, os, sys, threading, torch
 from datastates import CheckpointEngine, PosixOptions

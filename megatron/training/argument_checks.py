@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from datastates import CheckpointError, find_latest, storage_for
-from datastates.memory_tier import fitted_replication, node_of
+from datastates import CheckpointError, find_latest, fitted_replication, node_of, storage_for
 from datastates.paths import TRACKER, join as join_path, normalize as normalize_path, scheme as url_scheme
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError

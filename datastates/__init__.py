@@ -16,7 +16,7 @@ from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
-from .memory_tier import LocalTier, check_fits, job_id, node_of
+from .memory_tier import LocalTier, check_fits, fitted_replication, job_id, node_of
 from .problems import Problems
 from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
 from .load_reads import LoadStats
@@ -67,5 +67,5 @@ __all__ = [
     # a storage's reads in flight when not told (the trainer's --ckpt-read-threads default)
     "DEFAULT_READ_THREADS",
     # the node-local memory tier (--non-persistent-*): the tier, the check that it fits, whose it is, a rank's node
-    "LocalTier", "check_fits", "job_id", "node_of",
+    "LocalTier", "check_fits", "fitted_replication", "job_id", "node_of",
 ]

@@ -46,6 +46,7 @@ MEASURES_INTERNALS = {
     ("benchmarks.memory_tier", "datastates._native"): "it times the crc32c a memory save computes over its pages",
     ("benchmarks.compression", "datastates.storage"): "it saves to the memory tier's storage as LocalTier makes it",
     ("benchmarks.read_once", "datastates.format"): "its unique bytes leave out the skeleton item (its id)",
+    ("benchmarks.fence", "datastates._native"): "it times the copy pool's copies apart from its checksums",
 }
 
 

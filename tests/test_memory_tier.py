@@ -16,9 +16,8 @@ import torch
 
 from datastates import CheckpointEngine, read_index, tracker
 from datastates.errors import CheckpointError
-from datastates.memory_tier import LocalTier, check_fits, cliques
+from datastates.memory_tier import LocalTier, check_fits, cliques, fitted_replication
 from datastates.verifier import CheckpointVerifier
-from datastates.memory_tier.topology import fitted_factor
 from megatron_helpers import TINY, losses, torchrun
 
 FLAGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "10"]
@@ -112,10 +111,11 @@ def test_cliques_follow_megatron_replication_jump():
 
 def test_the_replication_factor_fits_the_world_present():
     """What a job restarted on fewer nodes replicates with: the largest factor whose cliques tile the world."""
-    assert fitted_factor(8, 2, 4) == 2  # 2 nodes of 4: as asked
-    assert fitted_factor(4, 2, 4) == 1  # one node left: no peer
-    assert fitted_factor(6, 3, 2) == 3 and fitted_factor(4, 3, 2) == 2  # 3 nodes of 2, then 2 left
-    assert fitted_factor(2, 2, 4) == 1  # a jump longer than the world
+    assert fitted_replication(8, 4, 2, None) == (2, 4)  # 2 nodes of 4: as asked, peers a node apart
+    assert fitted_replication(4, 4, 2, None) == (1, 4)  # one node left: no peer
+    assert fitted_replication(6, 2, 3, None) == (3, 2) and fitted_replication(4, 2, 3, None) == (2, 2)  # 3, then 2
+    assert fitted_replication(2, 1, 2, 4) == (1, 4)  # a jump longer than the world
+    assert fitted_replication(8, 4, 2, 1) == (2, 1)  # a jump given is kept
 
 
 def _tier(base, job, layout=(1, 1, 1)):
@@ -488,10 +488,10 @@ def test_a_job_re_formed_with_its_nodes_numbered_anew_reads_its_memory(tmp_path,
     assert recovered == ([] if lost else [f"NOTICE: rank 0: memory checkpoint of iteration 3 of rank {p} recovered "
                                           f"from rank 2's replica (node 1)" for p in (0, 1)]), recovered
     renamed = [m for r in range(len(new)) for m in got[r]["told"] if "are node" in m]
-    assert renamed == [f"NOTICE: memory tier {tmp_path}/b/job/node_00001: the parts this machine held as node 1 are "
-                       f"node 0's now ({tmp_path}/b/job/node_00000)"] if lost else \
-        [f"NOTICE: memory tier {tmp_path}/b/job/node_00000: the parts this machine held as node 0 are node 1's now "
-         f"({tmp_path}/b/job/node_00001)"], got
+    assert renamed == ([f"NOTICE: memory tier {tmp_path}/b/job/node_00001: the parts this machine held as node 1 "
+                        f"are node 0's now ({tmp_path}/b/job/node_00000)"] if lost else
+                       [f"NOTICE: memory tier {tmp_path}/b/job/node_00000: the parts this machine held as node 0 "
+                        f"are node 1's now ({tmp_path}/b/job/node_00001)"]), got
 
 
 def test_replication_jump_is_validated_before_any_work():
@@ -502,6 +502,20 @@ def test_replication_jump_is_validated_before_any_work():
     with pytest.raises(ArgumentError, match="--replication-factor 2 x --replication-jump 4 must divide the world "
                                             "size 4"):
         validate_args(parse_args(argv=argv + ["--replication-jump", "4"]), 4, cuda=False)
+
+
+def test_replication_is_checked_at_start_by_the_tiers_own_rule(monkeypatch):
+    """4 ranks on one node, factor 2: the tier's cliques (2 ranks a node apart) cannot tile the world, so the job is
+    refused at start, not run without replication; 2 nodes of 2 can."""
+    from megatron.training.argument_checks import validate_args
+    from megatron.training.arguments import ArgumentError, parse_args
+    argv = FLAGS + ["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ArgumentError, match=r"--replication-factor 2 x --replication-jump 4 \(the ranks per node, 4, "
+                                            r"when not given\) must divide the world size 4"):
+        validate_args(parse_args(argv=argv), 4, cuda=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert validate_args(parse_args(argv=argv), 4, cuda=False).replication_factor == 2
 
 
 def test_a_torchrun_restart_on_fewer_nodes_is_not_refused_for_its_replication_flags(monkeypatch):

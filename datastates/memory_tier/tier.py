@@ -20,7 +20,7 @@ from .identity import owner, read_owner, write_owner
 from .notices import notice
 from .node_paths import NodePaths, node_of_dir
 from .replication import Replicator, join_clique, parts_root
-from .topology import fitted_factor, gather_machines, gather_nodes, node_of
+from .topology import fitted_replication, gather_machines, gather_nodes, node_of
 
 
 class LocalTier:
@@ -43,17 +43,16 @@ class LocalTier:
         self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, tracker=False,
                                        **engine_kwargs)
         clique, group = [rank], None
-        factor = self._fit_replication(replication_factor, replication_jump or per_node, per_node)
+        factor, jump = fitted_replication(world_size, per_node, replication_factor, replication_jump)
+        self._tell_fitted(replication_factor, factor, jump, per_node)
         if factor > 1:
-            clique, group = join_clique(rank, world_size, factor, replication_jump or per_node, timeout_s,
-                                        self._nodes)
+            clique, group = join_clique(rank, world_size, factor, jump, timeout_s, self._nodes)
         self._replicator = Replicator(self.storage, self.paths, self._nodes, rank, clique, group, keep)
         self.errors = self._replicator.errors  # replications that failed (each also logged as a warning)
 
-    def _fit_replication(self, factor: int, jump: int, per_node: int) -> int:
-        """The replication factor of the world present (fewer peers, or none, when the job runs on fewer nodes than
-        the flags were written for: a restart after a lost node is never refused for it), said in one line."""
-        fitted = fitted_factor(self.world_size, factor, jump) if factor > 1 else 1
+    def _tell_fitted(self, factor: int, fitted: int, jump: int, per_node: int) -> None:
+        """Say in one line when the world present takes fewer peers than asked, or none (a restart on fewer nodes
+        than the flags were written for is never refused for it)."""
         if fitted < factor:
             nodes = len(set(self._nodes))
             present = f"{nodes} node{'s' if nodes > 1 else ''} of {per_node} rank{'s' if per_node > 1 else ''} present"
@@ -61,7 +60,6 @@ class LocalTier:
                    f"--replication-jump {jump}: " + ("no replication (storage holds what a lost node held)"
                                                      if fitted == 1 else f"each part kept by {fitted} ranks "
                                                                          f"{jump} apart"))
-        return fitted
 
     def _set_up(self, distributed: bool) -> None:
         """The node's first rank removes what killed saves left and sets apart (or clears) a tier of another

@@ -13,7 +13,7 @@ import time
 
 from .. import _native
 from .. import paths
-from ..priority import BACKGROUND_NICE
+from ..priority import added_from_here, background_nice
 from .base import DataSink, DataSource, Options, Stat, Storage
 
 # How a load reads the data files. "stream" (the default): each file as one sequential stream through the page
@@ -107,12 +107,14 @@ class PosixStorage(Storage):
         self._pools: dict[str, _native.IOPool] = {}
         self._pools_lock = threading.Lock()
         self._root_fds: dict[str, int] = {}
+        self._nice = background_nice()  # the writers', taken here: a pool is started by whichever stage needs it
 
     def _pool(self, kind: str) -> _native.IOPool:
         """The writers (below training's priority) or the readers (a restart waits on them: normal priority)."""
         with self._pools_lock:
             if kind not in self._pools:
-                self._pools[kind] = _native.IOPool(self._threads[kind], BACKGROUND_NICE if kind == "write" else 0)
+                added = added_from_here(self._nice) if kind == "write" else 0
+                self._pools[kind] = _native.IOPool(self._threads[kind], added)
             return self._pools[kind]
 
     # ----- data objects -----

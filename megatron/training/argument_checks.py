@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from datastates import CheckpointError, find_latest, storage_for
+from datastates import CheckpointError, find_latest, fitted_replication, node_of, storage_for
 from datastates.paths import TRACKER, join as join_path, normalize as normalize_path, scheme as url_scheme
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
@@ -237,12 +237,16 @@ def _validate_checkpointing(args, world_size: int) -> None:
                                 f"{args.replication_factor}")
         if args.replication_jump is not None and args.replication_jump <= 0:
             raise ArgumentError(f"--replication-jump must be positive, got {args.replication_jump}")
-        jump = args.replication_jump or 1
-        # refused at a job's start; a torchrun restart on fewer nodes replicates among those left (LocalTier)
+        # the tier's own rule (the jump defaults to the ranks per node), refused at a job's start; a torchrun
+        # restart on fewer nodes replicates among those left, with a NOTICE (LocalTier)
+        per_node = node_of(0, world_size)[1]
+        factor, jump = fitted_replication(world_size, per_node, args.replication_factor, args.replication_jump)
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        if world_size % (args.replication_factor * jump) and not restarted:
-            raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump "
-                                f"{args.replication_jump} must divide the world size {world_size}")
+        if factor < args.replication_factor and not restarted:
+            given = "" if args.replication_jump else f" (the ranks per node, {per_node}, when not given)"
+            raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump {jump}"
+                                f"{given} must divide the world size {world_size}: this world cannot replicate "
+                                f"as asked")
     if args.save_after_load:
         if args.save is None or args.load is None:
             raise ArgumentError("--save-after-load needs both --load and --save")

@@ -21,6 +21,8 @@ names a retired one); no rank removes a retired checkpoint's bytes before its re
 from __future__ import annotations
 
 import dataclasses
+import os
+import uuid
 from typing import Callable
 
 from . import paths
@@ -65,22 +67,29 @@ class SaveRoot:
 
     # ----- publication -----
 
-    def stage(self, final: str) -> str:
-        """Every writer: the unpublished place of `final`, ready (no reader looks there)."""
+    def stage(self, final: str, private: bool = False) -> str:
+        """Every writer: the unpublished place of `final`, ready (no reader looks there). `private`: a name no
+        other process can take (`<final>.<pid>-<random>.partial` where the storage stages aside), for one
+        process writing `final` alone (a conversion), so two writers of one output never share their files."""
+        if private and not self.storage.in_place:
+            return self.storage.stage(f"{paths.normalize(final)}.{os.getpid()}-{uuid.uuid4().hex}", self.marker)
         return self.storage.stage(final, self.marker)
 
-    def commit(self, partial: str, final: str, marker: bytes | None = None) -> list[str]:
+    def commit(self, partial: str, final: str, marker: bytes | None = None, replace: bool = True) -> list[str]:
         """Make `partial` visible as `final` in one step: `marker` written into it first (None: the caller wrote
-        the marker there, last). Returns what a checkpoint displaced (a re-save of `final`) was retired to."""
+        the marker there, last). Returns what a checkpoint displaced (a re-save of `final`) was retired to.
+        `replace=False`: a non-empty `final` is never displaced (FileExistsError), in the same step."""
         if marker is not None:
             self.storage.write_bytes(paths.join(partial, self.marker), marker)
-        return self.storage.commit(partial, final)
+        return self.storage.commit(partial, final, replace)
 
-    def publish(self, partial: str, final: str, marker: bytes | None = None, keep_last: int | None = None) -> list[str]:
-        """`commit`, then keep the newest `keep_last` checkpoints (None: all), then point at `final` (when the
-        root has a pointer and `final` is an iteration), in that order (the module docstring). Returns what was
-        retired: out of every reader's sight, its bytes left for `Storage.remove` (or `Publisher.delete`)."""
-        retired = self.commit(partial, final, marker)
+    def publish(self, partial: str, final: str, marker: bytes | None = None, keep_last: int | None = None,
+                replace: bool = True) -> list[str]:
+        """`commit` (`replace` as there), then keep the newest `keep_last` checkpoints (None: all), then point at
+        `final` (when the root has a pointer and `final` is an iteration), in that order (the module docstring).
+        Returns what was retired: out of every reader's sight, its bytes left for `Storage.remove` (or
+        `Publisher.delete`)."""
+        retired = self.commit(partial, final, marker, replace)
         iteration = paths.iteration_of(final)
         if iteration is None:
             return retired

@@ -387,3 +387,24 @@ def test_pointer_texts_name_an_iteration_their_own_way():
     assert DIRECTORY_TEXT.write(100) == "iter_0000100\n" and DIRECTORY_TEXT.read("iter_0000100") == 100
     assert ITERATION_TEXT.read("iter_0000100") is None and DIRECTORY_TEXT.read("100") is None
     assert DIRECTORY_TEXT.read("../iter_0000100") is None and ITERATION_TEXT.read("release") is None
+
+
+def test_two_writers_of_one_output_stage_apart_and_the_second_never_displaces_the_first(backend):
+    """A conversion's output (one process writes it alone) is staged under a name of its own: two conversions
+    of one output, interleaved, never share a file, and the later commit is refused where the storage stages
+    aside (in place, the output is the place: nothing to refuse)."""
+    s = backend.storage
+    out = paths.join(backend.root, "hf_model")
+    root = SaveRoot(s, backend.root, marker=HF_INDEX, pointer=None)
+    first, second = root.stage(out, private=True), root.stage(out, private=True)
+    assert (first == second) == s.in_place
+    for place, text in ((first, b"first"), (second, b"second")):
+        s.write_bytes(paths.join(place, "model.safetensors"), text)
+    if s.in_place:
+        return
+    assert s.read_bytes(paths.join(first, "model.safetensors")) == b"first"
+    root.commit(first, out, marker=b"index", replace=False)
+    with pytest.raises(FileExistsError):
+        root.commit(second, out, marker=b"index", replace=False)
+    assert s.read_bytes(paths.join(out, "model.safetensors")) == b"first" and root.is_published(out)
+    assert paths.name(second).endswith(paths.PARTIAL) and second in [paths.normalize(r) for r in root.clean_leftovers()]

@@ -148,9 +148,11 @@ class Storage(abc.ABC):
         writing in place deletes first (an earlier save of `final` is out of sight from then on)."""
 
     @abc.abstractmethod
-    def commit(self, partial: str, final: str) -> list[str]:
+    def commit(self, partial: str, final: str, replace: bool = True) -> list[str]:
         """Make what was written under `partial` (its index last) visible as `final` in one step, durably. A
-        checkpoint `final` displaced is retired (`retire`) and returned, for the caller to remove."""
+        checkpoint `final` displaced is retired (`retire`) and returned, for the caller to remove; with
+        `replace=False` a non-empty `final` raises FileExistsError instead (a store writing in place has
+        written `final` already: nothing is checked there)."""
 
     @abc.abstractmethod
     def retire(self, path: str, marker: str) -> str:

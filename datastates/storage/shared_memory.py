@@ -3,6 +3,7 @@ mapped and the snapshot is copied straight into their pages; nothing is fsynced;
 are reused by the next one, and the pages of the first ones can be made ahead, in the background (`ahead`)."""
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -129,7 +130,9 @@ class SharedMemoryStorage(PosixStorage):
                 data.path = paths.join(new, paths.name(data.path))
                 self._live[new] = data
 
-    def commit(self, partial, final):
+    def commit(self, partial, final, replace=True):
+        if not replace and os.path.isdir(final) and os.listdir(final):
+            raise FileExistsError(errno.ENOTEMPTY, "not empty", final)
         retired = [self._retire(final)] if os.path.isdir(final) else []  # re-saving an iteration: the new one wins
         self._move(partial, final)
         os.rename(partial, final)

@@ -17,6 +17,7 @@ import torch
 from datastates import CheckpointEngine, read_index, tracker
 from datastates.errors import CheckpointError
 from datastates.memory_tier import LocalTier, check_fits, cliques, fitted_replication
+from datastates.storage import SharedMemoryStorage
 from datastates.verifier import CheckpointVerifier
 from megatron_helpers import TINY, losses, torchrun
 
@@ -145,6 +146,27 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_sets_it_apart(tmp_path):
 def test_a_tier_that_does_not_fit_is_refused_before_any_work(tmp_path):
     with pytest.raises(CheckpointError, match=r"the memory tier needs about .* GiB in .* but only"):
         check_fits(str(tmp_path), 1 << 60)
+
+
+def test_the_space_check_at_start_counts_the_parts_set_up_gives_back_and_those_it_sets_apart(tmpfs):
+    """A 16 MiB memory file system holding a 4 MiB part of job-a: a restart in the same layout reuses the part's
+    pages (they count as free); one in another layout sets the part apart, where it stays beside the new saves
+    (it counts as taken, and the refusal says so); another job's check counts none of job-a's parts."""
+    mnt = str(tmpfs("16m"))
+    tier = _tier(mnt, "job-a")
+    tier.engine.save({"w": torch.ones(1 << 20)}, tier.path(3)).wait()
+    tier.close()
+    free = SharedMemoryStorage().free_bytes(mnt)
+    need = free + (2 << 20)  # more than is free, less than free + the part
+    check_fits(mnt, need, "job-a", 0, 1, [1, 1, 1])
+    with pytest.raises(CheckpointError, match=r"GiB of it held by parts of this job's earlier layout, set apart"):
+        check_fits(mnt, need, "job-a", 0, 1, [2, 1, 1])
+    with pytest.raises(CheckpointError, match=r"GiB are free there: lower"):
+        check_fits(mnt, need, "job-b", 0, 1, [1, 1, 1])
+    relaid = _tier(mnt, "job-a", layout=(2, 1, 1))  # the part set apart, for real
+    relaid.close()
+    with pytest.raises(CheckpointError, match=r"set apart"):
+        check_fits(mnt, need, "job-a", 0, 1, [2, 1, 1])
 
 
 # ----- real node detection (torchrun's GROUP_RANK / LOCAL_WORLD_SIZE, Slurm's SLURM_NODEID) -----

@@ -13,10 +13,11 @@ durable before the next depends on it:
      the storage syncs), or was written there by the caller, last;
   2. the place is committed under its final name in one step (`Storage.commit`: on a file system an fsync of the
      directory, the rename, an fsync of the parent; on an object store the marker's PUT was the step);
-  3. retention retires the old checkpoints (`Storage.retire`: renamed aside, or their marker deleted), then the
-     pointer is replaced in one step (`write_bytes(replace=True)`, which makes both durable).
-A crash leaves the pointer naming the new checkpoint or an older one (`tracker.find_latest` skips a tracker that
-names a retired one); no rank removes a retired checkpoint's bytes before its retirement is durable.
+  3. the pointer is replaced in one step (`write_bytes(replace=True)`, durable), then retention retires the old
+     checkpoints (`Storage.retire`: renamed aside, or their marker deleted; durable when it returns).
+The pointer only ever names a published checkpoint: a crash leaves it naming the new one or the one before,
+which retention had not touched yet (a reader of the pointer alone, as a Hugging Face user reads `latest`, needs
+nothing else); no rank removes a retired checkpoint's bytes before its retirement is durable.
 """
 from __future__ import annotations
 
@@ -85,19 +86,19 @@ class SaveRoot:
 
     def publish(self, partial: str, final: str, marker: bytes | None = None, keep_last: int | None = None,
                 replace: bool = True) -> list[str]:
-        """`commit` (`replace` as there), then keep the newest `keep_last` checkpoints (None: all), then point at
-        `final` (when the root has a pointer and `final` is an iteration), in that order (the module docstring).
-        Returns what was retired: out of every reader's sight, its bytes left for `Storage.remove` (or
-        `Publisher.delete`)."""
+        """`commit` (`replace` as there), then `advance` to `final` when it is an iteration (the module
+        docstring). Returns what was retired: out of every reader's sight, its bytes left for `Storage.remove`
+        (or `Publisher.delete`)."""
         retired = self.commit(partial, final, marker, replace)
         iteration = paths.iteration_of(final)
-        if iteration is None:
-            return retired
-        if keep_last is not None:
-            retired += self.retain(keep_last, iteration)
+        return retired if iteration is None else retired + self.advance(iteration, keep_last)
+
+    def advance(self, iteration: int, keep_last: int | None) -> list[str]:
+        """The published `iteration` becomes the newest: the pointer names it (when the root keeps one), then the
+        newest `keep_last` checkpoints are kept (None: all), in that order; returns what was retired."""
         if self.pointer is not None:
             self.point(iteration)
-        return retired
+        return [] if keep_last is None else self.retain(keep_last, iteration)
 
     def retain(self, keep_last: int, protect: int) -> list[str]:
         """Retire all but the newest `keep_last` published checkpoints, never `protect` (just published);

@@ -382,6 +382,32 @@ def test_a_models_root_publishes_retains_points_and_cleans_by_its_own_names(back
     assert models.pointed() == 3 and models.clean_leftovers() == []
 
 
+class Watched(SaveRoot):
+    """A save root that notes, as each retirement begins, what its pointer names and whether that is published:
+    what a process killed at that moment would leave."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at_retire = []
+
+    def retire(self, path):
+        self.at_retire.append((self.pointed(), self.is_published(self.path(self.pointed()))))
+        return super().retire(path)
+
+
+@pytest.mark.parametrize("kind", ["checkpoints", "models"])
+def test_every_root_points_at_the_new_checkpoint_before_retention_retires_any(backend, kind):
+    """The one publication order (commit, pointer, retention) on every kind of root: keeping one, each
+    retirement finds the pointer already naming the newest, published, so a kill there leaves it loadable."""
+    s = backend.storage
+    names = {} if kind == "checkpoints" else dict(marker=HF_INDEX, pointer="latest", pointer_text=DIRECTORY_TEXT)
+    root = Watched(s, backend.root, **names)
+    for iteration in (1, 2, 3):
+        for retired in export(root, iteration, keep_last=1):
+            s.remove(retired)
+    assert root.at_retire == [(2, True), (3, True)] and root.published() == [3] and root.pointed() == 3
+
+
 def test_pointer_texts_name_an_iteration_their_own_way():
     assert ITERATION_TEXT.write(100) == "100" and ITERATION_TEXT.read("100") == 100
     assert DIRECTORY_TEXT.write(100) == "iter_0000100\n" and DIRECTORY_TEXT.read("iter_0000100") == 100

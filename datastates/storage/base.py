@@ -156,9 +156,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def retire(self, path: str, marker: str) -> str:
-        """Take the checkpoint `path` (published by its object `marker`) out of every reader's sight in one step
-        (durable with the next `commit` or replacing `write_bytes` of its root); returns where its bytes are now,
-        for `remove`."""
+        """Take the checkpoint `path` (published by its object `marker`) out of every reader's sight in one step,
+        durable when it returns; returns where its bytes are now, for `remove`."""
 
     @abc.abstractmethod
     def abort_uploads(self, root: str) -> list[str]:

@@ -198,7 +198,9 @@ class PosixStorage(Storage):
         return retired
 
     def retire(self, path, marker):
-        return retire(path)
+        retired = retire(path)
+        self._sync_dir(paths.parent(path))  # durable before any rank removes a byte of it
+        return retired
 
     def abort_uploads(self, root):
         return []

@@ -7,8 +7,6 @@ restart choice are delegated to `replication.Replicator` and `restart`, which ge
 """
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
 from ..engine import CheckpointEngine
@@ -107,7 +105,7 @@ class LocalTier:
                 self.storage.make_dirs(dst)
                 for part in self.storage.list(src):  # a part held under both numbers is kept once
                     if not self.storage.exists(join(dst, part)):
-                        os.rename(join(src, part), join(dst, part))  # tmpfs: the same pages, nothing copied
+                        self.storage.move(join(src, part), join(dst, part))
             self.storage.remove(other.node_dir)
             notice(f"memory tier {other.node_dir}: the parts this machine held as node {old} are node "
                    f"{self.node}'s now ({self.paths.node_dir})", any_rank=True)
@@ -124,7 +122,7 @@ class LocalTier:
         self.storage.remove(before.node_dir)
         self.storage.make_dirs(before.root)
         write_owner(self.storage, before.job_file, found)
-        os.rename(node_dir, before.node_dir)  # nothing of this process maps its pages: a plain rename on tmpfs
+        self.storage.move(node_dir, before.node_dir)
         notice(f"memory tier {node_dir} holds checkpoints of another layout (world size {found['world_size']}): "
                f"set apart in {before.node_dir}, to be read into this one")
 

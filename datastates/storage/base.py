@@ -200,6 +200,13 @@ class PageLending(Protocol):
     def mapped(self, path: str, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the data object `path`, mapped (never copied): a part sent as a replica."""
 
+    def move(self, src: str, dst: str) -> None:
+        """The object or directory `src` renamed `dst` in one step: the same pages, nothing copied (`dst` must not
+        be there)."""
+
+    def link(self, src: str, dst: str) -> None:
+        """The data object `src` also named `dst`: the same pages, nothing copied."""
+
     def make_dirs(self, path: str) -> None: ...
 
     def remove_empty(self, path: str) -> None:

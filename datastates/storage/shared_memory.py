@@ -244,6 +244,14 @@ class SharedMemoryStorage(PosixStorage):
                 f.truncate(nbytes)
         return torch.from_file(path, shared=writable, size=nbytes, dtype=torch.uint8) if nbytes else _NOTHING
 
+    def move(self, src: str, dst: str) -> None:
+        """Pages this process maps follow the checkpoint they belong to."""
+        self._move(paths.normalize(src), paths.normalize(dst))
+        os.rename(src, dst)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst)
+
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 

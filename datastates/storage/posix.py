@@ -177,7 +177,7 @@ class PosixStorage(Storage):
         make_dir(partial)
         return partial
 
-    def commit(self, partial, final):
+    def commit(self, partial, final, replace=True):
         """The directory is fsynced (every file entry in it durable; no temporary name: it is not visible yet),
         renamed into place, its parent fsynced."""
         if self.fsync:
@@ -188,6 +188,8 @@ class PosixStorage(Storage):
         except OSError as e:  # re-saving an iteration: the new one wins
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
+            if not replace:  # the rename itself refused: no other writer's output is displaced
+                raise FileExistsError(e.errno, "not empty", final) from None
             # No rename replaces a non-empty directory: a crash before the second rename leaves the old one under
             # `.deleting` and none under `final`; `SaveRoot.clean_leftovers` gives the old one its name back.
             retired.append(retire(final))
@@ -196,7 +198,9 @@ class PosixStorage(Storage):
         return retired
 
     def retire(self, path, marker):
-        return retire(path)
+        retired = retire(path)
+        self._sync_dir(paths.parent(path))  # durable before any rank removes a byte of it
+        return retired
 
     def abort_uploads(self, root):
         return []

@@ -84,9 +84,10 @@ class CheckpointManager:
         # save is in flight on the tier's pages), per copy, for every rank of the node
         per_copy = saved_bytes_bound(args, self.model)
         copies = 4 if args.save and args.save_interval else 3
-        check_fits(args.non_persistent_local_ckpt_dir, copies * per_copy * factor * node_of(self.rank, world)[1])
-        return LocalTier(args.non_persistent_local_ckpt_dir, job_id(args.save), self.rank, world,
-                         list(current_layout()), keep=2, replication_factor=factor,
+        job, layout = job_id(args.save), list(current_layout())
+        check_fits(args.non_persistent_local_ckpt_dir, copies * per_copy * factor * node_of(self.rank, world)[1],
+                   job, self.rank, world, layout)
+        return LocalTier(args.non_persistent_local_ckpt_dir, job, self.rank, world, layout, keep=2, replication_factor=factor,
                          replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
                          host_buffer_bytes=staging_bytes(args, self.model),
                          # its snapshot lands in its own pages: it stages objects, loads and a compressed save's tensors

@@ -199,6 +199,13 @@ REFUSED = [
      "model exactly", {}),
     (["--save-hf-keep-last", "1"], "--save-hf-keep-last given without --save-hf", {}),
     (["--save-hf-interval", "2"], "--save-hf-interval given without --save-hf", {}),
+    # --publish-weights-dir: a version is the save of its iteration; a family without a mapping
+    (SAVE + ["--publish-weights-dir", "{tmp}/v", "--publish-weights-interval", "3"], "--publish-weights-interval 3 "
+     "is a multiple of neither --save-interval (2) nor --non-persistent-save-interval (None)", {}),
+    (SAVE + ["--publish-weights-dir", "{tmp}/v"], "--publish-weights-dir needs --publish-weights-interval N", {}),
+    (TIER + ["--publish-weights-dir", "{tmp}/v", "--publish-weights-interval", "1", "--position-embedding-type",
+             "rope"], "no transformers architecture computes this model exactly", {}),
+    (["--publish-weights-interval", "1"], "--publish-weights-interval given without --publish-weights-dir", {}),
     # the memory tier
     (SAVE + ["--non-persistent-save-interval", "0"], "--non-persistent-save-interval must be positive, got 0", {}),
     (TIER + ["--non-persistent-ckpt-type", "global"], "--non-persistent-ckpt-type global: only 'local'", {}),

@@ -102,6 +102,7 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     _validate_save_hf(args)
+    _validate_publish_weights(args)
     return args
 
 
@@ -118,6 +119,18 @@ def _validate_save_hf(args) -> None:
         raise ArgumentError(why)
 
 
+
+
+def _validate_publish_weights(args) -> None:
+    """--publish-weights-dir's refusals at start-up (its interval against the saves, and --save-hf's own)."""
+    if getattr(args, "publish_weights_dir", None) is None:
+        if getattr(args, "publish_weights_interval", None) is not None:
+            raise ArgumentError("--publish-weights-interval given without --publish-weights-dir")
+        return
+    from .checkpointing.weights_publish import check_publish_weights
+    why = check_publish_weights(args)
+    if why:
+        raise ArgumentError(why)
 
 
 def _validate_layout(args, world_size: int) -> None:

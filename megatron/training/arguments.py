@@ -343,6 +343,21 @@ def _add_memory_tier_args(p):
                    help="rank distance between the copies of a part (default: the ranks per node)")
 
 
+def _add_weights_publication_args(p):
+    g = p.add_argument_group("policy weights to the inference side (docs/rl-weights.md)")
+    g.add_argument("--publish-weights-dir", type=str, default=None, metavar="DIR",
+                   help="publish a policy version every --publish-weights-interval iterations into DIR, node-local "
+                        "shared memory (e.g. /dev/shm/policy): the Hugging Face model's tensors (--save-hf's "
+                        "mapping) from the save of that iteration, iter_XXXXXXX/ and `latest`, read with "
+                        "datastates.weights")
+    g.add_argument("--publish-weights-interval", type=int, default=None, metavar="N",
+                   help="--publish-weights-dir: a version every N iterations, a multiple of --save-interval or "
+                        "--non-persistent-save-interval (a version is the save's own snapshot)")
+    g.add_argument("--publish-weights-keep-last", type=int, default=2, metavar="K",
+                   help="--publish-weights-dir: the newest K versions are kept; an older one is freed once no "
+                        "reader holds it [2]")
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Megatron-style GPT pretraining with lazy asynchronous checkpoints",
                                 allow_abbrev=False)
@@ -354,6 +369,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_logging_args(p)
     _add_checkpoint_args(p)
     _add_memory_tier_args(p)
+    _add_weights_publication_args(p)
     add_moe_args(p)
     add_mla_args(p)
     add_mtp_args(p)

@@ -94,8 +94,9 @@ class ExportJob:
         """Every rank's kept pieces, or None: the checkpoint is read back from storage (the run's last, when a rank
         kept none; any other is then dropped: `ExportDropped`)."""
         missing = {r: w for r, (w, _, _) in enumerate(reports) if w is not None}
-        if not missing:
-            return [piece for _, pieces, _ in reports for piece in pieces]
+        if not missing:  # a replica kept by more than one rank (a memory-tier save, self-contained: every rank
+            # writes its replicated weights) is taken from the lowest of them
+            return list({(p.name, p.box): p for _, pieces, _ in reversed(reports) for p in pieces}.values())
         self.outcome(job.saved)  # nothing to write from before the checkpoint is published: its outcome first
         said = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
         if not job.last:

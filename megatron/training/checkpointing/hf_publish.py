@@ -61,9 +61,11 @@ class HFPublisher:
     (`ExportJob`), and `finished` / `drain` hand back, on rank 0, what ended (the manager reports failures as
     failed saves, drops as warnings). Collective at construction (the export's gloo group)."""
 
-    def __init__(self, args, rank: int = 0, world_size: int = 1, store=None):
+    def __init__(self, args, rank: int = 0, world_size: int = 1, store=None, models: ModelRoot | None = None,
+                 flag: str = "--save-hf"):
         root = normalize_path(args.save_hf) if url_scheme(args.save_hf) else os.path.abspath(args.save_hf)
-        self.models = ModelRoot(storage_for(root), root, args.save_hf_keep_last)
+        # `models`: another root's policy over the same exports (the published weight versions' leases)
+        self.models = models or ModelRoot(storage_for(root), root, args.save_hf_keep_last)
         self.interval = args.save_hf_interval or args.save_interval
         self.rank = rank
         # the pieces of the weights pass between ranks here, on the export thread, never on the training thread's group
@@ -75,7 +77,7 @@ class HFPublisher:
         self.job = ExportJob(self.models, args, rank, world_size, Coordinator(store, rank, world_size), group)
         behind = self.job.behind
         if rank == 0:
-            log.info("--save-hf: %s %s: each model is exported %s", root,
+            log.info("%s: %s %s: each model is exported %s", flag, root,
                      "shares the storage of --save" if behind else "is on another storage than --save",
                      "once its checkpoint is saved" if behind else "while its checkpoint is saved")
         self._queue: queue.Queue = queue.Queue()

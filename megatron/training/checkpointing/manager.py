@@ -31,6 +31,7 @@ from .loading import LoadPolicy
 from .formats import Written, format_class, staging_bytes
 from .hf_job import REFUSED, ExportDropped
 from .hf_publish import Exported, HFPublisher
+from .weights_publish import WeightsPublication, shared
 from ..fsdp import localized
 from .state import build_state, current_layout, saved_bytes_bound
 
@@ -74,6 +75,8 @@ class CheckpointManager:
         # --save-hf: the ranks export published checkpoints as transformers models, behind training
         self.hf: HFPublisher | None = self._hf_publisher() if getattr(args, "save_hf", None) else None
         self._save_called: dict[int, float] = {}
+        # --publish-weights-dir: policy versions for the inference side, from the saves' kept weights
+        self.versions = WeightsPublication(args, self.rank) if getattr(args, "publish_weights_dir", None) else None
 
     def _memory_tier(self) -> LocalTier:
         """The node-local memory tier (`datastates.memory_tier`), after checking that it fits in memory."""
@@ -128,18 +131,24 @@ class CheckpointManager:
         # --save-hf: the save keeps the model weights it stages for the export (a due or the run's last checkpoint)
         last = iteration >= self.args.train_iters
         keep = None if self.hf is None else self.hf.keep(iteration, last)
+        version = None if self.versions is None else self.versions.keep(iteration)  # the same weights
         try:
-            started = self.checkpoint_format.save(state, iteration, from_save=memory, keep=keep)
+            started = self.checkpoint_format.save(state, iteration, from_save=memory, keep=keep or version)
         except CheckpointError as e:  # refused at the call (storage unreachable): as a failure found later
             self._failed(iteration, e)
             if keep is not None:  # the ranks whose save started queued its export: this rank joins in dropping it
                 self.hf.submit(iteration, checkpoint_dir(self.args.save, iteration), None, last, saved=REFUSED)
+            if version is not None:  # and its version
+                self.versions.submit(iteration, checkpoint_dir(self.args.save, iteration), None)
             return
         if isinstance(started, Written):
             dt = time.perf_counter() - t0
             self._record(iteration, SaveStats(blocking_s=dt, snapshot_s=dt, durable_s=dt, bytes=started.nbytes), dt)
             return
-        self._in_flight(iteration, started, t0, keep, last)
+        kept = shared(started.kept, 2) if keep and version else [started.kept] * 2  # the export's, the version's
+        self._in_flight(iteration, started, t0, keep, last, kept[0])
+        if version is not None:
+            self.versions.submit(iteration, started.path, kept[1])
 
     def _memory_first(self, iteration: int, state: dict):
         """With the memory tier, the snapshot lands in its pages and storage writes from them: the memory save's
@@ -151,7 +160,7 @@ class CheckpointManager:
         self._one_storage_save_on_pages()
         return self._save_memory(iteration, state, time.perf_counter())  # the state's build is storage's
 
-    def _in_flight(self, iteration: int, started, t0: float, keep, last: bool) -> None:
+    def _in_flight(self, iteration: int, started, t0: float, keep, last: bool, kept) -> None:
         """A storage save under way: tracked, its export queued; in SYNC mode waited for, finalized and agreed."""
         log.info(f"saving checkpoint at iteration {iteration:8d} to {self.args.save} in "
                  f"{self.checkpoint_format.name} format ({self.mode})")
@@ -159,7 +168,7 @@ class CheckpointManager:
             started.join()  # synchronous baseline: training stalls until durable and published
         self._started(STORAGE, started, t0)
         if keep is not None:  # written by the export thread once the weights are kept, published with the save
-            self.hf.submit(iteration, started.path, started.kept, last, saved=started)
+            self.hf.submit(iteration, started.path, kept, last, saved=started)
         if self.mode is SaveMode.SYNC:
             self.maybe_finalize()
             self.agree_on_failures(iteration)
@@ -177,11 +186,15 @@ class CheckpointManager:
     def save_local(self, iteration: int, consumed: int) -> None:
         """A lazy checkpoint of this rank's part to the node-local memory tier (replicated in the background)."""
         t0 = time.perf_counter()
-        self._save_memory(iteration, self._state(iteration, consumed, wrap_common=True), t0)
+        version = None if self.versions is None else self.versions.keep(iteration)
+        handle = self._save_memory(iteration, self._state(iteration, consumed, wrap_common=True), t0, version)
+        if version is not None:  # from the weights this snapshot keeps
+            self.versions.submit(iteration, handle.path, handle.kept)
 
-    def _save_memory(self, iteration: int, state: dict, t0: float) -> SaveHandle:
-        """This rank's part of `state` to the memory tier (replicated in the background); the save's handle."""
-        handle = save_sharded(self.tier.engine, state, self.tier.path(iteration))
+    def _save_memory(self, iteration: int, state: dict, t0: float, keep=None) -> SaveHandle:
+        """This rank's part of `state` to the memory tier (replicated in the background); the save's handle
+        (`keep`: the tensors it keeps, as `CheckpointEngine.save` takes them)."""
+        handle = save_sharded(self.tier.engine, state, self.tier.path(iteration), keep=keep)
         self._memory_iteration = iteration
         self.tier.replicate(iteration, handle)
         self._started(MEMORY, handle, t0)
@@ -228,6 +241,8 @@ class CheckpointManager:
         if self.hf is not None:
             for exported in self.hf.finished():
                 self._exported(exported)
+        if self.versions is not None:
+            self.versions.report()
 
     def _finished(self, level: str, handle: SaveHandle) -> None:
         iteration = iteration_of(handle.path)
@@ -250,6 +265,8 @@ class CheckpointManager:
             handle.join()
         self.maybe_finalize()
         self._last_export()
+        if self.versions is not None:
+            self.versions.report(drain=True)
         self.agree_on_failures(last)
         if self.tier is not None:
             self.tier.drain()
@@ -370,6 +387,8 @@ class CheckpointManager:
             self.tier.close()
         if self.hf is not None:
             self.hf.close()
+        if self.versions is not None:
+            self.versions.close()
 
     def remove_memory_tier(self) -> None:
         """After close() on every rank (the caller's barrier): the finished job's memory tier goes."""

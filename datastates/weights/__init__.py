@@ -1,0 +1,14 @@
+"""Policy weights handed to the inference side (docs/rl-weights.md): the versions the trainer publishes with
+`--publish-weights-dir` into node-local shared memory, and the readers' library. It needs torch and safetensors,
+never megatron-core.
+
+    root/iter_0000007/   one version: the Hugging Face model's tensors (safetensors files, their index written last)
+    root/latest          `iter_0000007`: the newest whole version, replaced in one step after it
+
+leases.py   a reader's hold on a version (a shared flock), and the publisher's test that none holds one
+reader.py   open the newest version or wait for the next; (name, tensor) pairs; load into a transformers model
+"""
+from .leases import lease, unleased
+from .reader import Version, WeightsError, WeightsReader
+
+__all__ = ["Version", "WeightsError", "WeightsReader", "lease", "unleased"]

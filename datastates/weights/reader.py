@@ -1,0 +1,156 @@
+"""The rollout side's reader of published weight versions: the newest, a named one, or the next to come; each
+version leased while it is read (`leases`), its tensors handed out under their Hugging Face names, as vLLM's and
+SGLang's `load_weights` take them, or copied in place into a transformers model."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from ..paths import checkpoint_name, iteration_of
+from .leases import lease
+
+INDEX = "model.safetensors.index.json"  # written last into a version (datastates.hf.writer's)
+POINTER = "latest"
+POLL_S = 0.005  # how often `wait_next` reads the pointer
+
+
+class WeightsError(Exception):
+    """A version that cannot be read (gone, not there yet, or not this model's); the message says which and why."""
+
+
+class Version:
+    """One published version, leased until `close` (a `with` block): its files stay whole while it is open."""
+
+    def __init__(self, path: str, iteration: int, fd: int):
+        self.path, self.iteration, self._fd = path, iteration, fd
+        with open(os.path.join(path, INDEX)) as f:
+            self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        with open(os.path.join(path, "config.json")) as f:
+            self.config: dict = json.load(f)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its safetensors files (what a reader of the whole version reads)."""
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in set(self.weight_map.values()))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor) of every weight, file by file: each tensor a copy of its own, so it outlives
+        the lease (what an engine's `load_weights(iterable)` takes)."""
+        self._check_open()
+        for file in sorted(set(self.weight_map.values())):
+            with safe_open(os.path.join(self.path, file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Copy every weight in place into the transformers `model` (its parameters keep their storage and
+        dtype); every parameter must be in the version, and every weight a parameter of the model."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        loaded: set[int] = set()
+        with torch.no_grad():
+            for name, tensor in self.tensors():
+                param = params.get(name)
+                if param is None:
+                    raise WeightsError(f"{self.path}: {name!r} is no parameter of the {type(model).__name__} model")
+                if param.shape != tensor.shape:
+                    raise WeightsError(f"{self.path}: {name!r} is {tuple(tensor.shape)} in the version, "
+                                       f"{tuple(param.shape)} in the model")
+                param.copy_(tensor)
+                loaded.add(id(param))
+        missing = sorted(n for n, p in params.items() if id(p) not in loaded)  # a tied weight is loaded once
+        if missing:
+            raise WeightsError(f"{self.path}: the version has no tensor for the model's {', '.join(missing)}")
+
+    def _check_open(self) -> None:
+        if self._fd is None:
+            raise WeightsError(f"{self.path}: read after close (the version may be freed once closed)")
+
+    def close(self) -> None:
+        """Give the lease back: the publisher may free the version from now on."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Version:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+class WeightsReader:
+    """The versions published under `root` (`--publish-weights-dir`): `newest`, `open(iteration)`, `wait_next`."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def pointed(self) -> int | None:
+        """The iteration of the newest whole version (None: none yet)."""
+        try:
+            with open(os.path.join(self.root, POINTER)) as f:
+                return iteration_of(f.read().strip())
+        except FileNotFoundError:
+            return None
+
+    def published(self) -> list[int]:
+        """The iterations of the versions there now, oldest first (whole ones: their index is there)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        its = (iteration_of(n) for n in names)
+        return sorted(i for i in its if i is not None and
+                      os.path.exists(os.path.join(self.root, checkpoint_name(i), INDEX)))
+
+    def open(self, iteration: int) -> Version:
+        """The version of `iteration`, leased; WeightsError when it is not held (retired, or not published)."""
+        version = self._try(iteration)
+        if version is None:
+            held = self.published()
+            raise WeightsError(f"version {iteration} under {self.root} is not held: "
+                               + (f"it was retired (the versions held now: {held})" if held and iteration < held[-1]
+                                  else f"it is not published (the versions held now: {held or 'none'})"))
+        return version
+
+    def newest(self) -> Version | None:
+        """The newest version, leased (None: none published yet). One retired between reading the pointer and
+        taking the lease is passed over for the one the pointer names then."""
+        while True:
+            iteration = self.pointed()
+            if iteration is None:
+                return None
+            version = self._try(iteration)
+            if version is not None:
+                return version
+
+    def wait_next(self, after: int | None, timeout_s: float = 60.0) -> Version:
+        """The newest version once it is newer than `after` (None: any), leased; WeightsError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            iteration = self.pointed()
+            if iteration is not None and (after is None or iteration > after):
+                version = self._try(iteration)
+                if version is not None:
+                    return version
+            if time.monotonic() > deadline:
+                raise WeightsError(f"no version newer than {after} under {self.root} within {timeout_s} s (the "
+                                   f"newest is {iteration})")
+            time.sleep(POLL_S)
+
+    def _try(self, iteration: int) -> Version | None:
+        path = os.path.join(self.root, checkpoint_name(iteration))
+        fd = lease(path)
+        if fd is None:
+            return None
+        if not os.path.exists(os.path.join(path, INDEX)):  # not a version (no index): never one the trainer names
+            os.close(fd)
+            return None
+        return Version(path, iteration, fd)

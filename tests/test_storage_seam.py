@@ -17,6 +17,9 @@ MODULES = {"shutil", "tempfile", "pathlib"}
 OUTSIDE_THE_SEAM = {
     "hf/": "datastates.hf reads a user's transformers files (a model, a tokenizer) where they are, on a local file "
            "system, as transformers does; what it writes goes through a storage",
+    "weights/": "datastates.weights is the rollout side's reader, not the engine: it leases versions in node-local "
+                "shared memory with flock on their directories (no storage has one) and reads their safetensors "
+                "files as transformers does; the trainer publishes them through a storage",
     "memory_tier/topology.py:os.path.realpath": "a name, resolved: which machine's memory a directory is",
 }
 

@@ -2,9 +2,9 @@
 (megatron/training/checkpointing/weights_publish.py), read by the readers' library (datastates.weights).
 
 A TP2 run with the memory tier every iteration publishes a version every iteration, from the saves' own snapshots
-(memory-tier saves, and the storage saves beside --save-hf's exports). Two real reader processes run beside it: one
-follows every version to the last, reading each whole; one is SIGKILLed in the middle of reading a version, which
-the trainer then frees (training never waited for either). The last version is byte for byte --save-hf's model of
+(memory-tier saves, and the storage saves beside --save-hf's exports), with deltas. Two real reader processes run
+beside it: one follows the versions to the last through the deltas, each bit for bit the full version; one is
+SIGKILLed in the middle of reading a version, which the trainer then frees (training never waited for either). The last version is byte for byte --save-hf's model of
 the same iteration, and a transformers model loaded in place from it computes that model's logits bit for bit. A
 job SIGKILLed in the middle of a version's publication leaves the previous version whole, named by `latest`.
 """
@@ -61,7 +61,8 @@ def test_versions_follow_training_readers_come_and_die_and_the_last_is_the_hf_ex
             "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
             "--async-ckpt", "--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir",
             str(tmp_path / "tier"), "--save-hf", hf, "--save-hf-max-shard-size", SHARD, "--publish-weights-dir",
-            versions, "--publish-weights-interval", "1", "--publish-weights-keep-last", "1"])
+            versions, "--publish-weights-interval", "1", "--publish-weights-keep-last", "1",
+            "--publish-weights-deltas", "8"])
         out, _ = follower.communicate(timeout=120)
     finally:
         for p in (holder, follower):
@@ -69,12 +70,16 @@ def test_versions_follow_training_readers_come_and_die_and_the_last_is_the_hf_ex
         killer.join()
     for it in range(1, 7):
         assert f"published weights version {it}: " in log, log[-4000:]
-    # the follower read every version it saw whole, the last one included; the holder died holding one
-    got = [int(line.split()[1]) for line in out.splitlines() if line.startswith("GOT")]
-    assert got and got[-1] == 6 and got == sorted(set(got)) and out.rstrip().endswith("DONE"), out
+    # the follower took versions up to the last, through the deltas after its first, each one it could still
+    # compare bit for bit the full version, the last one included; the holder died holding one
+    got = [line.split()[1:] for line in out.splitlines() if line.startswith("GOT")]
+    its = [int(g[0]) for g in got]
+    assert its and its[-1] == 6 and its == sorted(set(its)) and out.rstrip().endswith("DONE"), out
+    assert got[-1][3] == "exact" and "DIFFERS" not in out and any(g[2] == "deltas" for g in got), out
     assert held and held[0] < 6 and holder.wait() == -signal.SIGKILL
     # keep-last 1: the dead reader's version was freed by a later publication; the last is what `latest` names
-    assert sorted(os.listdir(versions)) == ["iter_0000006", "latest"], os.listdir(versions)
+    assert sorted(os.listdir(versions)) == ["deltas", "iter_0000006", "latest"], os.listdir(versions)
+    assert sorted(os.listdir(os.path.join(versions, "deltas"))) == [f"iter_000000{i}.safetensors" for i in range(2, 7)]
     last = os.path.join(versions, "iter_0000006")
     assert_same_bytes(last, os.path.join(hf, "iter_0000006"))
     with WeightsReader(versions).newest() as version:

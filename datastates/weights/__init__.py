@@ -4,9 +4,12 @@ never megatron-core.
 
     root/iter_0000007/   one version: the Hugging Face model's tensors (safetensors files, their index written last)
     root/latest          `iter_0000007`: the newest whole version, replaced in one step after it
+    root/deltas/         each version's changed elements against the one before (--publish-weights-deltas)
 
 leases.py   a reader's hold on a version (a shared flock), and the publisher's test that none holds one
-reader.py   open the newest version or wait for the next; (name, tensor) pairs; load into a transformers model
+reader.py   open the newest version or wait for the next; (name, tensor) pairs; load into a transformers model;
+            catch a copy up to the newest through the deltas
+deltas.py   a delta between two versions: written by the trainer, applied by a reader
 """
 from .leases import lease, unleased
 from .reader import Version, WeightsError, WeightsReader

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ..paths import checkpoint_name, iteration_of
+from .deltas import BrokenChain, catch_up
 from .leases import lease
 
 INDEX = "model.safetensors.index.json"  # written last into a version (datastates.hf.writer's)
@@ -144,6 +145,22 @@ class WeightsReader:
                 raise WeightsError(f"no version newer than {after} under {self.root} within {timeout_s} s (the "
                                    f"newest is {iteration})")
             time.sleep(POLL_S)
+
+    def catch_up(self, tensors: dict, held: int) -> tuple[int, int]:
+        """Bring `tensors` (this reader's own copy of version `held`, e.g. `dict(model.named_parameters())`) to
+        the newest version in place, reading only the elements that changed (the trainer's deltas,
+        --publish-weights-deltas): (the newest iteration, the bytes read). WeightsError, the tensors untouched,
+        when no chain of deltas leads there: load the full version instead."""
+        newest = self.pointed()
+        if newest is None or newest <= held:
+            return held, 0
+        try:
+            return newest, catch_up(self.root, tensors, held, newest)
+        except BrokenChain as e:
+            raise WeightsError(f"{e}: version {held} cannot be brought to {newest} by deltas; load the full "
+                               f"version") from None
+        except KeyError as e:
+            raise WeightsError(f"the deltas under {self.root} change {e}, which the tensors given lack") from None
 
     def _try(self, iteration: int) -> Version | None:
         path = os.path.join(self.root, checkpoint_name(iteration))

@@ -356,6 +356,9 @@ def _add_weights_publication_args(p):
     g.add_argument("--publish-weights-keep-last", type=int, default=2, metavar="K",
                    help="--publish-weights-dir: the newest K versions are kept; an older one is freed once no "
                         "reader holds it [2]")
+    g.add_argument("--publish-weights-deltas", type=int, default=0, metavar="K",
+                   help="--publish-weights-dir: also write each version's changed elements against the one before "
+                        "(DIR/deltas/), the newest K kept, so that a reader behind reads only what changed [0: none]")
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:

@@ -43,7 +43,8 @@ class WeightsPublication:
     def __init__(self, args, rank: int):
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         root = os.path.abspath(args.publish_weights_dir)
-        self.versions = VersionRoot(storage_for(root), root, args.publish_weights_keep_last)
+        self.versions = VersionRoot(storage_for(root), root, args.publish_weights_keep_last,
+                                    args.publish_weights_deltas)
         self.queue = HFPublisher(export_args(args), rank, world, default_store() if world > 1 else None,
                                  models=self.versions, flag=FLAG)
 
@@ -108,6 +109,8 @@ def check_publish_weights(args) -> str | None:
         return f"{FLAG} needs --publish-weights-interval N (at least 1), got {interval}"
     if args.publish_weights_keep_last < 1:
         return f"--publish-weights-keep-last must be at least 1, got {args.publish_weights_keep_last}"
+    if args.publish_weights_deltas < 0:
+        return f"--publish-weights-deltas must be at least 0, got {args.publish_weights_deltas}"
     saves = [s for s in (args.save_interval if args.save else None, args.non_persistent_save_interval) if s]
     if not any(interval % s == 0 for s in saves):
         return (f"--publish-weights-interval {interval} is a multiple of neither --save-interval "

@@ -1,10 +1,13 @@
 """The root of the published weight versions (`--publish-weights-dir`): --save-hf's model root (the index written
 last, the directory renamed into place, `latest` replaced after it), with one difference: an old version is
 retired only when no reader leases it (`datastates.weights.leases`), tried without waiting at each publication.
+With deltas on, each version's changes against the one before are written (`datastates.weights.deltas`) before
+`latest` names it, on rank 0's export thread (off the training thread), while both versions are still there.
 
     iter_0000007/           config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json
     latest                  `iter_0000007`: the newest whole version
     iter_0000008.partial/   a version being written (a reader never looks there)
+    deltas/iter_0000007.safetensors   what changed from the version before to 7 (--publish-weights-deltas)
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import os
 
 from datastates.hf.writer import write_index
 from datastates.weights import unleased
+from datastates.weights.deltas import retire_deltas, write_delta
 
 from .hf_models import ModelRoot
 
@@ -21,13 +25,28 @@ log = logging.getLogger(__name__)
 
 class VersionRoot(ModelRoot):
     """Rank 0 publishes (`publish`, `name`); `keep_last`: the newest versions always kept, older ones retired
-    once no reader holds them."""
+    once no reader holds them; `deltas`: the deltas to the newest `deltas` versions kept (0: none written)."""
+
+    def __init__(self, storage, root: str, keep_last: int, deltas: int = 0):
+        super().__init__(storage, root, keep_last)
+        self.deltas = deltas
 
     def publish(self, directory: str, iteration: int, shards: list) -> None:
         write_index(self.storage, directory, shards)
-        self._remove(self.policy.publish(directory, self.path(iteration)))  # no SaveRoot retention: leases first
+        final = self.path(iteration)
+        self._remove(self.policy.commit(directory, final))  # no SaveRoot retention: leases first
+        previous = self.named
+        if self.deltas and previous is not None and previous < iteration and self.is_model(self.path(previous)):
+            try:
+                write_delta(self.root, previous, iteration)
+            except (OSError, ValueError) as e:  # a reader then loads the full version: said, never fatal
+                log.warning("%s: no delta from version %d to %d: %s", "--publish-weights-deltas", previous,
+                            iteration, e)
+        self.policy.advance(iteration, None)
         self.named = iteration
         self.retire_unleased()
+        if self.deltas:
+            retire_deltas(self.root, self.deltas)
 
     def name(self, iteration: int) -> None:
         self.policy.advance(iteration, None)

@@ -3,7 +3,8 @@ a trainer: versions written through --save-hf's writer into a root, a real reade
 
 A version a reader holds is never freed, however far publication goes on, and publication never waits for it;
 once the reader is SIGKILLed the next publication frees it. A retired or unpublished version asked for by number,
-and a model the version does not fit, get a clear error.
+and a model the version does not fit, get a clear error. A reader k versions behind reaches the newest through the
+deltas exactly to the bit, reading a fraction of the bytes; one whose chain was retired is told so, untouched.
 """
 import json
 import os
@@ -14,6 +15,7 @@ import time
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from megatron_helpers import ROOT
 from rank_launcher import environment
@@ -33,12 +35,14 @@ time.sleep(600)
 """
 
 
-def publish(root: VersionRoot, iteration: int) -> None:
-    """A version of one tensor `w` full of the iteration, as the trainer's export writes one."""
+def publish(root: VersionRoot, iteration: int, tensors: dict | None = None) -> None:
+    """A version of `tensors` (by default one, `w`, full of the iteration), as the trainer's export writes one."""
+    tensors = tensors or {"w": torch.full((4, 4), float(iteration))}
     directory = root.stage(root.path(iteration))
-    shards = [[Planned("w", (4, 4), torch.float32)]]
+    shards = [[Planned(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]]
     writer = ShardedWriter(root.storage, directory, shards)
-    writer.write("w", torch.full((4, 4), float(iteration)))
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
     writer.close()
     root.storage.write_bytes(os.path.join(directory, "config.json"), json.dumps({}).encode())
     root.publish(directory, iteration, shards)
@@ -90,3 +94,45 @@ def test_a_model_the_version_does_not_fit_is_refused(tmp_path):
                                                       "b": torch.nn.Parameter(torch.zeros(4))}))
     with pytest.raises(WeightsError, match="read after close"):
         next(version.tensors())
+
+
+def test_a_reader_versions_behind_reaches_the_newest_through_deltas_exactly(tmp_path):
+    """bf16 tensors of which about 1% of the elements change per version (-0.0 and NaN among them: compared by
+    their bits), and one whose every element changes (sent whole); a reader holding version 1 is brought to 3,
+    then 2 versions behind to 5, bit for bit the full version; a copy left at 1 once the delta to 2 is retired is
+    told to load the full version, untouched."""
+    path = str(tmp_path / "versions")
+    os.makedirs(path)
+    root = VersionRoot(storage_for(path), path, keep_last=1, deltas=3)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(300, 200, generator=g).bfloat16(), "b": torch.randn(1000, generator=g).bfloat16(),
+               "c": torch.zeros(64, dtype=torch.bfloat16)}  # every element changes: sent whole
+    publish(root, 1, tensors)
+    reader = WeightsReader(path)
+    with reader.open(1) as version:
+        held = dict(version.tensors())  # the reader's own copy (an engine's weights)
+    for it in range(2, 6):
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        tensors["c"].fill_(it)
+        for t in (tensors["a"], tensors["b"]):
+            flat = t.view(-1)
+            flat[torch.randperm(flat.numel(), generator=g)[:flat.numel() // 100]] += 0.5
+        tensors["b"][0], tensors["b"][1] = -0.0 if it % 2 else 0.0, float("nan") if it == 5 else 1.0
+        publish(root, it, tensors)
+        if it == 3:
+            behind = {k: v.clone() for k, v in held.items()}  # stays at 1
+            assert reader.catch_up(held, 1)[0] == 3
+    before = {k: v.clone() for k, v in behind.items()}
+    with pytest.raises(WeightsError, match=r"no delta to version 2 under .*: version 1 cannot be brought to 5 by "
+                                           r"deltas; load the full version"):
+        reader.catch_up(behind, 1)  # deltas=3: the delta to 2 is retired
+    assert all(torch.equal(behind[k].view(torch.int16), before[k].view(torch.int16)) for k in behind)  # untouched
+    newest, nbytes = reader.catch_up(held, 3)  # 2 versions behind: the deltas to 4 and 5
+    assert newest == 5
+    with reader.open(5) as version:
+        full = dict(version.tensors())
+        assert nbytes * 10 < version.nbytes
+    assert all(torch.equal(held[k].view(torch.int16), full[k].view(torch.int16)) for k in full)
+    with safe_open(os.path.join(path, "deltas", "iter_0000005.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == ["a:index", "a:value", "b:index", "b:value", "c:full"]
+    assert sorted(os.listdir(os.path.join(path, "deltas"))) == [f"iter_000000{i}.safetensors" for i in (3, 4, 5)]

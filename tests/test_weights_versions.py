@@ -82,7 +82,7 @@ def test_a_held_version_stays_until_its_reader_dies_and_publication_never_waits(
     assert open(os.path.join(path, "latest")).read() == "iter_0000004\n"
 
 
-def test_a_model_the_version_does_not_fit_is_refused(tmp_path):
+def test_a_model_the_version_does_not_fit_and_a_pointer_to_nothing_are_refused(tmp_path):
     path = str(tmp_path / "versions")
     os.makedirs(path)
     publish(VersionRoot(storage_for(path), path, keep_last=1), 1)
@@ -94,6 +94,10 @@ def test_a_model_the_version_does_not_fit_is_refused(tmp_path):
                                                       "b": torch.nn.Parameter(torch.zeros(4))}))
     with pytest.raises(WeightsError, match="read after close"):
         next(version.tensors())
+    with open(os.path.join(path, "latest"), "w") as f:  # a pointer to nothing (a root damaged by hand)
+        f.write("iter_0000009\n")
+    with pytest.raises(WeightsError, match=r"latest names version 9, which is not there"):
+        WeightsReader(path).newest()
 
 
 def test_a_reader_versions_behind_reaches_the_newest_through_deltas_exactly(tmp_path):

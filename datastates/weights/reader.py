@@ -131,6 +131,8 @@ class WeightsReader:
             version = self._try(iteration)
             if version is not None:
                 return version
+            if self.pointed() == iteration:  # the trainer never retires the version `latest` names
+                raise WeightsError(f"{self.root}/{POINTER} names version {iteration}, which is not there")
 
     def wait_next(self, after: int | None, timeout_s: float = 60.0) -> Version:
         """The newest version once it is newer than `after` (None: any), leased; WeightsError after `timeout_s`."""

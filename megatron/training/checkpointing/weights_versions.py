@@ -53,10 +53,9 @@ class VersionRoot(ModelRoot):
         self.named = iteration
         self.retire_unleased()
 
-    def retire_unleased(self) -> list[int]:
+    def retire_unleased(self) -> None:
         """Retire every version older than the newest `keep_last` that no reader leases now (a leased one stays
-        until a later publication finds it free); the iterations retired."""
-        retired = []
+        until a later publication finds it free)."""
         for iteration in self.policy.published()[:-self.keep_last]:
             if iteration == self.named:
                 continue
@@ -69,8 +68,6 @@ class VersionRoot(ModelRoot):
             finally:
                 os.close(fd)
             self._remove([gone])
-            retired.append(iteration)
-        return retired
 
     def _remove(self, paths: list[str]) -> None:
         for path in paths:

@@ -1,0 +1,35 @@
+"""The rollout side of examples/rl/run_rl_demo.sh: one process, a transformers model that takes each new policy
+version (the first whole, the next ones through the deltas) and generates a few tokens with it.
+
+    python examples/rl/rollout.py VERSIONS_DIR NAME LAST_ITERATION
+"""
+import sys
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from datastates.weights import WeightsError, WeightsReader
+
+root, name, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
+reader = WeightsReader(root)
+prompt = torch.tensor([[1, 2, 3, 4]])
+model, held = None, None
+while held != last:
+    how = "deltas"
+    try:
+        if model is None:
+            raise WeightsError("no model yet")
+        with reader.wait_next(held, timeout_s=600) as version:  # a newer one is there; reach it through deltas
+            pass
+        held, nbytes = reader.catch_up(dict(model.named_parameters()), held)
+    except WeightsError:  # the first version, or a chain of deltas that is gone: the whole version
+        how = "whole"
+        with reader.wait_next(held, timeout_s=600) as version:
+            if model is None:
+                config = AutoConfig.from_pretrained(version.path)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            version.load_into(model)
+            held, nbytes = version.iteration, version.nbytes
+    with torch.no_grad():
+        tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, 4:].tolist()
+    print(f"rollout {name}: policy version {held} ({how}, {nbytes} bytes read) -> tokens {tokens}", flush=True)

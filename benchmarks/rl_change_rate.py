@@ -6,7 +6,7 @@ all kept), then each version compared bit for bit with the one before it.
     python benchmarks/rl_change_rate.py [--quick] [--lr 1e-6] [--iters N] [--init-iters M]
 
 `--init-iters M` first trains M steps at 1e-3 (a model that has moved off its initialisation), then the measured
-steps at --lr from its checkpoint. Reports per step the share of elements changed, and the bytes of a delta that
+steps from its weights (--finetune: a fresh Adam, as an RL run starting from a trained model) at --lr. Reports per step the share of elements changed, and the bytes of a delta that
 names them (int32 index + bf16 value, 6 bytes an element) against the full version's.
 """
 from __future__ import annotations
@@ -45,18 +45,21 @@ def main(argv=None) -> None:
     work = tempfile.mkdtemp(prefix="rl_change_")
     shm = tempfile.mkdtemp(prefix="rl_change_", dir="/dev/shm")
     model = (QUICK if a.quick else FULL) + [f for f in LLAMA if f not in ("--lr", "1e-4")] + [
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--bf16", "--save", os.path.join(work, "ckpt")]
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--bf16"]
+    ckpt = os.path.join(work, "ckpt")
     try:
-        total = a.init_iters + a.iters
-        if a.init_iters:  # off the initialisation first
-            train(model + ["--lr", "1e-3", "--train-iters", str(a.init_iters), "--save-interval", str(a.init_iters)])
-        train(model + ["--lr", str(a.lr), "--train-iters", str(total), "--load", os.path.join(work, "ckpt"),
-                       "--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir",
-                       os.path.join(shm, "tier"), "--save-interval", str(total), "--publish-weights-dir",
-                       os.path.join(shm, "v"), "--publish-weights-interval", "1", "--publish-weights-keep-last",
-                       str(total)])
+        rl = model + ["--save", os.path.join(work, "rl"), "--lr", str(a.lr), "--train-iters", str(a.iters),
+                      "--non-persistent-save-interval", "1",
+                      "--non-persistent-local-ckpt-dir", os.path.join(shm, "tier"), "--save-interval", str(a.iters),
+                      "--publish-weights-dir", os.path.join(shm, "v"), "--publish-weights-interval", "1",
+                      "--publish-weights-keep-last", str(a.iters)]
+        if a.init_iters:  # off the initialisation first; then its weights alone, a fresh Adam at --lr
+            train(model + ["--save", ckpt, "--lr", "1e-3", "--train-iters", str(a.init_iters), "--save-interval",
+                           str(a.init_iters)])
+            rl += ["--finetune", "--load", ckpt]
+        train(rl)
         reader = WeightsReader(os.path.join(shm, "v"))
-        its = [i for i in reader.published() if i > a.init_iters]
+        its = reader.published()
         rows, previous = [], None
         for it in its:
             with reader.open(it) as version:

@@ -57,9 +57,9 @@ class CheckpointFormat:
         raise NotImplementedError
 
     @classmethod
-    def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
-        """A format that only reads --load (a checkpoint of another format than this run's --ckpt-format, or on
-        another storage than --save's)."""
+    def for_loading(cls, args, model, optimizer, scheduler, root: str) -> CheckpointFormat:
+        """A format that only reads the save root `root` (--load or --pretrained-checkpoint: a checkpoint of
+        another format than this run's --ckpt-format, or on another storage than --save's)."""
         return cls(args, model, optimizer, scheduler)
 
     def reads(self, ckpt_dir: str) -> bool:
@@ -135,8 +135,8 @@ class DatastatesFormat(CheckpointFormat):
                 _clean_leftovers(args.save, self.engine.storage)
 
     @classmethod
-    def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
-        return cls(args, model, optimizer, scheduler, clean_leftovers=False, root=args.load)
+    def for_loading(cls, args, model, optimizer, scheduler, root: str) -> CheckpointFormat:
+        return cls(args, model, optimizer, scheduler, clean_leftovers=False, root=root)
 
     def reads(self, ckpt_dir: str) -> bool:
         return self.root is None or storage_of(ckpt_dir) == storage_of(self.root)

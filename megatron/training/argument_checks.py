@@ -210,7 +210,7 @@ def _validate_checkpointing(args, world_size: int) -> None:
             raise ArgumentError(f"--ckpt-keep-last must be an integer or 'all', got {args.ckpt_keep_last!r}")
         if args.ckpt_keep_last < 1:
             raise ArgumentError("--ckpt-keep-last must be >= 1")
-    if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0 or \
+    if (args.ckpt_host_buffer_gb is not None and args.ckpt_host_buffer_gb <= 0) or args.ckpt_writer_threads <= 0 or \
             (args.ckpt_read_threads is not None and args.ckpt_read_threads <= 0):
         raise ArgumentError("--ckpt-host-buffer-gb, --ckpt-writer-threads and --ckpt-read-threads must be positive")
     if args.ckpt_compress != "off" and args.ckpt_format != "datastates":

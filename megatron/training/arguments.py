@@ -310,8 +310,9 @@ def _add_checkpoint_args(p):
                         "load detects the format")
     g.add_argument("--async-ckpt", "--async-save", dest="async_ckpt", action="store_true",
                    help="lazy asynchronous save (datastates); without it the save is synchronous")
-    g.add_argument("--ckpt-host-buffer-gb", type=float, default=4.0,
-                   help="host staging of each rank's engine, in GB: what the rank saves at most, within this cap")
+    g.add_argument("--ckpt-host-buffer-gb", type=float, default=None,
+                   help="cap, in GiB, on each rank's host staging [unset: all that the rank saves, within half of the "
+                        "node's available memory over its ranks; docs/sizing.md]")
     g.add_argument("--ckpt-writer-threads", type=int, default=4,
                    help="native writer threads per rank")
     g.add_argument("--ckpt-read-mode", choices=["stream", "parallel"], default="stream",

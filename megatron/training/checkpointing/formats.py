@@ -391,6 +391,27 @@ DEFAULT_STAGING = 4 << 30  # an engine that only reads (no model to size it by),
 HOST_SHARE = 0.5  # of the node's available memory at start, split over its ranks: the most staging takes unasked
 
 
+def rank_share_bytes(args, model: list) -> int:
+    """What this rank's storage save writes, about: its model chunk's state (`saved_bytes_bound`) over the DP
+    group, which shards the distributed optimizer's state and spreads the replicas (ReplicaOwnership)."""
+    return -(-saved_bytes_bound(args, model) // _dp_shards())
+
+
+def rank_held_bytes(args, model: list) -> int:
+    """What this rank holds of a checkpoint, at most: a memory-tier part (self-contained: every replica it holds),
+    its model chunk's weights and its optimizer state, a DP shard of it with the distributed optimizer."""
+    weights = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
+    optimizer = saved_bytes_bound(args, model) - weights
+    return weights + -(-optimizer // (_dp_shards() if args.use_distributed_optimizer else 1))
+
+
+def _dp_shards() -> int:
+    """The fewest ranks a DP shard is spread over: the data-parallel size, or the experts' when smaller."""
+    if not torch.distributed.is_initialized():
+        return 1
+    return min(ps.get_data_parallel_world_size(), ps.get_expert_data_parallel_world_size())
+
+
 def staging_bytes(args, model: list | None) -> int:
     """One engine's host staging: all that this rank's save writes (its share of the state, the replicas spread
     over the DP group; a tenth and 64 MiB more for packing chunks into slots and for the objects), so that a
@@ -400,8 +421,7 @@ def staging_bytes(args, model: list | None) -> int:
     cap = None if args.ckpt_host_buffer_gb is None else int(args.ckpt_host_buffer_gb * (1 << 30))
     if model is None:
         return cap or DEFAULT_STAGING
-    dp = ps.get_data_parallel_world_size() if torch.distributed.is_initialized() else 1
-    want = -(-saved_bytes_bound(args, model) // dp) * 11 // 10 + (64 << 20)
+    want = rank_share_bytes(args, model) * 11 // 10 + (64 << 20)
     bound, why = (cap, "--ckpt-host-buffer-gb") if cap is not None else _host_share()
     if bound < want:
         _notice(f"NOTICE: host staging is {bound / 2**30:.2f} GiB per rank ({why}) where this rank's checkpoint "

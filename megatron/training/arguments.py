@@ -254,7 +254,7 @@ def _add_logging_args(p):
                    help="log to Weights & Biases (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
     g.add_argument("--wandb-exp-name", type=str, default=None,
                    help="the W&B run's name")
-    g.add_argument("--wandb-save-dir", type=str, default=None, help="the W&B run directory [--save/wandb]")
+    g.add_argument("--wandb-save-dir", type=str, default=None, help="the W&B run directory [--save/wandb, or ./wandb when --save is unset or a URL]")
 
 
 def _add_data_args(p):

@@ -320,7 +320,7 @@ def _add_checkpoint_args(p):
     g.add_argument("--ckpt-read-threads", type=int, default=None,
                    help="native read threads per rank [the engine's DEFAULT_READ_THREADS, 8]")
     g.add_argument("--ckpt-compress", choices=CODEC_SETTINGS, default="off",
-                   help="lossless compression of the saved tensor chunks, on the writer side (docs/compression.md): "
+                   help="lossless compression of the saved tensor chunks, on encoder threads behind the snapshot (docs/compression.md): "
                         f"off, auto (object stores: {AUTO_CODEC}; file systems and the memory tier: off), or a "
                         "codec (off by default: no storage measured was durable sooner with it)")
     g.add_argument("--ckpt-keep-last", type=str, default="all", help="number of checkpoints to keep, or 'all'")

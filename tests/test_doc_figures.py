@@ -60,3 +60,12 @@ def test_the_trainers_figures_are_the_results():
     assert f"{moe[3]} s and {moe[2]}× against torch_dist's {moe_dist[3]} s and {moe_dist[2]}×" in README
     assert re.search(r"\((\d+) MB per checkpoint\)", RESULTS[RESULTS.index(table):]).group(1) + " MB per checkpoint" \
         in README
+
+
+def test_the_read_rates_that_make_stream_the_default_are_the_grids():
+    lines = [x for x in RESULTS.splitlines() if x.startswith("Raw read in the restore rotation")]
+    direct = [float(v) for x in lines for v in re.findall(r"([\d.]+) GB/s \(O_DIRECT", x)]
+    stream = [float(v) for x in lines for v in re.findall(r"([\d.]+) GB/s \(one buffered stream", x)]
+    text = " ".join(open(os.path.join(ROOT, "docs", "architecture.md")).read().split())
+    assert (f"one buffered stream read a rank's file at {min(stream):.2f}-{max(stream):.2f} GB/s, while O_DIRECT "
+            f"from 1, 4 or 8 threads reached {min(direct):.2f}-{max(direct):.2f} GB/s") in text

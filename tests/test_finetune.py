@@ -37,6 +37,8 @@ def test_finetune_from_a_stock_megatron_core_model(tmp_path):
                    ["--load", str(tmp_path / "ck"), "--pretrained-checkpoint", converted, "--ckpt-step", "0"]):
         _, log = torchrun(1, FLAGS + source + ["--exit-interval", "1"])
         assert "for fine-tuning from iteration 0" in log, log[-3000:]
+        assert ("holds no checkpoint: fine-tuning from --pretrained-checkpoint" in log) == \
+            ("--pretrained-checkpoint" in source), log[-3000:]
         assert losses(log)[1] == stock_loss, (source, losses(log), stock_loss)
 
     # into another layout (the vocabulary padded alike: 128 rows at TP1 and TP2): TP2 sums the same products in

@@ -254,7 +254,8 @@ def _add_logging_args(p):
                    help="log to Weights & Biases (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
     g.add_argument("--wandb-exp-name", type=str, default=None,
                    help="the W&B run's name")
-    g.add_argument("--wandb-save-dir", type=str, default=None, help="the W&B run directory [--save/wandb, or ./wandb when --save is unset or a URL]")
+    g.add_argument("--wandb-save-dir", type=str, default=None,
+                   help="the W&B run directory [--save/wandb, or ./wandb when --save is unset or a URL]")
 
 
 def _add_data_args(p):
@@ -320,7 +321,8 @@ def _add_checkpoint_args(p):
     g.add_argument("--ckpt-read-threads", type=int, default=None,
                    help="native read threads per rank [the engine's DEFAULT_READ_THREADS, 8]")
     g.add_argument("--ckpt-compress", choices=CODEC_SETTINGS, default="off",
-                   help="lossless compression of the saved tensor chunks, on encoder threads behind the snapshot (docs/compression.md): "
+                   help="lossless compression of the saved tensor chunks, on encoder threads behind the snapshot "
+                        "(docs/compression.md): "
                         f"off, auto (object stores: {AUTO_CODEC}; file systems and the memory tier: off), or a "
                         "codec (off by default: no storage measured was durable sooner with it)")
     g.add_argument("--ckpt-keep-last", type=str, default="all", help="number of checkpoints to keep, or 'all'")
@@ -389,9 +391,9 @@ def _add_checkpoint_args(p):
                    dest="ckpt_fully_parallel_save", action="store_false",
                    help="torch_dist only: DP rank 0 writes the replicated state")
     g.add_argument("--ckpt-fully-parallel-load", dest="ckpt_fully_parallel_load", action="store_true", default=None,
-                   help="read each saved byte from storage once per DP group and pass it between the ranks that need it "
-                        "(datastates: the exchange; torch_dist: megatron-core's fully parallel load) [datastates: on "
-                        "for object stores, off on file systems]")
+                   help="read each saved byte from storage once per DP group and pass it between the ranks that need "
+                        "it (datastates: the exchange; torch_dist: megatron-core's fully parallel load) [datastates: "
+                        "on for object stores, off on file systems]")
     g.add_argument("--no-ckpt-fully-parallel-load", dest="ckpt_fully_parallel_load", action="store_false",
                    help="every rank reads what it needs itself, replicas included")
     g.add_argument("--ckpt-assume-constant-structure", action="store_true",
@@ -406,8 +408,8 @@ def _add_checkpoint_args(p):
                    help="take the model's architecture flags the command line leaves unset from the checkpoint "
                         "under --load")
     g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
-                   "--disable-use-tokenizer-model-from-checkpoint-args", dest="use_tokenizer_model_from_checkpoint_args",
-                   action="store_false", default=True,
+                   "--disable-use-tokenizer-model-from-checkpoint-args",
+                   dest="use_tokenizer_model_from_checkpoint_args", action="store_false", default=True,
                    help="accepted: --use-checkpoint-args never takes the tokenizer model's path from the checkpoint")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="save the distributed optimizer's state in megatron-core's fully_reshardable layout "

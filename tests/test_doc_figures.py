@@ -69,3 +69,16 @@ def test_the_read_rates_that_make_stream_the_default_are_the_grids():
     text = " ".join(open(os.path.join(ROOT, "docs", "architecture.md")).read().split())
     assert (f"one buffered stream read a rank's file at {min(stream):.2f}-{max(stream):.2f} GB/s, while O_DIRECT "
             f"from 1, 4 or 8 threads reached {min(direct):.2f}-{max(direct):.2f} GB/s") in text
+
+
+def test_the_staging_rows_are_their_runs():
+    """benchmarks/RESULTS.md's "Staging smaller than the state": each row from its run's raw results."""
+    for name, label in (("staging_1gib", "1 GiB (half the state)"), ("staging_2.4gib", "2.4 GiB (all of it)")):
+        run = json.load(open(os.path.join(ROOT, "benchmarks", "results", "staging_2gb", f"{name}.json")))
+        loop = run["loop"]
+        for r in loop["runs"]:
+            system = "this engine, lazy" if r["system"] == "engine_lazy" else "DCP async_save"
+            row = (f"| {label} | {system} | {r['total_s'] / loop['baseline_s']:.2f}× "
+                   f"({r['total_s'] / r['floor_s']:.2f}×) | {r['fence_s']:.2f} s | {r['wait_s']:.1f} s | "
+                   f"{run['save'][r['system']]['durable_s']['median']:.2f} |")
+            assert row in RESULTS, row

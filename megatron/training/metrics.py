@@ -47,7 +47,8 @@ class Metrics:
     def log_checkpoint(self, iteration: int, record: dict) -> None:
         """One finished checkpoint of this rank (a record of the checkpoint manager), at the run's `iteration`."""
         prefix = _prefix(record)
-        self.unagreed.append((prefix, record["iteration"], record["stall_ms"]))
+        if self.wanted:
+            self.unagreed.append((prefix, record["iteration"], record["stall_ms"]))
         self.log(iteration, {f"{prefix}/stall-ms": record["stall_ms"], f"{prefix}/durable-ms": record["durable_ms"],
                              f"{prefix}/iteration": record["iteration"]}, every_iteration=True)
 

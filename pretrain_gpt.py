@@ -54,6 +54,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         calculate_per_token_loss=args.calculate_per_token_loss,
         batch_p2p_comm=cuda,  # gloo has no coalesced send/recv: pairs of isend/irecv instead
         qk_layernorm=args.qk_layernorm, deterministic_mode=args.deterministic_mode,
+        transformer_impl=args.transformer_impl,  # (FSDP2 shards megatron-core's own linears only with "local")
         **moe_config_kwargs(args), **mla_config_kwargs(args), **mtp_config_kwargs(args))
     spec = _layer_spec(args, config, vp_stage)
     return GPTModel(config=config, transformer_layer_spec=spec,

@@ -104,6 +104,8 @@ def main():
                     help="iterations of the bf16 + distributed-optimizer trainer rows (0: none)")
     ap.add_argument("--trainer-moe-iters", type=int, default=4,
                     help="iterations of the mixture-of-experts trainer rows (0: none)")
+    ap.add_argument("--trainer-fsdp2-iters", type=int, default=3,
+                    help="iterations of the --use-torch-fsdp2 trainer rows (0: none)")
     ap.add_argument("--trainer-rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="~2 min smoke run: 0.1 GB, 1 rank, short loop")
     ap.add_argument("--no-publish", action="store_true", help="do not write benchmarks/RESULTS.md + results/")
@@ -208,7 +210,8 @@ def main():
 
         print("\n=== trainer: pretrain_gpt.py, checkpoint every iteration vs. none", flush=True)
         res = trainer_e2e.run(a.out, required=(a.trainer == "on"), iters=a.trainer_iters, rounds=a.trainer_rounds,
-                              bf16_iters=a.trainer_bf16_iters, moe_iters=a.trainer_moe_iters)
+                              bf16_iters=a.trainer_bf16_iters, moe_iters=a.trainer_moe_iters,
+                              fsdp2_iters=a.trainer_fsdp2_iters)
         if res is not None:
             with open(os.path.join(a.out, "trainer.json"), "w") as f:
                 json.dump(res, f, indent=1)

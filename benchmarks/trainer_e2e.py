@@ -44,6 +44,12 @@ MOE_RUNS = [("MoE 8 experts top-2 + distributed optimizer: no checkpoint", None)
             ("MoE 8 experts top-2 + distributed optimizer: datastates (lazy async)",
              ["--ckpt-format", "datastates", "--async-ckpt"]),
             ("MoE 8 experts top-2 + distributed optimizer: torch_dist (sync)", ["--ckpt-format", "torch_dist"])]
+# FSDP2 (megatron-core's TorchFullyShardedDataParallel on the one rank, bf16): the lazy engine against its own
+# synchronous save and its own no-checkpoint run (megatron-core's savers take no FSDP2 state: docs/fsdp.md)
+FSDP2 = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--bf16"]
+FSDP2_RUNS = [("FSDP2 bf16: no checkpoint", None),
+              ("FSDP2 bf16: datastates (lazy async)", ["--ckpt-format", "datastates", "--async-ckpt"]),
+              ("FSDP2 bf16: datastates (sync)", ["--ckpt-format", "datastates"])]
 
 
 def _one(name, extra, iters, ckpt, timeout=600, model_extra=()):
@@ -115,7 +121,7 @@ def _group(runs, iters, rounds, ckpt, model_extra=()):
     return base, out[1:]
 
 
-def run(out, required=False, iters=8, rounds=2, bf16_iters=3, moe_iters=4):
+def run(out, required=False, iters=8, rounds=2, bf16_iters=3, moe_iters=4, fsdp2_iters=3):
     if not os.path.exists(os.path.join(ROOT, "pretrain_gpt.py")):
         if required:
             raise SystemExit("pretrain_gpt.py does not exist yet")
@@ -127,6 +133,8 @@ def run(out, required=False, iters=8, rounds=2, bf16_iters=3, moe_iters=4):
         runs += _group(BF16_RUNS, bf16_iters, 1, ckpt, model_extra=BF16)[1]
     if moe_iters:
         runs += _group(MOE_RUNS, moe_iters, 1, ckpt, model_extra=MOE)[1]
+    if fsdp2_iters:
+        runs += _group(FSDP2_RUNS, fsdp2_iters, 1, ckpt, model_extra=FSDP2)[1]
     cb = next((r.get("ckpt_bytes") for r in runs if r.get("ckpt_bytes")), None)
     desc = (f"GPT 6 layers, hidden 512, vocab 8192 on 1 CPU process (1 thread), {iters} iterations, checkpoint every "
             f"iteration ({cb / 1e6:.0f} MB per checkpoint)" if cb else f"{iters} iterations, checkpoint every iteration")
@@ -135,5 +143,7 @@ def run(out, required=False, iters=8, rounds=2, bf16_iters=3, moe_iters=4):
     if moe_iters:
         desc += (f"; MoE rows (same sizes, SwiGLU experts with FFN 256, fp32): {moe_iters} iterations, 1 round, "
                  "against their own no-checkpoint run")
+    if fsdp2_iters:
+        desc += f"; FSDP2 rows (bf16): {fsdp2_iters} iterations, 1 round, against their own no-checkpoint run"
     return {"description": desc + f"; median of {rounds} interleaved rounds", "short": f"({iters} it, ckpt every it)",
             "baseline_s": base, "runs": runs, "iters": iters}

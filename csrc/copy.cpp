@@ -2,6 +2,8 @@
 
 #include "crc32c.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -85,7 +87,7 @@ void CopyPool::copy(const std::shared_ptr<CopyBatch>& batch, uintptr_t dst, uint
       throw std::runtime_error("CopyPool is closed");
     }
     for (uint64_t off = 0; off < n; off += kCopyPiece)
-      queue_.push_back(Piece{batch, reinterpret_cast<char*>(dst + off), reinterpret_cast<const char*>(src + off),
+      copies_.push_back(Piece{batch, reinterpret_cast<char*>(dst + off), reinterpret_cast<const char*>(src + off),
                              std::min(kCopyPiece, n - off)});
   }
   cv_.notify_all();
@@ -113,24 +115,26 @@ std::shared_ptr<Checksums> CopyPool::checksum(const std::shared_ptr<CopyBatch>& 
   {
     std::lock_guard lock(mu_);
     if (stopping_) throw std::runtime_error("CopyPool is closed");
-    for (auto& part : parts) queue_.push_back(std::move(part));
+    for (auto& part : parts) sums_.push_back(std::move(part));
   }
   cv_.notify_all();
   return sums;
 }
 
 void CopyPool::worker() {
+  (void)::pthread_setname_np(::pthread_self(), "ds-copy-pool");  // training's priority: the fence waits on it
   for (;;) {
     Piece p;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything queued has been copied
-      p = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(lock, [this] { return stopping_ || !copies_.empty() || !sums_.empty(); });
+      auto& from = copies_.empty() ? sums_ : copies_;
+      if (from.empty()) return;  // stopping, and everything queued has been done
+      p = std::move(from.front());
+      from.pop_front();
     }
     if (p.sums) {
-      // Every copy of `after` was queued before this piece, so each is taken by now: waiting cannot deadlock.
+      // No copy is queued (copies go first), so every copy of `after` is taken by now: waiting cannot deadlock.
       if (p.after) p.after->wait();
       p.sums->finish_part(p.part, crc32c(0, p.part.p, p.part.n));
       continue;

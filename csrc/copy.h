@@ -2,7 +2,8 @@
 // The protocol is the CUDA one: a copy is issued into a batch (one batch per staging slot), the batch records
 // its completion, and the writer waits on it before it reads the slot. No Python, no GIL.
 // The same threads checksum what they copied once it landed (`checksum`): one engine thread touches the bytes
-// after another, instead of a second thread reading them beside training.
+// after another, instead of a second thread reading them beside training. A thread takes a queued copy before
+// any checksum.
 #pragma once
 
 #include <condition_variable>
@@ -86,7 +87,9 @@ class CopyPool {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Piece> queue_;
+  // Copies go before checksums: the fence waits for the copies only, and a checksum queued behind a slot's
+  // copies must not hold up the next slot's; the checksums fill the time the copies leave.
+  std::deque<Piece> copies_, sums_;
   bool stopping_ = false;
   std::mutex close_mu_;
   std::vector<std::thread> threads_;

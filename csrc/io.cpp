@@ -1,6 +1,7 @@
 #include "io.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -271,6 +272,7 @@ uint64_t IOPool::submit(bool write, std::shared_ptr<File> file, uintptr_t ptr, u
 }
 
 void IOPool::worker(int nice) {
+  (void)::pthread_setname_np(::pthread_self(), "ds-io");  // seen by tools (top -H) and the priority test
   // Best effort: a thread's nice value only ever goes up without privileges, which is all this asks for.
   if (nice > 0) (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), ::getpriority(PRIO_PROCESS, 0) + nice);
   for (;;) {

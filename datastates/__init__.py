@@ -3,6 +3,7 @@
 The public API is what `__all__` names, plus the public modules: `datastates.paths` (what a save root and a
 checkpoint hold: its names, and paths and URLs alike), `datastates.megatron` (the adapter to megatron-core's
 sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core), `datastates.logs`,
+`datastates.dtensors` (a DTensor's local shard and its box: FSDP2),
 and the Hugging Face library `datastates.hf` (transformers in and out). Every other module is the engine's own and
 may change (docs/architecture.md, "Public API"; tests/test_import_contract.py holds the trainer, the tools and
 the benchmarks to it).
@@ -15,7 +16,7 @@ from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
-from .memory_tier import LocalTier, check_fits, job_id, node_of
+from .memory_tier import LocalTier, check_fits, fitted_replication, job_id, node_of
 from .problems import Problems
 from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
 from .load_reads import LoadStats
@@ -66,5 +67,5 @@ __all__ = [
     # a storage's reads in flight when not told (the trainer's --ckpt-read-threads default)
     "DEFAULT_READ_THREADS",
     # the node-local memory tier (--non-persistent-*): the tier, the check that it fits, whose it is, a rank's node
-    "LocalTier", "check_fits", "job_id", "node_of",
+    "LocalTier", "check_fits", "fitted_replication", "job_id", "node_of",
 ]

@@ -17,7 +17,7 @@ import torch
 
 from .codecs import Codec
 from .errors import CheckpointError
-from .priority import lower_priority
+from .priority import background_nice, lower_priority
 from .schema import Item, Kind
 from .storage import DataSink
 
@@ -29,7 +29,9 @@ class Encoder:
 
     def __init__(self, codec: Codec, threads: int):
         self.codec, self.threads = codec, threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-encode", initializer=lower_priority)
+        self._nice = background_nice()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-encode", initializer=lower_priority,
+                                        initargs=(self._nice,))
         self._writes: queue.Queue = queue.Queue()  # (sink, slot) in submission order; None stops the writer
         self._writer = threading.Thread(target=self._write_all, name="ds-encode-write", daemon=True)
         self._writer.start()
@@ -47,6 +49,7 @@ class Encoder:
         self._writes.put((sink, slot))
 
     def _write_all(self) -> None:
+        lower_priority(self._nice)
         while (work := self._writes.get()) is not None:
             sink, slot = work
             try:

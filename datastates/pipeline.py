@@ -29,7 +29,7 @@ from .coordination import Coordinator
 from .copies import CopyBackend
 from .encoding import Encoder
 from .errors import CheckpointError, CheckpointTimeoutError
-from .priority import lower_priority
+from .priority import background_nice, lower_priority
 from .save_job import HeldSnapshot, Job, PageWrite, SaveHandle, SaveStats
 from .save_plan import Entry, Plan
 from .save_root import Publisher
@@ -67,6 +67,7 @@ class SavePipeline:
         self._jobs: dict[SaveHandle, Job] = {}  # saves not finished yet, for failing them if a stage dies
         self._jobs_lock = threading.Lock()
         self._broken: CheckpointError | None = None
+        self._nice = background_nice()  # the stages after the snapshot, below the caller's priority
         self._pickler = ThreadPoolExecutor(1, thread_name_prefix="ds-pickle")
         # retention, off the save path (the memory tier's unpins its pages: bound to the engine's device)
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ds-delete", initializer=self._background_thread)
@@ -143,14 +144,14 @@ class SavePipeline:
 
     def _background_thread(self) -> None:
         self.backend.bind_thread()
-        lower_priority()
+        lower_priority(self._nice)
 
     def _guard(self, name: str, stage) -> None:
         """Run a stage; if it dies (an error outside its handlers), fail everything pending instead of hanging."""
         try:
             self.backend.bind_thread()
             if name != "copy":  # only the snapshot is on training's path (`priority`)
-                lower_priority()
+                lower_priority(self._nice)
             stage()
         except BaseException as e:  # noqa: BLE001
             self._die(name, e)

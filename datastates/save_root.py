@@ -13,14 +13,17 @@ durable before the next depends on it:
      the storage syncs), or was written there by the caller, last;
   2. the place is committed under its final name in one step (`Storage.commit`: on a file system an fsync of the
      directory, the rename, an fsync of the parent; on an object store the marker's PUT was the step);
-  3. retention retires the old checkpoints (`Storage.retire`: renamed aside, or their marker deleted), then the
-     pointer is replaced in one step (`write_bytes(replace=True)`, which makes both durable).
-A crash leaves the pointer naming the new checkpoint or an older one (`tracker.find_latest` skips a tracker that
-names a retired one); no rank removes a retired checkpoint's bytes before its retirement is durable.
+  3. the pointer is replaced in one step (`write_bytes(replace=True)`, durable), then retention retires the old
+     checkpoints (`Storage.retire`: renamed aside, or their marker deleted; durable when it returns).
+The pointer only ever names a published checkpoint: a crash leaves it naming the new one or the one before,
+which retention had not touched yet (a reader of the pointer alone, as a Hugging Face user reads `latest`, needs
+nothing else); no rank removes a retired checkpoint's bytes before its retirement is durable.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import uuid
 from typing import Callable
 
 from . import paths
@@ -65,30 +68,37 @@ class SaveRoot:
 
     # ----- publication -----
 
-    def stage(self, final: str) -> str:
-        """Every writer: the unpublished place of `final`, ready (no reader looks there)."""
+    def stage(self, final: str, private: bool = False) -> str:
+        """Every writer: the unpublished place of `final`, ready (no reader looks there). `private`: a name no
+        other process can take (`<final>.<pid>-<random>.partial` where the storage stages aside), for one
+        process writing `final` alone (a conversion), so two writers of one output never share their files."""
+        if private and not self.storage.in_place:
+            return self.storage.stage(f"{paths.normalize(final)}.{os.getpid()}-{uuid.uuid4().hex}", self.marker)
         return self.storage.stage(final, self.marker)
 
-    def commit(self, partial: str, final: str, marker: bytes | None = None) -> list[str]:
+    def commit(self, partial: str, final: str, marker: bytes | None = None, replace: bool = True) -> list[str]:
         """Make `partial` visible as `final` in one step: `marker` written into it first (None: the caller wrote
-        the marker there, last). Returns what a checkpoint displaced (a re-save of `final`) was retired to."""
+        the marker there, last). Returns what a checkpoint displaced (a re-save of `final`) was retired to.
+        `replace=False`: a non-empty `final` is never displaced (FileExistsError), in the same step."""
         if marker is not None:
             self.storage.write_bytes(paths.join(partial, self.marker), marker)
-        return self.storage.commit(partial, final)
+        return self.storage.commit(partial, final, replace)
 
-    def publish(self, partial: str, final: str, marker: bytes | None = None, keep_last: int | None = None) -> list[str]:
-        """`commit`, then keep the newest `keep_last` checkpoints (None: all), then point at `final` (when the
-        root has a pointer and `final` is an iteration), in that order (the module docstring). Returns what was
-        retired: out of every reader's sight, its bytes left for `Storage.remove` (or `Publisher.delete`)."""
-        retired = self.commit(partial, final, marker)
+    def publish(self, partial: str, final: str, marker: bytes | None = None, keep_last: int | None = None,
+                replace: bool = True) -> list[str]:
+        """`commit` (`replace` as there), then `advance` to `final` when it is an iteration (the module
+        docstring). Returns what was retired: out of every reader's sight, its bytes left for `Storage.remove`
+        (or `Publisher.delete`)."""
+        retired = self.commit(partial, final, marker, replace)
         iteration = paths.iteration_of(final)
-        if iteration is None:
-            return retired
-        if keep_last is not None:
-            retired += self.retain(keep_last, iteration)
+        return retired if iteration is None else retired + self.advance(iteration, keep_last)
+
+    def advance(self, iteration: int, keep_last: int | None) -> list[str]:
+        """The published `iteration` becomes the newest: the pointer names it (when the root keeps one), then the
+        newest `keep_last` checkpoints are kept (None: all), in that order; returns what was retired."""
         if self.pointer is not None:
             self.point(iteration)
-        return retired
+        return [] if keep_last is None else self.retain(keep_last, iteration)
 
     def retain(self, keep_last: int, protect: int) -> list[str]:
         """Retire all but the newest `keep_last` published checkpoints, never `protect` (just published);

@@ -42,7 +42,8 @@ A fault in a --save-hf export, at a named point of the export of <it>'s model (t
 
     FAULT_KILL_IN_EXPORT=<it>:<point>   the rank at <point> SIGKILLs itself (prints FAULT-KILL-EXPORT first):
                                         first-file (a safetensors file of the model written and closed),
-                                        index (before the index is written), pointer (before `latest` names it)
+                                        index (before the index is written), pointer (before `latest` names it),
+                                        retention (`latest` names it, --save-hf-keep-last retires nothing yet)
 
 With FAULT_LOG_SAMPLES=1 every rank prints the sample indices of each micro-batch it reads, as it reads it
 (`FAULT-SAMPLES rank <r> attempt <a>: <i> <i> ...`), so that a test can check the data position across a restart.
@@ -274,7 +275,8 @@ def _kill_in_export(point: str, path: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-_close_after, _write_index, _point = hf_writer._close_after, hf_models.write_index, SaveRoot.point
+_close_after, _write_index, _point, _retain = (hf_writer._close_after, hf_models.write_index, SaveRoot.point,
+                                               SaveRoot.retain)
 
 
 def close_after(sink, writes, nbytes):
@@ -291,6 +293,12 @@ def point(self, iteration):
     if self.pointer == hf_models.POINTER:  # a Hugging Face models root's `latest`
         _kill_in_export("pointer", paths.checkpoint_name(iteration))
     return _point(self, iteration)
+
+
+def retain(self, keep_last, protect):
+    if self.pointer == hf_models.POINTER:
+        _kill_in_export("retention", paths.checkpoint_name(protect))
+    return _retain(self, keep_last, protect)
 
 
 _sampler_iter = RankSampler.__iter__
@@ -310,7 +318,8 @@ if __name__ == "__main__":
     MultipartSink.__init__, MultipartSink.close = sink_init, sink_close
     FileSink.close = file_close
     Publisher.prepare = prepare
-    hf_writer._close_after, hf_models.write_index, SaveRoot.point = close_after, write_index, point
+    hf_writer._close_after, hf_models.write_index, SaveRoot.point, SaveRoot.retain = (close_after, write_index, point,
+                                                                                       retain)
     if os.environ.get("FAULT_LOG_SAMPLES") == "1":
         RankSampler.__iter__ = sampler_iter
 

@@ -67,7 +67,9 @@ class MemoryStorage(Storage):
             for k in [k for k in self.objects if k.startswith(src + "/")]:
                 self.objects[dst + k[len(src):]] = self.objects.pop(k)
 
-    def commit(self, partial, final):
+    def commit(self, partial, final, replace=True):
+        if self.list(final) and not replace:
+            raise FileExistsError(final)
         retired = [self._retire(final)] if self.list(final) else []
         self._move(paths.normalize(partial), paths.normalize(final))
         return retired

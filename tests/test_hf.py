@@ -329,3 +329,29 @@ def test_a_failure_while_writes_are_in_flight_ends_them_and_is_raised(tmpfs):
     assert failure.value.errno == errno.ENOSPC and "model-00002-of-00003.safetensors" in str(failure.value)
     assert torch.equal(load_file(str(mnt / "model-00001-of-00003.safetensors"))["t0"], tensors["t0"])
     storage.close()
+
+
+def test_two_exports_to_one_output_never_share_a_file_and_the_later_is_refused(tmp_path):
+    """Two conversions to one output, interleaved as two processes may run them: both pass the check at start,
+    both write their whole model, then the first commits. Each wrote under a name of its own, so the output holds
+    the first's tensors exactly; the second is refused naming the output, and leaves nothing behind."""
+    from datastates import storage_for
+    from datastates.hf import HFError
+    from datastates.hf.writer import OutputDirectory
+    storage, out = storage_for(str(tmp_path)), str(tmp_path / "hf")
+    first, second = _odd_tensors(), {n: t * 2 for n, t in _odd_tensors().items()}
+    a, b = OutputDirectory(storage, out), OutputDirectory(storage, out)
+    a.__enter__()
+    b.__enter__()
+    _write(storage, a.path, first, 20_000, 0)
+    _write(storage, b.path, second, 20_000, 0)
+    a.__exit__(None, None, None)
+    with pytest.raises(HFError, match="already exists and is not empty"):
+        b.__exit__(None, None, None)
+    loaded = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".safetensors"):
+            loaded.update(load_file(os.path.join(out, name)))
+    assert loaded.keys() == first.keys() and all(torch.equal(loaded[n], t) for n, t in first.items())
+    assert os.listdir(tmp_path) == ["hf"]
+    storage.close()

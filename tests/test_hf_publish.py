@@ -252,6 +252,24 @@ def test_a_job_killed_at_each_point_of_an_export_leaves_the_previous_model_newes
         assert_same_bytes(os.path.join(hf, "iter_0000004"), offline)
 
 
+def test_a_job_killed_between_latest_and_retention_leaves_latest_naming_a_whole_model(tmp_path):
+    """--save-hf-keep-last 1, SIGKILL after `latest` names iteration 4's model and before retention retires
+    iteration 2's (the one order of every root: commit, pointer, retention): `latest` names a whole model, the
+    offline tool's bytes, and the one before is still whole too (retention had not touched it)."""
+    save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    flags = MODEL + TRAIN[:TRAIN.index("--train-iters")] + [
+        "--train-iters", "4", "--save", save, "--save-interval", "2", "--async-ckpt", "--no-save-optim",
+        "--save-hf", hf, "--save-hf-max-shard-size", SHARD, "--save-hf-keep-last", "1"]
+    rc, log = torchrun(1, flags, env={"FAULT_KILL_IN_EXPORT": "4:retention"}, check=False, faults=True)
+    assert rc != 0 and "FAULT-KILL-EXPORT iteration 4 at retention: " in log, log[-3000:]
+    assert open(os.path.join(hf, "latest")).read() == "iter_0000004\n"
+    assert sorted(os.listdir(hf)) == ["iter_0000002", "iter_0000004", "latest"], os.listdir(hf)
+    offline = str(tmp_path / "offline")
+    convert("--from", "datastates", "--to", "hf", "--input", save, "--output", offline, "--max-shard-size", SHARD)
+    assert_same_bytes(os.path.join(hf, "iter_0000004"), offline)
+    assert os.path.isfile(os.path.join(hf, "iter_0000002", "model.safetensors.index.json"))
+
+
 @pytest.mark.parametrize("policy", ["warn", "stop"])
 def test_the_store_stopped_during_an_export_fails_it_under_ckpt_on_failure(s3_server, tmp_path, policy):
     """Checkpoints on a file system, models on SeaweedFS, stopped (tests/fault_launcher.py, FAULT_STORE_DOWN) once

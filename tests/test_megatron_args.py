@@ -235,8 +235,8 @@ REFUSED = [
      {}),
     (TIER + ["--replication", "--replication-factor", "1"], "--replication-factor must be >= 2 with --replication, "
      "got 1", {}),
-    (TIER + ["--replication", "--replication-factor", "3"], "--replication-factor 3 x --replication-jump None must "
-     "divide the world size 4", {}),
+    (TIER + ["--replication", "--replication-factor", "3"], "--replication-factor 3 x --replication-jump 4 (the "
+     "ranks per node, 4, when not given) must divide the world size 4", {}),
     (TIER + ["--replication", "--replication-jump", "0"], "--replication-jump must be positive, got 0", {}),
     # restarts: the bounds that turn a lost or hung rank into a failure torchrun restarts
     (SAVE + ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be positive, got 0", {}),

@@ -16,9 +16,9 @@ import torch
 
 from datastates import CheckpointEngine, read_index, tracker
 from datastates.errors import CheckpointError
-from datastates.memory_tier import LocalTier, check_fits, cliques
+from datastates.memory_tier import LocalTier, check_fits, cliques, fitted_replication
+from datastates.storage import SharedMemoryStorage
 from datastates.verifier import CheckpointVerifier
-from datastates.memory_tier.topology import fitted_factor
 from megatron_helpers import TINY, losses, torchrun
 
 FLAGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "10"]
@@ -112,10 +112,11 @@ def test_cliques_follow_megatron_replication_jump():
 
 def test_the_replication_factor_fits_the_world_present():
     """What a job restarted on fewer nodes replicates with: the largest factor whose cliques tile the world."""
-    assert fitted_factor(8, 2, 4) == 2  # 2 nodes of 4: as asked
-    assert fitted_factor(4, 2, 4) == 1  # one node left: no peer
-    assert fitted_factor(6, 3, 2) == 3 and fitted_factor(4, 3, 2) == 2  # 3 nodes of 2, then 2 left
-    assert fitted_factor(2, 2, 4) == 1  # a jump longer than the world
+    assert fitted_replication(8, 4, 2, None) == (2, 4)  # 2 nodes of 4: as asked, peers a node apart
+    assert fitted_replication(4, 4, 2, None) == (1, 4)  # one node left: no peer
+    assert fitted_replication(6, 2, 3, None) == (3, 2) and fitted_replication(4, 2, 3, None) == (2, 2)  # 3, then 2
+    assert fitted_replication(2, 1, 2, 4) == (1, 4)  # a jump longer than the world
+    assert fitted_replication(8, 4, 2, 1) == (2, 1)  # a jump given is kept
 
 
 def _tier(base, job, layout=(1, 1, 1)):
@@ -145,6 +146,27 @@ def test_another_job_never_sees_a_tier_and_a_new_layout_sets_it_apart(tmp_path):
 def test_a_tier_that_does_not_fit_is_refused_before_any_work(tmp_path):
     with pytest.raises(CheckpointError, match=r"the memory tier needs about .* GiB in .* but only"):
         check_fits(str(tmp_path), 1 << 60)
+
+
+def test_the_space_check_at_start_counts_the_parts_set_up_gives_back_and_those_it_sets_apart(tmpfs):
+    """A 16 MiB memory file system holding a 4 MiB part of job-a: a restart in the same layout reuses the part's
+    pages (they count as free); one in another layout sets the part apart, where it stays beside the new saves
+    (it counts as taken, and the refusal says so); another job's check counts none of job-a's parts."""
+    mnt = str(tmpfs("16m"))
+    tier = _tier(mnt, "job-a")
+    tier.engine.save({"w": torch.ones(1 << 20)}, tier.path(3)).wait()
+    tier.close()
+    free = SharedMemoryStorage().free_bytes(mnt)
+    need = free + (2 << 20)  # more than is free, less than free + the part
+    check_fits(mnt, need, "job-a", 0, 1, [1, 1, 1])
+    with pytest.raises(CheckpointError, match=r"GiB of it held by parts of this job's earlier layout, set apart"):
+        check_fits(mnt, need, "job-a", 0, 1, [2, 1, 1])
+    with pytest.raises(CheckpointError, match=r"GiB are free there: lower"):
+        check_fits(mnt, need, "job-b", 0, 1, [1, 1, 1])
+    relaid = _tier(mnt, "job-a", layout=(2, 1, 1))  # the part set apart, for real
+    relaid.close()
+    with pytest.raises(CheckpointError, match=r"set apart"):
+        check_fits(mnt, need, "job-a", 0, 1, [2, 1, 1])
 
 
 # ----- real node detection (torchrun's GROUP_RANK / LOCAL_WORLD_SIZE, Slurm's SLURM_NODEID) -----
@@ -488,10 +510,10 @@ def test_a_job_re_formed_with_its_nodes_numbered_anew_reads_its_memory(tmp_path,
     assert recovered == ([] if lost else [f"NOTICE: rank 0: memory checkpoint of iteration 3 of rank {p} recovered "
                                           f"from rank 2's replica (node 1)" for p in (0, 1)]), recovered
     renamed = [m for r in range(len(new)) for m in got[r]["told"] if "are node" in m]
-    assert renamed == [f"NOTICE: memory tier {tmp_path}/b/job/node_00001: the parts this machine held as node 1 are "
-                       f"node 0's now ({tmp_path}/b/job/node_00000)"] if lost else \
-        [f"NOTICE: memory tier {tmp_path}/b/job/node_00000: the parts this machine held as node 0 are node 1's now "
-         f"({tmp_path}/b/job/node_00001)"], got
+    assert renamed == ([f"NOTICE: memory tier {tmp_path}/b/job/node_00001: the parts this machine held as node 1 "
+                        f"are node 0's now ({tmp_path}/b/job/node_00000)"] if lost else
+                       [f"NOTICE: memory tier {tmp_path}/b/job/node_00000: the parts this machine held as node 0 "
+                        f"are node 1's now ({tmp_path}/b/job/node_00001)"]), got
 
 
 def test_replication_jump_is_validated_before_any_work():
@@ -502,6 +524,20 @@ def test_replication_jump_is_validated_before_any_work():
     with pytest.raises(ArgumentError, match="--replication-factor 2 x --replication-jump 4 must divide the world "
                                             "size 4"):
         validate_args(parse_args(argv=argv + ["--replication-jump", "4"]), 4, cuda=False)
+
+
+def test_replication_is_checked_at_start_by_the_tiers_own_rule(monkeypatch):
+    """4 ranks on one node, factor 2: the tier's cliques (2 ranks a node apart) cannot tile the world, so the job is
+    refused at start, not run without replication; 2 nodes of 2 can."""
+    from megatron.training.argument_checks import validate_args
+    from megatron.training.arguments import ArgumentError, parse_args
+    argv = FLAGS + ["--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ArgumentError, match=r"--replication-factor 2 x --replication-jump 4 \(the ranks per node, 4, "
+                                            r"when not given\) must divide the world size 4"):
+        validate_args(parse_args(argv=argv), 4, cuda=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert validate_args(parse_args(argv=argv), 4, cuda=False).replication_factor == 2
 
 
 def test_a_torchrun_restart_on_fewer_nodes_is_not_refused_for_its_replication_flags(monkeypatch):
@@ -557,3 +593,88 @@ def test_a_replicator_behind_the_saves_stays_in_step_with_its_clique(tmp_path, c
             assert loaded["it"] == it and loaded["w"].tolist() == [10.0 * peer + it] * 100
     assert len(got[0]["warnings"]) == 1 and "iteration 1 was retired before replication reached it" in \
         got[0]["warnings"][0] and got[1]["warnings"] == [], got
+
+
+def _exchange_killed_rank(rank, warned, results, base, phase):
+    """Two nodes of one rank, factor 2, replicas in 8 KiB pieces. Phase "kill": iteration 3 saved and replicated,
+    then iteration 5, whose exchange rank 1 dies in for real (SIGKILL after its first data piece: a test hook on
+    its own all-gathers); rank 0 reports what its node holds once its exchange failed. Phase "restart": node 1
+    is lost, both ranks start their tier again, load what `choose` finds, then save and replicate iteration 7."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+    from datastates.memory_tier import replication
+    replication.CHUNK_BYTES = 8 << 10
+    kw = dict(replication_factor=2, replication_jump=1, timeout_s=20, host_buffer_bytes=1 << 20, writer_threads=1)
+    tier = LocalTier(base, "job", rank, 2, [1, 1, 2], **kw)
+    state = {"w": torch.full((10_000,), float(rank))}
+    if phase == "restart":
+        path = tier.choose(None)
+        loaded = tier.engine.load(path, template={"w": torch.zeros(10_000)})["w"].unique().tolist()
+        handle = tier.engine.save(state, tier.path(7))
+        tier.replicate(7, handle)
+        handle.wait()
+        tier.close()
+        results.put((rank, {"loaded": (path, loaded), "warnings": warned}))
+        if rank == 0:
+            results.put(("parts", None))
+        return
+    peer_replica = tier.paths.part(1 - rank, 3)
+    for iteration in (3, 5):
+        if iteration == 5:
+            deadline = time.monotonic() + 30
+            while not tracker.is_published(peer_replica) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            dist.barrier()
+            if rank == 1:
+                calls, gather = [0], dist.all_gather
+
+                def dying(*args, **kwargs):  # sizes, indexes, the first piece; dies in the second
+                    calls[0] += 1
+                    if calls[0] == 4:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return gather(*args, **kwargs)
+                replication.dist.all_gather = dying
+        handle = tier.engine.save(state, tier.path(iteration))
+        tier.replicate(iteration, handle)
+        handle.wait()
+    deadline = time.monotonic() + 60
+    while not tier.errors and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = sorted(os.listdir(os.path.dirname(tier.paths.part(1, 5))))
+    results.put((0, {"errors": [type(e).__name__ for e in tier.errors], "held": held}))
+    results.put(("parts", _parts(os.path.join(base, "job"))))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # the process group has a dead member: nothing to tear down
+
+
+def test_a_peer_killed_during_a_replica_exchange_leaves_whole_copies_and_the_next_run_replicates(tmp_path):
+    """A peer SIGKILLed halfway through sending its part: the receiver's exchange fails, the half-received
+    replica is discarded (no iteration 5 of rank 1 on node 0, published or not), the earlier replica stays whole;
+    node 1 then lost, the restart finds iteration 3 whole (rank 1's part from node 0's replica, verified) and
+    the next save replicates again on both nodes."""
+    import multiprocessing
+    env, base = {"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "{rank}"}, str(tmp_path / "mem")
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_world_rank, args=(r, 2, str(tmp_path / "store"), env, _exchange_killed_rank,
+                                                  (base, "kill"), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, -9]
+    got = dict(results.get(timeout=10) for _ in range(2))
+    assert got[0]["errors"] and got[0]["held"] == ["iter_0000003"], got
+    assert got["parts"]["node_00000"] == {0: [3, 5], 1: [3]} and got["parts"]["node_00001"][1] == [3, 5], got
+    shutil.rmtree(os.path.join(base, "job", "node_00001"))
+    os.remove(tmp_path / "store")
+    again = _fork_world(tmp_path, 2, env, _exchange_killed_rank, base, "restart")
+    job = os.path.join(base, "job")
+    for rank in (0, 1):
+        assert again[rank]["loaded"] == (os.path.join(job, f"node_{rank:05d}", f"rank_{rank:05d}", "iter_0000003"),
+                                         [float(rank)]), again
+    parts = _parts(job)
+    assert 7 in parts["node_00000"][1] and 7 in parts["node_00001"][0], parts

@@ -423,6 +423,23 @@ def test_stream_read_of_a_tmpfs_file_keeps_it(tmp_path):
         os.unlink(path)
 
 
+def test_copy_pool_takes_a_queued_copy_before_a_checksum():
+    """One thread busy with a 64 MiB copy; then a checksum of its first KiB and a second copy over that KiB are
+    queued: the second copy runs first (the fence waits for copies only), so the checksum reads its bytes."""
+    pool = native.CopyPool(1)
+    try:
+        src, ones = random_tensor(64 * MiB, seed=3), torch.full((1024,), 0xFF, dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        first, second = native.CopyBatch(), native.CopyBatch()
+        pool.copy(first, dst.data_ptr(), src.data_ptr(), src.numel())
+        sums = pool.checksum(first, dst.data_ptr(), [(0, 1024)])
+        pool.copy(second, dst.data_ptr(), ones.data_ptr(), 1024)
+        assert sums.wait() == [native.crc32c(b"\xff" * 1024)]
+        second.wait()
+    finally:
+        pool.close()
+
+
 def test_copy_pool_checksums_what_it_copied_once_it_landed():
     """Ranges across pieces (4 MiB), within one, empty, overlapping: each crc equals the source's, computed after
     the copies it follows (a checksum queued before they land would read zeros)."""

@@ -1,8 +1,11 @@
 """The snapshot protocol (issue a copy, record its completion, wait on it before reading the slot) and what
 happens when a stage thread dies. A backend that completes copies late and out of order stands in for a GPU's
 side stream: if the writer read a slot early, or the fence opened early, the bytes on disk would show it."""
+import json
 import mmap
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -244,18 +247,54 @@ def test_views_of_one_buffer_load_as_saved_whether_their_copies_join_or_not(tmp_
         _assert_equal(eng.load(str(tmp_path / "iter_0000001")), want)
 
 
-def test_only_the_snapshot_runs_at_training_priority(tmp_path):
-    """The stages after the snapshot (flush: the memory tier's checksums; complete; publish; retention's deleter)
-    yield the CPU to training; the copier, which the fence waits for, keeps training's priority."""
-    with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=1) as eng:
-        for it in (1, 2):  # the second save retires the first: the deleter thread runs
-            eng.save(_state(it), str(tmp_path / f"iter_{it:07d}")).wait()
-        training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        nice = {t.name.split("_")[0]: os.getpriority(os.PRIO_PROCESS, t.native_id)
-                for t in threading.enumerate() if t.name.startswith("ds-")}
-    assert nice["ds-copy"] == training, nice
-    for stage in ("ds-flush", "ds-complete", "ds-publish", "ds-delete"):
-        assert nice[stage] == training + BACKGROUND_NICE, (stage, nice)
+@pytest.mark.parametrize("where", ["staging", "pages"])
+def test_checksummed_ranges_of_several_copy_pieces_save_and_load(tmp_path, where):
+    """The copy threads checksum a range in 4 MiB pieces and combine their crc32c: a save whose checksummed ranges
+    (a staging slot's 16 MiB chunks; the memory tier's whole items) span several pieces, uneven ends included,
+    loads back verified and equal."""
+    from datastates.storage.shared_memory import SharedMemoryStorage
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(9_437_189, generator=g), "odd": torch.randn(1_048_583, generator=g).double()}
+    storage = (PosixOptions(writer_threads=1) if where == "staging" else
+               SharedMemoryStorage(pinned=False, writer_threads=1))
+    with CheckpointEngine(host_buffer_bytes=256 << 20, storage=storage, copy_threads=2) as eng:
+        eng.save(state, str(tmp_path / "iter_0000001")).wait()
+        _assert_equal(eng.load(str(tmp_path / "iter_0000001")), state)
+
+
+_NICE_OF_EVERY_THREAD = """
+import json, os, sys, threading, torch
+from datastates import CheckpointEngine, PosixOptions
+root = sys.argv[1]
+with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=2), keep_last=1,
+                      compress="zstd", encode_threads=2) as eng:
+    for it in (1, 2):  # the second save retires the first: the deleter thread runs
+        eng.save({"w": torch.arange(300_000.0) + it}, f"{root}/iter_{it:07d}").wait()
+    threads, named = {}, {t.native_id: t.name for t in threading.enumerate()}  # Python's; the native: comm
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            name = named.get(int(tid), f.read().strip())
+        threads.setdefault(name.split("_")[0], set()).add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+print(json.dumps({"training": os.getpriority(os.PRIO_PROCESS, 0), **{k: sorted(v) for k, v in threads.items()}}))
+"""
+
+
+@pytest.mark.parametrize("caller_nice", [0, 7])
+def test_only_the_snapshot_runs_at_the_callers_priority(tmp_path, caller_nice):
+    """Under the caller's nice (a job started with `nice -n 7`), the stages after the snapshot (flush: the memory
+    tier's checksums; complete; publish; retention's deleter), the encoder threads and the native writers run
+    BACKGROUND_NICE below the caller, never at a fixed value above it; the copier and the native copy pool, which
+    the fence waits for, keep the caller's priority."""
+    out = subprocess.run(["nice", "-n", str(caller_nice), sys.executable, "-c", _NICE_OF_EVERY_THREAD,
+                          str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    nice = json.loads(out.stdout)
+    training = nice.pop("training")
+    assert training == caller_nice, nice
+    for name in ("ds-copy", "ds-copy-pool"):
+        assert nice[name] == [training], (name, nice)
+    for name in ("ds-flush", "ds-complete", "ds-publish", "ds-delete", "ds-encode", "ds-encode-write", "ds-io"):
+        assert nice[name] == [training + BACKGROUND_NICE], (name, nice)
 
 
 def test_host_copies_leave_training_a_core_and_a_load_takes_them_all():

@@ -382,8 +382,55 @@ def test_a_models_root_publishes_retains_points_and_cleans_by_its_own_names(back
     assert models.pointed() == 3 and models.clean_leftovers() == []
 
 
+class Watched(SaveRoot):
+    """A save root that notes, as each retirement begins, what its pointer names and whether that is published:
+    what a process killed at that moment would leave."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at_retire = []
+
+    def retire(self, path):
+        self.at_retire.append((self.pointed(), self.is_published(self.path(self.pointed()))))
+        return super().retire(path)
+
+
+@pytest.mark.parametrize("kind", ["checkpoints", "models"])
+def test_every_root_points_at_the_new_checkpoint_before_retention_retires_any(backend, kind):
+    """The one publication order (commit, pointer, retention) on every kind of root: keeping one, each
+    retirement finds the pointer already naming the newest, published, so a kill there leaves it loadable."""
+    s = backend.storage
+    names = {} if kind == "checkpoints" else dict(marker=HF_INDEX, pointer="latest", pointer_text=DIRECTORY_TEXT)
+    root = Watched(s, backend.root, **names)
+    for iteration in (1, 2, 3):
+        for retired in export(root, iteration, keep_last=1):
+            s.remove(retired)
+    assert root.at_retire == [(2, True), (3, True)] and root.published() == [3] and root.pointed() == 3
+
+
 def test_pointer_texts_name_an_iteration_their_own_way():
     assert ITERATION_TEXT.write(100) == "100" and ITERATION_TEXT.read("100") == 100
     assert DIRECTORY_TEXT.write(100) == "iter_0000100\n" and DIRECTORY_TEXT.read("iter_0000100") == 100
     assert ITERATION_TEXT.read("iter_0000100") is None and DIRECTORY_TEXT.read("100") is None
     assert DIRECTORY_TEXT.read("../iter_0000100") is None and ITERATION_TEXT.read("release") is None
+
+
+def test_two_writers_of_one_output_stage_apart_and_the_second_never_displaces_the_first(backend):
+    """A conversion's output (one process writes it alone) is staged under a name of its own: two conversions
+    of one output, interleaved, never share a file, and the later commit is refused where the storage stages
+    aside (in place, the output is the place: nothing to refuse)."""
+    s = backend.storage
+    out = paths.join(backend.root, "hf_model")
+    root = SaveRoot(s, backend.root, marker=HF_INDEX, pointer=None)
+    first, second = root.stage(out, private=True), root.stage(out, private=True)
+    assert (first == second) == s.in_place
+    for place, text in ((first, b"first"), (second, b"second")):
+        s.write_bytes(paths.join(place, "model.safetensors"), text)
+    if s.in_place:
+        return
+    assert s.read_bytes(paths.join(first, "model.safetensors")) == b"first"
+    root.commit(first, out, marker=b"index", replace=False)
+    with pytest.raises(FileExistsError):
+        root.commit(second, out, marker=b"index", replace=False)
+    assert s.read_bytes(paths.join(out, "model.safetensors")) == b"first" and root.is_published(out)
+    assert paths.name(second).endswith(paths.PARTIAL) and second in [paths.normalize(r) for r in root.clean_leftovers()]

@@ -339,6 +339,22 @@ def test_torch_dist_to_datastates_loads_with_the_engine(ckpt, torch_dist_ckpt, t
             assert got["args"] == ARGS and got["iteration"] == 7
 
 
+def test_datastates_to_datastates_keeps_a_tensor_valued_common_entry(ckpt, tmp_path, capsys):
+    """Rank 0's `local_step`, a tensor in the common state, comes out of a datastates -> datastates conversion as a
+    tensor the engine reads back (not a pickled tensor, which the restricted unpickler refuses), beside the
+    common objects."""
+    from datastates import CheckpointReader
+    from tools.convert_checkpoint import main
+    root, _ = ckpt
+    rc, _, err = run_here(main, ["--from", "datastates", "--to", "datastates", "--input", root,
+                                 "--output", tmp_path / "ds"], capsys)
+    assert rc == 0, err
+    with CheckpointReader.open(str(tmp_path / "ds")) as reader:
+        common = reader.common()
+    assert torch.equal(common["local_step"], torch.tensor([0])), common
+    assert common["args"] == ARGS and common["iteration"] == 7, common
+
+
 def test_datastates_to_safetensors(ckpt, tmp_path, capsys):
     from safetensors import safe_open
     from safetensors.torch import load_file

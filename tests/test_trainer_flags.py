@@ -5,9 +5,9 @@ iteration lazily with --async-save (the alias of --async-ckpt), --ckpt-direct-io
 --ckpt-publish-timeout-s 120, --no-ckpt-fsync and --ckpt-on-failure warn, and its save of iteration 2 fails on
 rank 1 (tests/fault_launcher.py, FAULT_FAIL_SAVE): it must warn and go on. Its checkpoint of iteration 3 is
 resumed, picked with upstream's --ckpt-step 3 among the newer ones, with --ckpt-direct-io off and --no-save-optim
-(`resumed`); that checkpoint, which has no optimizer state,
-and the reference's (saved without --use-distributed-optimizer) are resumed once more each, to be refused.
-torch and torch_dist runs stop at iteration 3 and resume in their own format. Eight launches in all.
+(`resumed`); that checkpoint, which has no optimizer state, and the reference's (saved without
+--use-distributed-optimizer) are resumed once more each, to be refused (the latter also resumed into the distributed
+optimizer). torch and torch_dist runs stop at iteration 3 and resume in their own format. Nine launches in all.
 """
 from __future__ import annotations
 
@@ -107,12 +107,18 @@ def test_resume_without_optimizer_state_names_no_load_optim(resumed):
     assert losses(log) == {}
 
 
-def test_distributed_optimizer_mismatch_is_refused(reference):
+def test_the_other_optimizer_kind_loads_and_another_precision_is_refused(reference):
+    """The reference (saved without --use-distributed-optimizer, fp32) resumes into the distributed optimizer (its
+    main parameters from the saved fp32 weights: optimizer_kinds); into a --bf16 one it is refused before reading,
+    naming why and the way out."""
     root = reference[0]
-    rc, log = torchrun(1, FLAGS + ["--load", root, "--use-distributed-optimizer"], check=False)
+    _, log = torchrun(1, FLAGS + ["--load", root, "--use-distributed-optimizer"])
+    assert f"(datastates) at iteration {N}" in log, log[-3000:]
+    rc, log = torchrun(1, FLAGS + ["--load", root, "--use-distributed-optimizer", "--bf16"], check=False)
     assert rc != 0
     assert (f"checkpoint {iter_dir(root, N)!r} was saved without --use-distributed-optimizer and this run is with "
-            "it: the optimizer states differ in kind; match the flag, or pass --no-load-optim") in log, log[-3000:]
+            "it, and its main parameters were kept for another precision (--bf16 differs); match the flag, or pass "
+            "--no-load-optim") in log, log[-3000:]
     assert losses(log) == {}
 
 

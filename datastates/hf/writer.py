@@ -234,24 +234,33 @@ def copy_in(storage: Storage, directory: str, source: str) -> None:
 
 class OutputDirectory:
     """A model directory published through the save-root policy (`SaveRoot`, its index the marker, no pointer):
-    written where the storage stages it (a file system's `<final>.partial`, renamed to `<final>` once complete; an
-    object store's final prefix, whose index, written last, publishes it) and committed on a clean exit; removed
-    on failure."""
+    written where the storage stages it under a name of this process alone (a file system's
+    `<final>.<pid>-<random>.partial`, renamed to `<final>` once complete: two conversions to one output never
+    write into one directory; an object store's final prefix, whose index, written last, publishes it) and
+    committed on a clean exit, never over an output another process completed meanwhile; removed on failure."""
 
     def __init__(self, storage: Storage, final: str):
         self.storage, self.final = storage, normalize_path(final)
-        local_file = url_scheme(self.final) is None and os.path.exists(self.final) and not os.path.isdir(self.final)
-        if local_file or storage.list(self.final):
-            raise HFError(f"output {self.final!r} already exists and is not empty: refusing to overwrite it")
+        self._refuse_occupied()
         self.policy = SaveRoot(storage, parent(self.final), marker=INDEX, pointer=None)
         self.path = self.final
 
+    def _refuse_occupied(self) -> None:
+        local_file = url_scheme(self.final) is None and os.path.exists(self.final) and not os.path.isdir(self.final)
+        if local_file or self.storage.list(self.final):
+            raise HFError(f"output {self.final!r} already exists and is not empty: refusing to overwrite it")
+
     def __enter__(self) -> "OutputDirectory":
-        self.path = self.policy.stage(self.final)
+        self.path = self.policy.stage(self.final, private=True)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.storage.remove(self.path)
             return
-        self.policy.commit(self.path, self.final)  # the index was written last; replaces an empty directory
+        try:  # the index was written last; replaces an empty directory only
+            self.policy.commit(self.path, self.final, replace=False)
+        except FileExistsError:
+            self.storage.remove(self.path)
+            self._refuse_occupied()
+            raise

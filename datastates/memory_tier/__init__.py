@@ -15,6 +15,6 @@ parts a node lacks), `notices` (what the tier tells the operator).
 """
 from .identity import job_id
 from .tier import LocalTier, check_fits
-from .topology import cliques, node_of
+from .topology import cliques, fitted_replication, node_of
 
-__all__ = ["LocalTier", "check_fits", "cliques", "job_id", "node_of"]
+__all__ = ["LocalTier", "check_fits", "cliques", "fitted_replication", "job_id", "node_of"]

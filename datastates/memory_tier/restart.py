@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -123,7 +122,7 @@ def _merge(storage: SharedMemoryStorage, paths: NodePaths, world_size: int, iter
     for part in range(world_size):
         src = paths.part(part, iteration)
         indexes[part] = fmt.read_index(storage, src)
-        os.link(join(src, data_file(0)), join(partial, data_file(part)))  # tmpfs: the same pages
+        storage.link(join(src, data_file(0)), join(partial, data_file(part)))
     root.commit(partial, final, fmt.encode_json(fmt.merged_index(indexes, iteration)))
 
 

@@ -7,8 +7,6 @@ restart choice are delegated to `replication.Replicator` and `restart`, which ge
 """
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
 from ..engine import CheckpointEngine
@@ -20,7 +18,7 @@ from .identity import owner, read_owner, write_owner
 from .notices import notice
 from .node_paths import NodePaths, node_of_dir
 from .replication import Replicator, join_clique, parts_root
-from .topology import fitted_factor, gather_machines, gather_nodes, node_of
+from .topology import fitted_replication, gather_machines, gather_nodes, node_of
 
 
 class LocalTier:
@@ -43,17 +41,16 @@ class LocalTier:
         self.engine = CheckpointEngine(rank=0, world_size=1, keep_last=keep, storage=self.storage, tracker=False,
                                        **engine_kwargs)
         clique, group = [rank], None
-        factor = self._fit_replication(replication_factor, replication_jump or per_node, per_node)
+        factor, jump = fitted_replication(world_size, per_node, replication_factor, replication_jump)
+        self._tell_fitted(replication_factor, factor, jump, per_node)
         if factor > 1:
-            clique, group = join_clique(rank, world_size, factor, replication_jump or per_node, timeout_s,
-                                        self._nodes)
+            clique, group = join_clique(rank, world_size, factor, jump, timeout_s, self._nodes)
         self._replicator = Replicator(self.storage, self.paths, self._nodes, rank, clique, group, keep)
         self.errors = self._replicator.errors  # replications that failed (each also logged as a warning)
 
-    def _fit_replication(self, factor: int, jump: int, per_node: int) -> int:
-        """The replication factor of the world present (fewer peers, or none, when the job runs on fewer nodes than
-        the flags were written for: a restart after a lost node is never refused for it), said in one line."""
-        fitted = fitted_factor(self.world_size, factor, jump) if factor > 1 else 1
+    def _tell_fitted(self, factor: int, fitted: int, jump: int, per_node: int) -> None:
+        """Say in one line when the world present takes fewer peers than asked, or none (a restart on fewer nodes
+        than the flags were written for is never refused for it)."""
         if fitted < factor:
             nodes = len(set(self._nodes))
             present = f"{nodes} node{'s' if nodes > 1 else ''} of {per_node} rank{'s' if per_node > 1 else ''} present"
@@ -61,7 +58,6 @@ class LocalTier:
                    f"--replication-jump {jump}: " + ("no replication (storage holds what a lost node held)"
                                                      if fitted == 1 else f"each part kept by {fitted} ranks "
                                                                          f"{jump} apart"))
-        return fitted
 
     def _set_up(self, distributed: bool) -> None:
         """The node's first rank removes what killed saves left and sets apart (or clears) a tier of another
@@ -78,7 +74,7 @@ class LocalTier:
             for name in self.storage.list(node_dir):
                 parts_root(self.storage, join(node_dir, name)).clean_leftovers()
             if stale:
-                self._set_apart(found)
+                self._set_apart(found, set_up_fate(self.storage, self.paths, self._owner))
             if stale or not self.storage.exists(self.paths.job_file):
                 self.storage.make_dirs(self.paths.root)
                 write_owner(self.storage, self.paths.job_file, self._owner)
@@ -109,24 +105,24 @@ class LocalTier:
                 self.storage.make_dirs(dst)
                 for part in self.storage.list(src):  # a part held under both numbers is kept once
                     if not self.storage.exists(join(dst, part)):
-                        os.rename(join(src, part), join(dst, part))  # tmpfs: the same pages, nothing copied
+                        self.storage.move(join(src, part), join(dst, part))
             self.storage.remove(other.node_dir)
             notice(f"memory tier {other.node_dir}: the parts this machine held as node {old} are node "
                    f"{self.node}'s now ({self.paths.node_dir})", any_rank=True)
 
-    def _set_apart(self, found: dict) -> None:
+    def _set_apart(self, found: dict, fate: str) -> None:
         """This job's tier in another layout (the world changed): its parts go under `before/` (replacing what an
         earlier change left there), for a restart into this layout to read like a storage checkpoint; a tier of
-        another job, or holding nothing, is cleared."""
+        another job, or holding nothing, is cleared (`set_up_fate`)."""
         node_dir, before = self.paths.node_dir, self.paths.before
-        if found.get("job") != self.job or not restart.node_parts(self.storage, self.paths):
+        if fate == CLEARED:
             notice(f"memory tier {node_dir} holds checkpoints of another layout: cleared")
             self.storage.remove(node_dir)
             return
         self.storage.remove(before.node_dir)
         self.storage.make_dirs(before.root)
         write_owner(self.storage, before.job_file, found)
-        os.rename(node_dir, before.node_dir)  # nothing of this process maps its pages: a plain rename on tmpfs
+        self.storage.move(node_dir, before.node_dir)
         notice(f"memory tier {node_dir} holds checkpoints of another layout (world size {found['world_size']}): "
                f"set apart in {before.node_dir}, to be read into this one")
 
@@ -179,10 +175,49 @@ class LocalTier:
             self.storage.remove_empty(path)
 
 
-def check_fits(base_dir: str, need_bytes: int) -> None:
-    """Fail before any work when the tier cannot fit in the memory file system it lives on."""
-    free = SharedMemoryStorage().free_bytes(base_dir)
-    if need_bytes > free:
+OWN, CLEARED, SET_APART = "own", "cleared", "set apart"
+
+
+def set_up_fate(storage: SharedMemoryStorage, paths: NodePaths, record: dict) -> str:
+    """What a tier's set-up under the owner `record` does with what this node holds: keeps it as its own (the
+    same owner, or nothing recorded), clears it (another owner's tier holding no part), or sets it apart (this
+    job's parts in another layout)."""
+    found = read_owner(storage, paths.job_file)
+    if found in (None, record):
+        return OWN
+    if found.get("job") != record["job"] or not restart.node_parts(storage, paths):
+        return CLEARED
+    return SET_APART
+
+
+def check_fits(base_dir: str, need_bytes: int, job: str | None = None, rank: int = 0, world_size: int = 1,
+               layout: list | None = None) -> None:
+    """Fail before any work when the tier of `job` (rank `rank` of `world_size` in `layout`) cannot fit in the
+    memory file system it lives on: what is free there, plus what this node's set-up gives back (this layout's
+    own parts, whose pages the saves reuse; a tier it clears; the parts an earlier change set apart, replaced by
+    the ones it sets apart now). Parts set apart stay beside the new layout's saves: they count as taken."""
+    storage = SharedMemoryStorage()
+    free = storage.free_bytes(base_dir)
+    given_back, kept = 0, 0
+    if job is not None:
+        paths = NodePaths(join(base_dir, job), node_of(rank, world_size)[0])
+        fate = set_up_fate(storage, paths, owner(job, world_size, layout or []))
+        if fate == SET_APART:
+            given_back, kept = bytes_under(storage, paths.before.node_dir), bytes_under(storage, paths.node_dir)
+        else:
+            given_back, kept = bytes_under(storage, paths.node_dir), bytes_under(storage, paths.before.node_dir)
+    if need_bytes > free + given_back:
+        held = (f" ({kept / 2**30:.2f} GiB of it held by parts of this job's earlier layout, set apart for a "
+                f"restart into this one)" if kept else "")
         raise CheckpointError(f"the memory tier needs about {need_bytes / 2**30:.2f} GiB in {base_dir!r} but only "
-                              f"{free / 2**30:.2f} GiB are free there: lower --replication-factor, or point "
-                              f"--non-persistent-local-ckpt-dir at a larger memory file system")
+                              f"{(free + given_back) / 2**30:.2f} GiB are free there{held}: lower "
+                              f"--replication-factor, or point --non-persistent-local-ckpt-dir at a larger memory "
+                              f"file system")
+
+
+def bytes_under(storage: SharedMemoryStorage, path: str) -> int:
+    """The size of every object under `path` (0 when there is none)."""
+    names = storage.list(path)
+    if not names:
+        return stat.size if (stat := storage.stat(path)) is not None else 0
+    return sum(bytes_under(storage, join(path, name)) for name in names)

@@ -6,7 +6,7 @@ machine, `DATASTATES_RANKS_PER_NODE=k` simulates nodes of k consecutive ranks.
 
 Cliques follow Megatron-LM's: with factor F and jump J, ranks {i, i+J, ..., i+(F-1)J} (within blocks of F*J
 ranks) hold each other's parts; J defaults to the ranks per node, so the peers are on other nodes. The cliques
-follow the world present (`fitted_factor`): a job restarted on fewer nodes replicates among those left, with fewer
+follow the world present (`fitted_replication`): a job restarted on fewer nodes replicates among those left, with fewer
 peers or none, instead of failing.
 """
 from __future__ import annotations
@@ -63,7 +63,10 @@ def cliques(world_size: int, factor: int, jump: int) -> list[list[int]]:
             for base in range(0, world_size, factor * jump) for i in range(jump)]
 
 
-def fitted_factor(world_size: int, factor: int, jump: int) -> int:
-    """The replication factor the world present can take: the largest f <= `factor` whose cliques (f ranks `jump`
-    apart) tile it; 1 (no replication) when none does, e.g. a single node left of a job that lost the others."""
-    return max((f for f in range(1, factor + 1) if world_size % (f * jump) == 0), default=1)
+def fitted_replication(world_size: int, per_node: int, factor: int, jump: int | None) -> tuple[int, int]:
+    """(factor, jump) of the replication the world present can take, the one rule of the check at a job's start
+    and of the tier: the jump is `--replication-jump`, else the ranks per node (peers on other nodes); the factor
+    the largest f <= `factor` whose cliques (f ranks `jump` apart) tile the world; 1 (no replication) when none
+    does, e.g. a single node left of a job that lost the others."""
+    jump = jump or per_node
+    return max((f for f in range(1, factor + 1) if world_size % (f * jump) == 0), default=1), jump

@@ -148,15 +148,16 @@ class Storage(abc.ABC):
         writing in place deletes first (an earlier save of `final` is out of sight from then on)."""
 
     @abc.abstractmethod
-    def commit(self, partial: str, final: str) -> list[str]:
+    def commit(self, partial: str, final: str, replace: bool = True) -> list[str]:
         """Make what was written under `partial` (its index last) visible as `final` in one step, durably. A
-        checkpoint `final` displaced is retired (`retire`) and returned, for the caller to remove."""
+        checkpoint `final` displaced is retired (`retire`) and returned, for the caller to remove; with
+        `replace=False` a non-empty `final` raises FileExistsError instead (a store writing in place has
+        written `final` already: nothing is checked there)."""
 
     @abc.abstractmethod
     def retire(self, path: str, marker: str) -> str:
-        """Take the checkpoint `path` (published by its object `marker`) out of every reader's sight in one step
-        (durable with the next `commit` or replacing `write_bytes` of its root); returns where its bytes are now,
-        for `remove`."""
+        """Take the checkpoint `path` (published by its object `marker`) out of every reader's sight in one step,
+        durable when it returns; returns where its bytes are now, for `remove`."""
 
     @abc.abstractmethod
     def abort_uploads(self, root: str) -> list[str]:
@@ -198,6 +199,13 @@ class PageLending(Protocol):
 
     def mapped(self, path: str, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the data object `path`, mapped (never copied): a part sent as a replica."""
+
+    def move(self, src: str, dst: str) -> None:
+        """The object or directory `src` renamed `dst` in one step: the same pages, nothing copied (`dst` must not
+        be there)."""
+
+    def link(self, src: str, dst: str) -> None:
+        """The data object `src` also named `dst`: the same pages, nothing copied."""
 
     def make_dirs(self, path: str) -> None: ...
 

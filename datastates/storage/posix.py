@@ -13,7 +13,7 @@ import time
 
 from .. import _native
 from .. import paths
-from ..priority import BACKGROUND_NICE
+from ..priority import added_from_here, background_nice
 from .base import DataSink, DataSource, Options, Stat, Storage
 
 # How a load reads the data files. "stream" (the default): each file as one sequential stream through the page
@@ -107,12 +107,14 @@ class PosixStorage(Storage):
         self._pools: dict[str, _native.IOPool] = {}
         self._pools_lock = threading.Lock()
         self._root_fds: dict[str, int] = {}
+        self._nice = background_nice()  # the writers', taken here: a pool is started by whichever stage needs it
 
     def _pool(self, kind: str) -> _native.IOPool:
         """The writers (below training's priority) or the readers (a restart waits on them: normal priority)."""
         with self._pools_lock:
             if kind not in self._pools:
-                self._pools[kind] = _native.IOPool(self._threads[kind], BACKGROUND_NICE if kind == "write" else 0)
+                added = added_from_here(self._nice) if kind == "write" else 0
+                self._pools[kind] = _native.IOPool(self._threads[kind], added)
             return self._pools[kind]
 
     # ----- data objects -----
@@ -175,7 +177,7 @@ class PosixStorage(Storage):
         make_dir(partial)
         return partial
 
-    def commit(self, partial, final):
+    def commit(self, partial, final, replace=True):
         """The directory is fsynced (every file entry in it durable; no temporary name: it is not visible yet),
         renamed into place, its parent fsynced."""
         if self.fsync:
@@ -186,6 +188,8 @@ class PosixStorage(Storage):
         except OSError as e:  # re-saving an iteration: the new one wins
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
+            if not replace:  # the rename itself refused: no other writer's output is displaced
+                raise FileExistsError(e.errno, "not empty", final) from None
             # No rename replaces a non-empty directory: a crash before the second rename leaves the old one under
             # `.deleting` and none under `final`; `SaveRoot.clean_leftovers` gives the old one its name back.
             retired.append(retire(final))
@@ -194,7 +198,9 @@ class PosixStorage(Storage):
         return retired
 
     def retire(self, path, marker):
-        return retire(path)
+        retired = retire(path)
+        self._sync_dir(paths.parent(path))  # durable before any rank removes a byte of it
+        return retired
 
     def abort_uploads(self, root):
         return []

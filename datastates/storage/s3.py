@@ -384,7 +384,7 @@ class S3Storage(Storage):
         self._delete_key(paths.join(final, marker))
         return final
 
-    def commit(self, partial, final):
+    def commit(self, partial, final, replace=True):
         """Nothing: the index's PUT made the checkpoint visible, in place."""
         return []
 

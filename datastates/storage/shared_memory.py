@@ -3,6 +3,7 @@ mapped and the snapshot is copied straight into their pages; nothing is fsynced;
 are reused by the next one, and the pages of the first ones can be made ahead, in the background (`ahead`)."""
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -129,7 +130,9 @@ class SharedMemoryStorage(PosixStorage):
                 data.path = paths.join(new, paths.name(data.path))
                 self._live[new] = data
 
-    def commit(self, partial, final):
+    def commit(self, partial, final, replace=True):
+        if not replace and os.path.isdir(final) and os.listdir(final):
+            raise FileExistsError(errno.ENOTEMPTY, "not empty", final)
         retired = [self._retire(final)] if os.path.isdir(final) else []  # re-saving an iteration: the new one wins
         self._move(partial, final)
         os.rename(partial, final)
@@ -240,6 +243,14 @@ class SharedMemoryStorage(PosixStorage):
             with open(path, "wb") as f:
                 f.truncate(nbytes)
         return torch.from_file(path, shared=writable, size=nbytes, dtype=torch.uint8) if nbytes else _NOTHING
+
+    def move(self, src: str, dst: str) -> None:
+        """Pages this process maps follow the checkpoint they belong to."""
+        self._move(paths.normalize(src), paths.normalize(dst))
+        os.rename(src, dst)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst)
 
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from datastates import CheckpointError, find_latest, published_iterations, storage_for
+from datastates import CheckpointError, find_latest, fitted_replication, node_of, published_iterations, storage_for
 from datastates.paths import (TRACKER, iteration_of, join as join_path, normalize as normalize_path,
                              scheme as url_scheme)
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla
 from .local_dirs import unwritable
+from .fsdp import validate_fsdp2
 from .moe import validate_moe
 from .multi_token import validate_mtp
 from .virtual_pipeline import validate_virtual_pipeline
@@ -98,6 +99,7 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         validate_mla(args, cuda)
         validate_mtp(args, cuda)
         validate_virtual_pipeline(args)
+        validate_fsdp2(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     _validate_save_hf(args)
@@ -241,12 +243,16 @@ def _validate_checkpointing(args, world_size: int) -> None:
                                 f"{args.replication_factor}")
         if args.replication_jump is not None and args.replication_jump <= 0:
             raise ArgumentError(f"--replication-jump must be positive, got {args.replication_jump}")
-        jump = args.replication_jump or 1
-        # refused at a job's start; a torchrun restart on fewer nodes replicates among those left (LocalTier)
+        # the tier's own rule (the jump defaults to the ranks per node), refused at a job's start; a torchrun
+        # restart on fewer nodes replicates among those left, with a NOTICE (LocalTier)
+        per_node = node_of(0, world_size)[1]
+        factor, jump = fitted_replication(world_size, per_node, args.replication_factor, args.replication_jump)
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        if world_size % (args.replication_factor * jump) and not restarted:
-            raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump "
-                                f"{args.replication_jump} must divide the world size {world_size}")
+        if factor < args.replication_factor and not restarted:
+            given = "" if args.replication_jump else f" (the ranks per node, {per_node}, when not given)"
+            raise ArgumentError(f"--replication-factor {args.replication_factor} x --replication-jump {jump}"
+                                f"{given} must divide the world size {world_size}: this world cannot replicate "
+                                f"as asked")
     if args.save_after_load:
         if args.save is None or args.load is None:
             raise ArgumentError("--save-after-load needs both --load and --save")

@@ -135,6 +135,15 @@ def _add_parallel_args(p):
                    help="sequence parallelism inside each tensor-parallel group")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="megatron-core's DistributedOptimizer (ZeRO-1: optimizer state sharded over DP)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="fully sharded data parallelism: megatron-core's TorchFullyShardedDataParallel (torch's "
+                        "fully_shard over the DP group), parameters, gradients and Adam's moments sharded as "
+                        "DTensors; not with pipeline or expert parallelism or --use-distributed-optimizer "
+                        "(docs/fsdp.md)")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward",
+                   help="keep each FSDP2 module's gathered parameters from the forward to the backward pass "
+                        "(more memory, one all-gather fewer per module)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="overlap the gradient reduction with the backward pass (CUDA streams; refused on CPU ranks)")
     g.add_argument("--overlap-param-gather", action="store_true",

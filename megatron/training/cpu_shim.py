@@ -16,7 +16,8 @@ Two adaptations, both inactive when `torch.cuda.is_available()` is True (then `i
   side stream, which megatron-core creates once per process, is given a CPU stream instead: CPU work is
   synchronous, so its waits do nothing and its events are done when recorded; and its device-to-host copy of
   the split sizes, which only converts CUDA tensors, turns CPU tensors into the same numpy arrays (what
-  `all_to_all_single` takes). Every other public `torch.cuda`
+  `all_to_all_single` takes). --use-torch-fsdp2's wrapper asks for its device mesh on "cuda": it gets it on
+  the CPU, where torch's `fully_shard` runs on gloo. Every other public `torch.cuda`
   function (and `Stream`/`Event`), called on the thread that installed the shim (the training thread), raises
   `ShimError` naming the calling file and line: a megatron-core release that adds a CUDA call fails there, in a
   test, not with "Found no NVIDIA driver" deep in a user's run. Queries that never touch a device
@@ -77,6 +78,7 @@ _MLA_CORE = "latent_attention_local_spec(): MLA's core attention -> the local Do
 _DTOH_NUMPY = "install(): the dispatcher's maybe_move_tensor_to_cpu(as_numpy=True) -> numpy for CPU tensors too"
 _DTOH_STREAM = ("install(): the all-to-all dispatcher's device-to-host stream -> a CPU stream; torch.cuda.stream() "
                 "-> CPU's")
+_FSDP2_MESH = "install(): --use-torch-fsdp2's device mesh on 'cuda' -> on 'cpu' (torch's fully_shard runs on gloo)"
 
 SITES = (
     Site("distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__",
@@ -115,6 +117,8 @@ SITES = (
          "self.input_splits, as_numpy=True", _DTOH_NUMPY),
     Site("transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", "if torch.is_tensor(tensor) and tensor.is_cuda:",
          _DTOH_NUMPY),
+    Site("distributed.torch_fully_sharded_data_parallel", "TorchFullyShardedDataParallel.__init__",
+         'DeviceMesh.from_group(self.process_group, "cuda")', _FSDP2_MESH),
 )
 # Sites of one megatron-core release only, keyed by the first version that has them.
 SITES_SINCE = {
@@ -231,6 +235,30 @@ def _adapt_alltoall_dispatcher(install: bool) -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = _ORIGINAL_TO_HOST.pop()
 
 
+class _CpuMesh:
+    """torch's DeviceMesh as megatron-core's FSDP2 wrapper names it, with a mesh asked for on 'cuda' made on the
+    CPU: fully_shard then shards, gathers and reduce-scatters on the CPU ranks' gloo group."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+        return DeviceMesh.from_group(group, "cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)
+
+
+def _adapt_fsdp2_mesh(install: bool) -> None:
+    """megatron-core's TorchFullyShardedDataParallel's device mesh, adapted (or restored)."""
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp2
+    if install:
+        if fsdp2.DeviceMesh is not _CpuMesh:
+            _ORIGINAL_MESH[:] = [fsdp2.DeviceMesh]
+            fsdp2.DeviceMesh = _CpuMesh
+    elif _ORIGINAL_MESH:
+        fsdp2.DeviceMesh = _ORIGINAL_MESH.pop()
+
+
+_ORIGINAL_MESH: list = []
+
+
 # What install() answers on CPU, by torch.cuda name (one function each: torch._dynamo's trace rules refuse one
 # function object under two torch names).
 _ANSWERS = {
@@ -312,12 +340,14 @@ def install() -> bool:
         setattr(torch.cuda, name, repl)
     _training_thread[:] = [threading.get_ident()]
     _adapt_alltoall_dispatcher(True)
+    _adapt_fsdp2_mesh(True)
     return True
 
 
 def uninstall() -> None:
     if _ORIGINALS:
         _adapt_alltoall_dispatcher(False)
+        _adapt_fsdp2_mesh(False)
     for name, orig in _ORIGINALS.items():
         setattr(torch.cuda, name, orig)
     _ORIGINALS.clear()

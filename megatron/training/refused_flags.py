@@ -14,8 +14,9 @@ from __future__ import annotations
 
 _FP8 = ("fp8 training needs Transformer Engine's fp8 recipes on fp8-capable GPUs, which this trainer does not "
         "wire; train in --bf16 (the checkpoint format does not depend on it)")
-_FSDP = ("Megatron-FSDP is not built here; use --use-distributed-optimizer (ZeRO-1), whose sharded state the "
-         "datastates checkpoint saves and reshards")
+_FSDP = ("Megatron-FSDP is a CUDA-only implementation (its constructor and buffers use CUDA devices and streams) "
+         "and is not wired into this trainer; shard parameters with --use-torch-fsdp2 (torch's fully_shard, any "
+         "device), whose DTensor state the datastates checkpoint saves lazily and reshards (docs/fsdp.md)")
 _NCCL_UB = "NCCL user buffers belong to Megatron-FSDP on NCCL; not built here (drop the flag)"
 _GPT_OSS = ("GPT-OSS's architecture (sliding-window attention, a learnable softmax offset, clamped quick-GeGLU, "
             "YaRN) is not built here yet; Llama- and Mixtral-style models are")
@@ -92,7 +93,6 @@ REFUSED = {
     "--softmax-type": _GPT_OSS, "--window-size": _GPT_OSS, "--window-attn-skip-freq": _GPT_OSS,
     "--tokenizer-special-tokens": "megatron-core's new tokenizer library is not used here: add the special "
                                   "tokens to the tokenizer itself (--tokenizer-model directory)",
-    "--use-torch-fsdp2": _FSDP,
     "--moe-permute-fusion": "asks for Transformer Engine's fused token permutation (a CUDA kernel); the "
                             "unfused permutation runs on every device here (drop the flag)",
     "--moe-flex-dispatcher-backend": "belongs to the flex token dispatcher (DeepEP/HybridEP on CUDA); use "

@@ -64,8 +64,12 @@ def chunk_keys(chunks: list) -> list[str]:
 
 
 def chunks_sharded_state_dict(chunks: list, metadata: dict) -> dict:
-    """megatron-core's sharded state dict of every chunk under its key (its layers keep their global numbers)."""
-    return {key: chunk.sharded_state_dict(metadata=dict(metadata)) for key, chunk in zip(chunk_keys(chunks), chunks)}
+    """megatron-core's sharded state dict of every chunk under its key (its layers keep their global numbers);
+    FSDP2's parameters stay whole DTensors in it (`fsdp.whole_dtensors`)."""
+    from .fsdp import whole_dtensors
+    with whole_dtensors():
+        return {key: chunk.sharded_state_dict(metadata=dict(metadata))
+                for key, chunk in zip(chunk_keys(chunks), chunks)}
 
 
 def load_chunks(chunks: list, loaded: dict) -> None:

@@ -92,6 +92,6 @@ def _add_objects(bundle: Bundle, globals_: dict) -> None:
 
 
 def _without_path_copies(common: dict) -> dict:
-    """The common state less the redundant `a/b` copies the datastates writer adds (see writers._common_paths)."""
+    """The common state less the redundant `a/b` copies the datastates writer adds (see writers._common_state)."""
     return {k: v for k, v in common.items()
             if not (isinstance(k, str) and "/" in k and k.split("/", 1)[0] in common)}

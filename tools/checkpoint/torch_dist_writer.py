@@ -13,7 +13,8 @@ whose objects by their ShardedObject's unique key (holding `torch.save([value])`
 `metadata.json`, and the common state in `common.pt` (0.19 writes it inside the DCP files instead but still reads
 `common.pt`, so a checkpoint written under either version loads under both). Files are fsynced and written into
 the unpublished place of the save root's policy (`datastates.SaveRoot`, `metadata.json` its marker, written last:
-`<out>.partial`), committed as `out` when complete, the tracker pointed at it; a failure removes it (DCP reports a failure as a
+`<out>.<pid>-<random>.partial`, this process's alone), committed as `out` when complete, never over an output
+another conversion completed meanwhile, the tracker pointed at it; a failure removes it (DCP reports a failure as a
 `CheckpointException`, a BaseException, holding the error that caused it).
 """
 from __future__ import annotations
@@ -34,7 +35,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from datastates import SaveRoot, storage_for
-from datastates.paths import partial_dir
 
 from .paths import ConvertError
 
@@ -124,8 +124,7 @@ def _publish(root: SaveRoot, planner: _PiecePlanner, common: dict, out: str) -> 
     """DCP's files, the common state and megatron-core's metadata.json (the marker) written unseen, then `out`
     published and the tracker pointed at it; a failure removes what was written."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
-    root.storage.remove(partial_dir(out))  # what a killed conversion left
-    partial = root.stage(out)
+    partial = root.stage(out, private=True)
     try:
         writer = dcp.FileSystemWriter(partial, thread_count=1, sync_files=True)
         with warnings.catch_warnings():  # DCP warns that it saves in one process even when told to
@@ -135,7 +134,11 @@ def _publish(root: SaveRoot, planner: _PiecePlanner, common: dict, out: str) -> 
         torch.save(common, common_bytes)
         root.storage.write_bytes(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer())
         config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
-        root.publish(partial, out, json.dumps(config).encode())
+        root.publish(partial, out, json.dumps(config).encode(), replace=False)
+    except FileExistsError:
+        root.storage.remove(partial)
+        raise ConvertError(f"output {out!r} was written by another conversion meanwhile: refusing to overwrite it") \
+            from None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
         root.storage.remove(partial)
         cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e

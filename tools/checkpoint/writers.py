@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from datastates import CheckpointEngine, CheckpointError, storage_for
 from datastates.names import is_flat
 
@@ -14,14 +16,28 @@ from .summary import stack_slots
 from .torch_dist import sharded_key
 
 
-def _common_paths(common: dict, prefix: str = "") -> dict:
-    """{'a': v, 'a/b': v['b'], ...}: every value of the (nested) common dict by its slash-joined path."""
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value)
+
+
+def _common_state(common: dict, prefix: str = "") -> dict:
+    """{'a': Common(v), 'a/b': Common(v['b']), ...}: every value of the (nested) common dict by its slash-joined
+    path. A value that holds tensors is kept as it is, at its own path only: the engine saves its tensors as
+    tensors, where a `Common` would pickle them, which the restricted unpickler refuses on load."""
+    from datastates.megatron import Common
     out = {}
     for k, v in common.items():
         path = f"{prefix}/{k}" if prefix else str(k)
-        out[path] = v
+        if _holds_tensor(v):
+            out[path] = v
+            continue
+        out[path] = Common(v)
         if isinstance(v, dict) and v:
-            out.update(_common_paths(v, path))
+            out.update(_common_state(v, path))
     return out
 
 
@@ -43,8 +59,7 @@ def save_whole(state: dict, tensors: dict, objects: dict, object_shapes: dict, o
 
 def write_datastates(bundle: Bundle, output: str, threads: int = 4) -> str:
     out, _ = resolve_output(output, bundle.iteration)
-    from datastates.megatron import Common
-    state = {path: Common(v) for path, v in _common_paths(bundle.common).items()}
+    state = _common_state(bundle.common)
     largest = max((t.numel() * t.element_size() for t in bundle.tensors.values()), default=0)
     try:
         save_whole(state, {name: t.contiguous() for name, t in bundle.tensors.items()}, bundle.objects,

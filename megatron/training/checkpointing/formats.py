@@ -24,11 +24,13 @@ import torch
 
 from megatron.core import parallel_state as ps
 
-from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, Exchange, LoadStats, SaveHandle,
-                        Storage, clean_leftovers, holds_legacy, node_of, storage_for, write_latest)
+from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, CheckpointReader, Exchange,
+                        LoadStats, SaveHandle, Storage, clean_leftovers, holds_legacy, node_of, storage_for,
+                        write_latest)
 from datastates.paths import METADATA, checkpoint_dir, data_file, join as join_path, scheme as url_scheme
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
+from ..fsdp import localized, with_dtensors
 from ..virtual_pipeline import chunk_keys
 from .hf_ownership import FileAlignedWriters
 from .state import get_rng_state, saved_bytes_bound, state_nbytes
@@ -102,6 +104,10 @@ class CheckpointFormat:
         the keys under the optimizer's entry)."""
         raise NotImplementedError
 
+    def saved_optimizer(self, ckpt_dir: str) -> dict:
+        """The plain values of the checkpoint's optimizer entry (param groups, steps), as saved."""
+        return self.saved_common(ckpt_dir)["optimizer"]
+
     def read_stats(self, ckpt_dir: str) -> LoadStats | None:
         """What this rank read of `ckpt_dir` from storage and passed between ranks, where the format counts it."""
         return None
@@ -159,6 +165,9 @@ class DatastatesFormat(CheckpointFormat):
                             ownership=self.ownership, from_save=from_save, keep=keep)
 
     def read(self, template: dict, ckpt_dir: str) -> dict:
+        if self.args is not None and self.args.use_torch_fsdp2:  # each DTensor's rows, read in place
+            return with_dtensors(load_sharded(self.engine, localized(template), ckpt_dir, self._exchange(ckpt_dir)),
+                                 template)
         return load_sharded(self.engine, template, ckpt_dir, self._exchange(ckpt_dir))
 
     def read_stats(self, ckpt_dir: str) -> LoadStats:
@@ -185,6 +194,9 @@ class DatastatesFormat(CheckpointFormat):
                               self._exchange(ckpt_dir)) if present else {}
         values["optimizer"] = {p[1] for p in paths if p[0] == "optimizer" and len(p) > 1}
         return {n: values.get(n) for n in names}
+
+    def saved_optimizer(self, ckpt_dir: str) -> dict:
+        return CheckpointReader(self.engine.checkpoint(ckpt_dir)).common()["optimizer"]
 
     def close(self) -> None:
         if self.engine is not None:

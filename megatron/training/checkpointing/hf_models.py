@@ -7,8 +7,9 @@ policy (`datastates.SaveRoot`: the marker is the safetensors index, the pointer 
 
 A model is complete when its index is there, and the index is written last: on a file system the directory is
 written under `.partial`, fsynced and renamed (`SaveRoot.stage` / `commit`); an object store has no rename, so
-the model is written in place and the index's PUT publishes it. `latest` names only complete models;
---save-hf-keep-last retires the oldest after the new one is named (out of sight in one step, then removed).
+the model is written in place and the index's PUT publishes it. `latest` names only complete models: the
+publication order is the one of every root (`SaveRoot.publish`: commit, `latest`, then --save-hf-keep-last's
+retention, each retired model out of sight in one step, then removed).
 What a killed export leaves (a `.partial` directory, a model without its index, the pointer's temporary, open
 multipart uploads) is removed at the next start (`SaveRoot.clean_leftovers`).
 """
@@ -58,21 +59,21 @@ class ModelRoot:
 
     def publish(self, directory: str, iteration: int, shards: list) -> None:
         """Rank 0, every rank's files written into `directory`: the index (last: on an object store, what publishes
-        the model), the commit (a file system's rename into place), then `latest` and retention."""
+        the model), then `SaveRoot.publish` (the commit, `latest`, retention)."""
         write_index(self.storage, directory, shards)
-        for retired in self.policy.commit(directory, self.path(iteration)):
-            self.storage.remove(retired)
-        self.name(iteration)
+        self._removed(self.policy.publish(directory, self.path(iteration), keep_last=self.keep_last))
+        self.named = iteration
 
     def name(self, iteration: int) -> None:
-        """Rank 0: `latest` names the model of `iteration`, then --save-hf-keep-last retires the oldest (never the
-        one `latest` names)."""
-        self.policy.point(iteration)
+        """Rank 0: the model of `iteration`, published already, is the newest (`SaveRoot.advance`: `latest` names
+        it, then --save-hf-keep-last retires the oldest, never that one)."""
+        self._removed(self.policy.advance(iteration, self.keep_last))
         self.named = iteration
-        if self.keep_last:
-            for retired in self.policy.retain(self.keep_last, iteration):
-                self.storage.remove(retired)
-                log.info("--save-hf-keep-last %d: removed %s", self.keep_last, retired)
+
+    def _removed(self, retired: list[str]) -> None:
+        for path in retired:
+            self.storage.remove(path)
+            log.info("--save-hf: removed %s (retired by --save-hf-keep-last %s, or replaced)", path, self.keep_last)
 
     def discard(self, directory: str) -> None:
         """Rank 0, a failed export: what it wrote goes (else the next start removes it)."""

@@ -11,6 +11,7 @@ from datastates import CheckpointError, LocalTier, find_latest, paths, read_inde
 
 from ..optimizer_state import chain_length, load_optimizer_state
 from ..virtual_pipeline import chunks_sharded_state_dict, load_chunks
+from . import optimizer_kinds
 from .formats import DatastatesFormat, CheckpointFormat, detect
 from .state import (build_state, current_layout, describe_layout, describe_model_layout, layout_of, model_layout,
                     rng_sharded_object, set_rng_state, sharded_metadata)
@@ -94,12 +95,19 @@ class LoadPolicy:
         metadata = saved.get("content_metadata") or sharded_metadata(args)
         if load_optim:
             _require_loadable_optimizer(ckpt_dir, args, saved.get("args"), metadata)
+        crossing = load_optim and optimizer_kinds.crosses(saved.get("args"), args)
+        if crossing:  # the distributed optimizer reads the other kind's state in its fully_reshardable layout
+            metadata = {**metadata, "distrib_optim_sharding_type": "fully_reshardable"}
         template_args = _LoadArgs(args, no_save_optim=not load_optim, no_save_rng=True)
         # The RNG states are rank-local (one per (pp, tp, dp) coordinate): they are read in a second step, only
         # when the checkpoint's layout is this run's (see _restore_rng). Everything else reshards.
         state = build_state(template_args, self.model, self.optimizer, self.scheduler, 0, 0,
                             wrap_common=ckpt_format.wraps_common, is_loading=True, metadata=metadata,
                             saved_chain=chain_length(saved.get("optimizer") or ()))
+        if crossing:
+            state["optimizer"] = optimizer_kinds.template_as_saved(
+                state["optimizer"], ckpt_format.saved_optimizer(ckpt_dir), not args.use_distributed_optimizer,
+                args.bf16)
         loaded = ckpt_format.read(state, ckpt_dir)
         load_chunks(self.model, loaded)
         if load_optim:
@@ -195,11 +203,12 @@ def _require_loadable_optimizer(ckpt_dir: str, args, saved_args, metadata: dict)
     if saved_args is None:
         return
     saved_dist = bool(getattr(saved_args, "use_distributed_optimizer", False))
-    if saved_dist != bool(args.use_distributed_optimizer):
+    why = optimizer_kinds.refusal(saved_args, args, metadata) if optimizer_kinds.crosses(saved_args, args) else None
+    if why:
         raise CheckpointError(
             f"checkpoint {ckpt_dir!r} was saved {'with' if saved_dist else 'without'} --use-distributed-optimizer "
-            f"and this run is {'with' if args.use_distributed_optimizer else 'without'} it: the optimizer states "
-            "differ in kind; match the flag, or pass --no-load-optim to start a fresh optimizer")
+            f"and this run is {'with' if args.use_distributed_optimizer else 'without'} it, and {why}; match the "
+            "flag, or pass --no-load-optim to start a fresh optimizer")
     saved_layout, now = layout_of(saved_args), current_layout()
     if saved_dist and metadata.get("distrib_optim_sharding_type") == "dp_reshardable" and \
             saved_layout is not None and saved_layout[:2] != now[:2]:

@@ -31,6 +31,7 @@ from .loading import LoadPolicy
 from .formats import Written, format_class, rank_held_bytes, staging_bytes
 from .hf_job import REFUSED, ExportDropped
 from .hf_publish import Exported, HFPublisher
+from ..fsdp import localized
 from .state import build_state, current_layout
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,10 @@ class CheckpointManager:
         # save is in flight on the tier's pages), per copy, for every rank of the node
         per_copy = rank_held_bytes(args, self.model)
         copies = 4 if args.save and args.save_interval else 3
-        check_fits(args.non_persistent_local_ckpt_dir, copies * per_copy * factor * node_of(self.rank, world)[1])
-        return LocalTier(args.non_persistent_local_ckpt_dir, job_id(args.save), self.rank, world,
-                         list(current_layout()), keep=2, replication_factor=factor,
+        job, layout = job_id(args.save), list(current_layout())
+        check_fits(args.non_persistent_local_ckpt_dir, copies * per_copy * factor * node_of(self.rank, world)[1],
+                   job, self.rank, world, layout)
+        return LocalTier(args.non_persistent_local_ckpt_dir, job, self.rank, world, layout, keep=2, replication_factor=factor,
                          replication_jump=args.replication_jump, timeout_s=args.ckpt_publish_timeout_s,
                          host_buffer_bytes=staging_bytes(args, self.model),
                          # its snapshot lands in its own pages: it stages objects, loads and a compressed save's tensors
@@ -187,8 +189,9 @@ class CheckpointManager:
 
     def _state(self, iteration: int, consumed: int, wrap_common: bool) -> dict:
         self._finish_param_gather()
-        return build_state(self.args, self.model, self.optimizer, self.scheduler, iteration, consumed,
-                           wrap_common=wrap_common)
+        state = build_state(self.args, self.model, self.optimizer, self.scheduler, iteration, consumed,
+                            wrap_common=wrap_common)
+        return localized(state) if self.args.use_torch_fsdp2 else state  # FSDP2: each DTensor's own rows
 
     def _started(self, level: str, handle: SaveHandle, t0: float) -> None:
         """Note the training thread's time outside the engine (building the state, a synchronous

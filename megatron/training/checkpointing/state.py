@@ -16,6 +16,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from datastates.megatron import Common
 
+from ..fsdp import whole_dtensors
 from ..optimizer_state import optimizer_sharded_state_dict
 from ..virtual_pipeline import chunks_sharded_state_dict
 
@@ -101,8 +102,10 @@ def build_state(args, model: list, optimizer, scheduler, iteration: int, consume
         **model_sd,
     }
     if not args.no_save_optim and optimizer is not None:
-        state["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, dict(metadata), is_loading=is_loading,
-                                                          common=wrap_common, saved_chain=saved_chain)
+        with whole_dtensors():  # FSDP2: the optimizer finds its DTensor parameters in model_sd
+            state["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, dict(metadata),
+                                                              is_loading=is_loading, common=wrap_common,
+                                                              saved_chain=saved_chain)
         state["opt_param_scheduler"] = common(scheduler.state_dict())
     if not args.no_save_rng:
         state["rng_state"] = rng_sharded_object()

@@ -82,3 +82,8 @@ def test_the_staging_rows_are_their_runs():
                    f"({r['total_s'] / r['floor_s']:.2f}×) | {r['fence_s']:.2f} s | {r['wait_s']:.1f} s | "
                    f"{run['save'][r['system']]['durable_s']['median']:.2f} |")
             assert row in RESULTS, row
+
+
+def test_every_doc_is_linked_from_the_readme():
+    docs = sorted(os.listdir(os.path.join(ROOT, "docs")))
+    assert [d for d in docs if f"(docs/{d})" not in README] == []

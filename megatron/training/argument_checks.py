@@ -193,7 +193,8 @@ def _validate_checkpointing(args, world_size: int) -> None:
     if args.ckpt_format in UPSTREAM_ONLY_FORMATS:
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: upstream's {args.ckpt_format} format is not built "
                             f"here; formats: {', '.join(CKPT_FORMATS)} (tools/convert_checkpoint.py converts "
-                            "torch_dist checkpoints)")
+                            "torch_dist checkpoints; --use-torch-fsdp2 runs save their sharded state in the default "
+                            "datastates format, docs/fsdp.md)")
     if args.save_interval is not None and args.save_interval <= 0:
         raise ArgumentError(f"--save-interval must be positive, got {args.save_interval}")
     if args.verify_integrity and args.ckpt_format != "datastates":

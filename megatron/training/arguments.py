@@ -316,6 +316,7 @@ def _add_checkpoint_args(p):
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
                    help="save a checkpoint to --save every K iterations (and at the end of the run)")
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS + UPSTREAM_ONLY_FORMATS, default="datastates",
+                   metavar="{" + ",".join(CKPT_FORMATS) + "}",  # upstream's other formats: refused with the reason
                    help="how new checkpoints are saved: this engine, megatron-core's torch_dist, or torch.save; a "
                         "load detects the format")
     g.add_argument("--async-ckpt", "--async-save", dest="async_ckpt", action="store_true",

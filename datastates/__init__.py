@@ -12,6 +12,7 @@ from . import _native  # noqa: F401  (the native writer is required, never optio
 from .audit import Audit, NotACheckpointError, audit_checkpoint, box_str
 from .codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
 from .coordination import Coordinator, default_store
+from .dtensors import GlobalState
 from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
@@ -34,6 +35,8 @@ __all__ = [
     "CheckpointEngine", "PosixOptions", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider",
     "register_provider",
     "default_registry",  # the built-in providers, which one engine's own registry extends (ProviderRegistry(...))
+    # a torch.distributed state dict (FSDP2's DTensors, Adam's step) saved and loaded as global items, any layout
+    "GlobalState",
     "built_on_copy",
     # what CheckpointEngine(compress=) takes, and the codec `auto` picks (the trainer's --ckpt-compress and its help)
     "CODEC_SETTINGS", "AUTO_CODEC",

@@ -3,7 +3,7 @@
 The public API is what `__all__` names, plus the public modules: `datastates.paths` (what a save root and a
 checkpoint hold: its names, and paths and URLs alike), `datastates.megatron` (the adapter to megatron-core's
 sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core), `datastates.logs`,
-`datastates.dtensors` (a DTensor's local shard and its box: FSDP2),
+`datastates.dtensors` (torch DTensors: a rank's shard and its box, and their providers),
 and the Hugging Face library `datastates.hf` (transformers in and out). Every other module is the engine's own and
 may change (docs/architecture.md, "Public API"; tests/test_import_contract.py holds the trainer, the tools and
 the benchmarks to it).

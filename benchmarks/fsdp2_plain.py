@@ -209,11 +209,11 @@ def _bench(work: str, a) -> dict | None:
     base = statistics.median(loops["none"]) / a.loop_iters
     out = []
     for s in systems:
-        row = {k: (round(statistics.median(v), 3) if isinstance(v, list) else v) for k, v in rows[s.name].items()}
-        row["loop_ratio"] = round(statistics.median(loops[s.name]) / a.loop_iters / base, 2)
+        row = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in rows[s.name].items()}
+        row["loop_ratio"] = statistics.median(loops[s.name]) / a.loop_iters / base
         out.append(row)
     return {"ranks": dist.get_world_size(), "sizes": sizes, "state_mb": round(state_bytes / 1e6, 1),
-            "iteration_s": round(base, 3), "loop_iters": a.loop_iters, "reps": a.reps, "systems": out}
+            "iteration_s": base, "loop_iters": a.loop_iters, "reps": a.reps, "systems": out}
 
 
 def _rank(rank, world, port, work, a, results):
@@ -230,12 +230,12 @@ def _rank(rank, world, port, work, a, results):
 def table(result: dict) -> str:
     lines = [f"FSDP2 (`fully_shard`, gloo, CPU), {result['ranks']} ranks, model {result['sizes']}, state "
              f"{result['state_mb']} MB (fp32 parameters + Adam's two moments), {result['reps']} reps (medians), "
-             f"loop of {result['loop_iters']} iterations of {result['iteration_s']} s with a checkpoint each",
+             f"loop of {result['loop_iters']} iterations of {result['iteration_s']:.3f} s with a checkpoint each",
              "", "| system | stall: call s | call + fence s | durable s | restore s | loop ratio |",
              "|---|---|---|---|---|---|"]
     for r in result["systems"]:
-        lines.append(f"| {r['system']} | {r['call_s']} | {r['call_fence_s']} | {r['durable_s']} | {r['restore_s']} "
-                     f"| {r['loop_ratio']} |")
+        lines.append(f"| {r['system']} | {r['call_s']:.3f} | {r['call_fence_s']:.3f} | {r['durable_s']:.3f} | "
+                     f"{r['restore_s']:.3f} | {r['loop_ratio']:.2f} |")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ import datetime
 import importlib.util
 import multiprocessing
 import os
+import sys
 import time
 import traceback
 
@@ -177,3 +178,20 @@ def _replicated_and_partial(root):
 
 def test_replicas_write_once_and_a_partial_dtensor_is_refused_by_name(tmp_path):
     _run(2, _replicated_and_partial, str(tmp_path / "ck"))
+
+
+def test_the_benchmark_s_quick_mode(tmp_path, capsys):
+    """benchmarks/fsdp2_plain.py --quick (its restore phase checks every system's restored values itself)."""
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)  # the script imports its helpers (common) by name
+    spec = importlib.util.spec_from_file_location("bench_fsdp2_plain", os.path.join(benchmarks, "fsdp2_plain.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--out", str(tmp_path)])
+    assert [r["system"] for r in result["systems"]] == ["engine_lazy", "engine_sync", "dcp_async", "dcp_sync"]
+    for row in result["systems"]:
+        assert 0 <= row["call_s"] <= row["call_fence_s"] <= row["durable_s"] and row["restore_s"] > 0, row
+        assert row["loop_ratio"] > 0, row
+    assert "| engine_lazy |" in capsys.readouterr().out
+    assert (tmp_path / "fsdp2_plain.json").exists()

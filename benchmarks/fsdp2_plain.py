@@ -210,7 +210,8 @@ def _bench(work: str, a) -> dict | None:
     out = []
     for s in systems:
         row = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in rows[s.name].items()}
-        row["loop_ratio"] = statistics.median(loops[s.name]) / a.loop_iters / base
+        ratios = [t / none for t, none in zip(loops[s.name], loops["none"])]  # each round against its own
+        row["loop_ratio"], row["loop_ratio_range"] = statistics.median(ratios), (min(ratios), max(ratios))
         out.append(row)
     return {"ranks": dist.get_world_size(), "sizes": sizes, "state_mb": round(state_bytes / 1e6, 1),
             "iteration_s": base, "loop_iters": a.loop_iters, "reps": a.reps, "systems": out}
@@ -231,11 +232,12 @@ def table(result: dict) -> str:
     lines = [f"FSDP2 (`fully_shard`, gloo, CPU), {result['ranks']} ranks, model {result['sizes']}, state "
              f"{result['state_mb']} MB (fp32 parameters + Adam's two moments), {result['reps']} reps (medians), "
              f"loop of {result['loop_iters']} iterations of {result['iteration_s']:.3f} s with a checkpoint each",
-             "", "| system | stall: call s | call + fence s | durable s | restore s | loop ratio |",
+             "", "| system | stall: call s | call + fence s | durable s | restore s | loop ratio (range) |",
              "|---|---|---|---|---|---|"]
     for r in result["systems"]:
         lines.append(f"| {r['system']} | {r['call_s']:.3f} | {r['call_fence_s']:.3f} | {r['durable_s']:.3f} | "
-                     f"{r['restore_s']:.3f} | {r['loop_ratio']:.2f} |")
+                     f"{r['restore_s']:.3f} | {r['loop_ratio']:.2f} ({r['loop_ratio_range'][0]:.2f}-"
+                     f"{r['loop_ratio_range'][1]:.2f}) |")
     return "\n".join(lines)
 
 
@@ -246,12 +248,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=256, help="rows per rank per iteration")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--loop-iters", type=int, default=4)
-    ap.add_argument("--loop-rounds", type=int, default=1)
+    ap.add_argument("--loop-rounds", type=int, default=2, help="rounds of the loop, the systems' order reversed "
+                    "each round (A B .. B A)")
     ap.add_argument("--out", help="directory for fsdp2_plain.json (and the checkpoints, else a temporary one)")
-    ap.add_argument("--quick", action="store_true", help="a tiny model, one rep, a loop of 2 iterations")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, one rep, one round of a loop of 2 iterations")
     a = ap.parse_args(argv)
     if a.quick:
-        a.sizes, a.batch, a.reps, a.loop_iters = "64,128,128,8", 16, 1, 2
+        a.sizes, a.batch, a.reps, a.loop_iters, a.loop_rounds = "64,128,128,8", 16, 1, 2, 1
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="fsdp2_plain_", dir=a.out)

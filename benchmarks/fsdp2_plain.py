@@ -5,7 +5,8 @@ reused DefaultStager, pinned memory requested as torchtitan's async_with_pinned_
 and `save`. Per system, the slowest rank's: the stall (the call; and the call plus an immediate fence), the time to
 durable (fsynced, published), the restore into the live model (page cache evicted first, values checked after),
 and the loop ratio: iterations with a checkpoint every iteration over the same iterations without one, the last
-checkpoint's drain included. CPU figures: no accelerator, so every copy is host memory to host memory.
+checkpoint's drain included, with what held the loop per checkpoint (its fences, save calls and final wait): the
+part of the ratio the system itself holds, the rest being its background work slowing the training. CPU figures: no accelerator, so every copy is host memory to host memory.
 
     python benchmarks/fsdp2_plain.py [--ranks 2] [--sizes 1024,3072,3072,3072,1024] [--reps 3] [--out DIR]
     python benchmarks/fsdp2_plain.py --quick   # a tiny model, one rep of each phase: seconds
@@ -142,12 +143,19 @@ def _fresh(path: str) -> str:
     return path
 
 
-def _step(model, optimizer, x, y, system=None):
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _step(model, optimizer, x, y, fence=lambda: None) -> float:
+    """One training iteration, `fence` right before the optimizer step; the seconds the fence held it."""
     torch.nn.functional.mse_loss(model(x), y).backward()
-    if system is not None:
-        system.fence()
+    held = _timed(fence)
     optimizer.step()
     optimizer.zero_grad()
+    return held
 
 
 def _bench(work: str, a) -> dict | None:
@@ -190,17 +198,20 @@ def _bench(work: str, a) -> dict | None:
             got = [t.double().sum().item() for t in _locals(model, optimizer)]
             assert got == expected, f"{s.name}: restored values differ from the saved ones"
     loops = {"none": []} | {s.name: [] for s in systems}
+    held = {s.name: [] for s in systems}  # per round: the seconds the fences, save calls and final wait held it
     for rep in range(a.loop_rounds):
         for name in _rotation(list(loops), rep):
             s = next((s for s in systems if s.name == name), None)
             root = _fresh(os.path.join(work, "loop"))
             t0 = time.perf_counter()
-            for it in range(a.loop_iters):
-                _step(model, optimizer, x, y, s)
-                if s is not None:
-                    s.save(model, optimizer, os.path.join(root, f"iter_{it:07d}"))
-            if s is not None:
-                s.wait()
+            if s is None:
+                for it in range(a.loop_iters):
+                    _step(model, optimizer, x, y)
+            else:
+                h = sum(_step(model, optimizer, x, y, s.fence) +
+                        _timed(s.save, model, optimizer, os.path.join(root, f"iter_{it:07d}"))
+                        for it in range(a.loop_iters)) + _timed(s.wait)
+                held[name].append(_slowest(h))
             loops[name].append(_slowest(time.perf_counter() - t0))
     for s in systems:
         s.close()
@@ -212,6 +223,7 @@ def _bench(work: str, a) -> dict | None:
         row = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in rows[s.name].items()}
         ratios = [t / none for t, none in zip(loops[s.name], loops["none"])]  # each round against its own
         row["loop_ratio"], row["loop_ratio_range"] = statistics.median(ratios), (min(ratios), max(ratios))
+        row["loop_held_s"] = statistics.median(held[s.name]) / a.loop_iters
         out.append(row)
     return {"ranks": dist.get_world_size(), "sizes": sizes, "state_mb": round(state_bytes / 1e6, 1),
             "iteration_s": base, "loop_iters": a.loop_iters, "reps": a.reps, "systems": out}
@@ -232,12 +244,12 @@ def table(result: dict) -> str:
     lines = [f"FSDP2 (`fully_shard`, gloo, CPU), {result['ranks']} ranks, model {result['sizes']}, state "
              f"{result['state_mb']} MB (fp32 parameters + Adam's two moments), {result['reps']} reps (medians), "
              f"loop of {result['loop_iters']} iterations of {result['iteration_s']:.3f} s with a checkpoint each",
-             "", "| system | stall: call s | call + fence s | durable s | restore s | loop ratio (range) |",
-             "|---|---|---|---|---|---|"]
+             "", "| system | stall: call s | call + fence s | durable s | restore s | loop ratio (range) | loop held s |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["systems"]:
         lines.append(f"| {r['system']} | {r['call_s']:.3f} | {r['call_fence_s']:.3f} | {r['durable_s']:.3f} | "
                      f"{r['restore_s']:.3f} | {r['loop_ratio']:.2f} ({r['loop_ratio_range'][0]:.2f}-"
-                     f"{r['loop_ratio_range'][1]:.2f}) |")
+                     f"{r['loop_ratio_range'][1]:.2f}) | {r['loop_held_s']:.3f} |")
     return "\n".join(lines)
 
 

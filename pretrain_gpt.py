@@ -46,7 +46,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        use_cpu_initialization=not cuda, perform_initialization=True, params_dtype=dtype,
+        use_cpu_initialization=not cuda, perform_initialization=args.perform_initialization, params_dtype=dtype,
         bf16=args.bf16, fp16=args.fp16, pipeline_dtype=dtype, attention_backend=AttnBackend[args.attention_backend],
         attention_softmax_in_fp32=args.attention_softmax_in_fp32, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,

@@ -3,7 +3,7 @@
 The public API is what `__all__` names, plus the public modules: `datastates.paths` (what a save root and a
 checkpoint hold: its names, and paths and URLs alike), `datastates.megatron` (the adapter to megatron-core's
 sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core), `datastates.logs`,
-`datastates.dtensors` (a DTensor's local shard and its box: FSDP2),
+`datastates.dtensors` (torch DTensors: a rank's shard and its box, and their providers),
 and the Hugging Face library `datastates.hf` (transformers in and out). Every other module is the engine's own and
 may change (docs/architecture.md, "Public API"; tests/test_import_contract.py holds the trainer, the tools and
 the benchmarks to it).
@@ -12,6 +12,7 @@ from . import _native  # noqa: F401  (the native writer is required, never optio
 from .audit import Audit, NotACheckpointError, audit_checkpoint, box_str
 from .codecs import AUTO as AUTO_CODEC, SETTINGS as CODEC_SETTINGS
 from .coordination import Coordinator, default_store
+from .dtensors import GlobalState
 from .engine import CheckpointEngine
 from .exchange import Exchange
 from .pipeline import SaveHandle, SaveStats
@@ -34,6 +35,8 @@ __all__ = [
     "CheckpointEngine", "PosixOptions", "SaveHandle", "SaveStats", "ProviderRegistry", "StateProvider",
     "register_provider",
     "default_registry",  # the built-in providers, which one engine's own registry extends (ProviderRegistry(...))
+    # a torch.distributed state dict (FSDP2's DTensors, Adam's step) saved and loaded as global items, any layout
+    "GlobalState",
     "built_on_copy",
     # what CheckpointEngine(compress=) takes, and the codec `auto` picks (the trainer's --ckpt-compress and its help)
     "CODEC_SETTINGS", "AUTO_CODEC",

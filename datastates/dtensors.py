@@ -6,16 +6,27 @@ so no collective is needed to plan a save or a load. Placements may shard (`Shar
 along the mesh's dimensions; of the replicas of a shard, the one at coordinate 0 of every replicating mesh
 dimension writes it (the others restore it, they do not save it). A `Partial` DTensor holds pending reductions,
 not values: it is refused.
+
+`DTensorProvider` (in the default registry) makes a DTensor one global tensor item named by its path in the state,
+so that a load matches it by name and box across any number of ranks and fills its local tensor in place; the
+loaded state holds the DTensor itself. `GlobalState` wraps a torch.distributed state dict (torch's
+`get_model_state_dict` / `get_optimizer_state_dict`), whose other values (Adam's `step`, the param groups) are the
+same on every rank: each is saved once, by rank 0, and read by every rank, so the whole state loads into another
+number of ranks.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["LocalShard", "local_shard", "is_dtensor"]
+from .providers import (ItemRef, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider,
+                        default_registry)
+from .schema import Scope
+
+__all__ = ["LocalShard", "local_shard", "is_dtensor", "DTensorProvider", "GlobalState", "GlobalStateProvider"]
 
 
 class LocalShard(NamedTuple):
@@ -47,3 +58,87 @@ def local_shard(dt: DTensor, where: str = "") -> LocalShard:
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     writes = all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
     return LocalShard(local, tuple(int(n) for n in dt.shape), tuple(int(o) for o in offset), writes)
+
+
+class DTensorRef(ItemRef):
+    """A DTensor's leaf in the skeleton: a load's result holds the DTensor, its local tensor filled in place.
+    (It pickles as a plain ItemRef: a load without a template rebuilds local tensors.)"""
+
+    __slots__ = ("dtensor",)
+
+    def __init__(self, id: str, dtensor: DTensor):
+        super().__init__(id)
+        self.dtensor = dtensor
+
+    def rebuilt(self, value: Any) -> DTensor:
+        local = self.dtensor._local_tensor
+        if value is not local:  # the loader read into a new tensor (its target could not be written in place)
+            local.copy_(value)
+        return self.dtensor
+
+
+class DTensorProvider(StateProvider):
+    """A DTensor -> a global tensor item named by its path: this rank's shard, in its box, written by one replica.
+    Nothing is copied or gathered here: the lazy snapshot copies the local tensor in the background."""
+
+    def accepts(self, value):
+        return isinstance(value, DTensor)
+
+    def flatten(self, value, path, ctx):
+        shard = local_shard(value, repr(path))
+        ref = ctx.add_tensor(path, shard.tensor, scope=Scope.GLOBAL, name=path, global_shape=shard.global_shape,
+                             global_offset=shard.global_offset, write=shard.writes)
+        return DTensorRef(ref.id, value)
+
+
+class GlobalState:
+    """A state whose every value is global, named by its path: DTensors by their shards, every other tensor and
+    object the same on every rank (a torch.distributed state dict). `engine.save(GlobalState(state), path)`;
+    `engine.load(path, template=GlobalState(state))` returns `state` loaded (in place), from any number of ranks."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any):
+        self.state = state
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _SameOnEveryRank(StateProvider):
+    """Inside a GlobalState, a plain tensor or object: a global item that rank 0 writes and every rank reads."""
+
+    def accepts(self, value):
+        return True
+
+    def flatten(self, value, path, ctx):
+        first = _rank() == 0
+        if isinstance(value, torch.Tensor):
+            return ctx.add_tensor(path, value, scope=Scope.GLOBAL, name=path, global_shape=tuple(value.shape),
+                                  global_offset=(0,) * value.dim(), write=first)
+        return ctx.add_object(path, value, scope=Scope.GLOBAL, name=path, write=first)
+
+
+class GlobalStateProvider(StateProvider):
+    """A GlobalState: its contents walked by the registry's own providers, but plain tensors and objects become
+    global items (`_SameOnEveryRank`) instead of rank-local ones. Its skeleton is the contents' own."""
+
+    def accepts(self, value):
+        return isinstance(value, GlobalState)
+
+    def flatten(self, value, path, ctx):
+        outer = ctx.registry
+        ctx.registry = ProviderRegistry([p for p in outer.providers if not isinstance(p, (TensorProvider,
+                                                                                          ObjectProvider))]
+                                        + [_SameOnEveryRank()])
+        try:
+            return ctx.flatten(value.state, path)
+        finally:
+            ctx.registry = outer
+
+
+# every engine's default: DTensors and GlobalState handled like tensors (providers.py cannot import this module)
+default_registry.register(GlobalStateProvider())
+default_registry.register(DTensorProvider())

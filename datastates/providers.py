@@ -2,7 +2,8 @@
 
 Each kind of state has one provider. The container provider walks dicts, lists, tuples (named too) and
 OrderedDicts and delegates every child back to the registry, so providers compose: supporting a new kind of
-state (megatron-core's ShardedTensor, see datastates/megatron.py) is one `register_provider` call. Leaves
+state (megatron-core's ShardedTensor, see datastates/megatron.py) is one `register_provider` call; the package
+registers torch's DTensors and `GlobalState` into the default registry (datastates/dtensors.py). Leaves
 become `ItemRef`s in the skeleton; the skeleton is saved as a pickled object and, on load, rebuilt with the
 loaded values (`unflatten`).
 """
@@ -27,6 +28,10 @@ class ItemRef:
 
     def __reduce__(self):
         return (ItemRef, (self.id,))
+
+    def rebuilt(self, value: Any) -> Any:
+        """The leaf a load returns for the `value` loaded into this item (a provider's own ref may wrap it)."""
+        return value
 
     def __repr__(self):
         return f"ItemRef({self.id!r})"
@@ -184,7 +189,7 @@ def item_ids(skeleton: Any) -> Iterator[Any]:
 def unflatten(skeleton: Any, resolve: Callable[[str], Any]) -> Any:
     """Rebuild a state from its skeleton, replacing each ItemRef by `resolve(id)`."""
     if isinstance(skeleton, ItemRef):
-        return resolve(skeleton.id)
+        return skeleton.rebuilt(resolve(skeleton.id))
     if isinstance(skeleton, dict):
         out = {k: unflatten(v, resolve) for k, v in skeleton.items()}
         return _rebuild_mapping(skeleton, out) if type(skeleton) is not dict else out

@@ -66,6 +66,16 @@ def scalars(tb_dir: str) -> dict[str, dict[int, float]]:
     return out
 
 
+def scalar_events(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every (step, value) of each scalar under `tb_dir`, one per event (two at one step stay two)."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    mux = EventMultiplexer().AddRunsFromDirectory(tb_dir)
+    mux.Reload()
+    return {tag: [(e.step, e.value) for run in mux.Runs() for e in mux.Scalars(run, tag)
+                  if tag in mux.Runs()[run]["scalars"]]
+            for tag in {t for tags in mux.Runs().values() for t in tags["scalars"]}}
+
+
 def check_evaluation_and_metrics(straight, logs, tb_straight, tb_resumed, wandb_dir):
     """Validation every 2 iterations and at the end (validation and test); the stopped and resumed runs evaluate
     what the straight one does; TensorBoard and W&B hold the printed values."""
@@ -88,13 +98,22 @@ def check_evaluation_and_metrics(straight, logs, tb_straight, tb_resumed, wandb_
             "optimizer-time", "mem-resident-bytes"} <= set(both[0]) and not set(both[1]) & {"throughput", "params-norm"}
     assert all(v > 0 for v in both[0]["params-norm"].values()) and set(both[0]["throughput"]) == set(range(1, 9))
     assert glob.glob(f"{tb_straight}/*.pt.trace.json")  # torch.profiler's trace of iteration 2
-    # the stopped run's checkpoint at 4 and the resumed run's at 8: their stall and time to durable
-    assert set(both[1]["checkpoint/stall-ms"]) == set(both[1]["checkpoint/durable-ms"]) == {4, 8}
-    assert all(v > 0 for v in both[1]["checkpoint/durable-ms"].values())
+    # the stopped run's checkpoint at 4 and the resumed run's at 8: their stall and time to durable on the last
+    # rank and the slowest rank's stall, each logged at an iteration the run had reached, naming its checkpoint
+    events = scalar_events(tb_resumed)
+    assert sorted(v for _, v in events["checkpoint/iteration"]) == [4, 4, 8, 8]  # the rank's, the slowest's
+    assert all(step >= v for step, v in events["checkpoint/iteration"])
+    assert len(events["checkpoint/stall-ms"]) == len(events["checkpoint/slowest-stall-ms"]) == 2
+    assert all(v > 0 for _, v in events["checkpoint/durable-ms"])
     (run,) = glob.glob(f"{wandb_dir}/wandb/offline-run-*/run-*.wandb")
     history = wandb_history(run)
     assert {i: h["lm loss"] for i, h in history.items() if "lm loss" in h} == \
         {i: pytest.approx(float(straight[i][3]), rel=1e-6) for i in straight}
+    # the straight run saved at 4 and 8: W&B kept its checkpoints' scalars (a step lower than one seen is dropped)
+    saved = {h["checkpoint/iteration"]: (step, h) for step, h in history.items() if "checkpoint/iteration" in h}
+    assert 8 in saved and all(step >= it for it, (step, _) in saved.items()), history
+    assert {"checkpoint/stall-ms", "checkpoint/durable-ms", "checkpoint/slowest-stall-ms"} <= set(saved[8][1])
+    assert saved[8][1]["checkpoint/slowest-stall-ms"] >= saved[8][1]["checkpoint/stall-ms"]
 
 
 def wandb_history(path: str) -> dict[int, dict]:
@@ -141,6 +160,7 @@ def test_blended_corpus_resumes_at_the_next_sample(tmp_path):
     straight, first, resumed, logs = straight_and_resumed(
         tmp_path, flags + evaluation, 4,
         straight_flags=["--tensorboard-dir", tb_straight, "--wandb-project", "p", "--wandb-save-dir", wandb_dir,
+                        "--save", str(tmp_path / "ck_straight"), "--save-interval", "4",
                         *OPTIONAL_FIGURES, "--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
                         "--profile-step-end", "2"],
         stopped_flags=["--tensorboard-dir", tb_resumed])

@@ -2,7 +2,8 @@
 model's sharded state dict, weights only), loaded by the trainer with --finetune, as is (torch_dist) and after
 tools/convert_checkpoint.py made a datastates checkpoint of it. The trainer's first loss must equal that model's
 loss on the same batch (one rank, dropout 0: the same computation, compared bit for bit), and up to rounding
-when loaded into TP2. Without --finetune the trainer refuses, naming the flag, before training."""
+when loaded into TP2; upstream's --pretrained-checkpoint (with --ckpt-step) does the same. Without --finetune the
+trainer refuses, naming the flag, before training."""
 import math
 import re
 
@@ -31,10 +32,13 @@ def test_finetune_from_a_stock_megatron_core_model(tmp_path):
     assert rc != 0 and "has no iteration and no train_state" in log and "pass --finetune" in log, log[-3000:]
     assert not losses(log)
 
-    for source in (stock, converted):
-        _, log = torchrun(1, FLAGS + ["--load", source, "--finetune", "--no-load-optim", "--no-load-rng",
-                                      "--exit-interval", "1"])
+    # upstream's fine-tuning flags: --pretrained-checkpoint when --load holds nothing yet, --ckpt-step its iteration
+    for source in (["--load", stock, "--finetune", "--no-load-optim", "--no-load-rng"],
+                   ["--load", str(tmp_path / "ck"), "--pretrained-checkpoint", converted, "--ckpt-step", "0"]):
+        _, log = torchrun(1, FLAGS + source + ["--exit-interval", "1"])
         assert "for fine-tuning from iteration 0" in log, log[-3000:]
+        assert ("holds no checkpoint: fine-tuning from --pretrained-checkpoint" in log) == \
+            ("--pretrained-checkpoint" in source), log[-3000:]
         assert losses(log)[1] == stock_loss, (source, losses(log), stock_loss)
 
     # into another layout (the vocabulary padded alike: 128 rows at TP1 and TP2): TP2 sums the same products in

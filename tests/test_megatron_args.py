@@ -92,6 +92,23 @@ def test_megatron_import_is_lazy():
     assert eager == "[]", f"importing megatron.training imported {eager}"
 
 
+def test_help_shows_every_flag_with_its_help_and_default_and_nothing_before_it():
+    """`pretrain_gpt.py --help` prints the usage first (no import warnings before it); every flag has a help text,
+    and each that takes a value and has a default shows it."""
+    import subprocess
+    import sys
+
+    from megatron.training.arguments import build_parser
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: pretrain_gpt.py") and not r.stderr, r.stderr[-3000:]
+    text = " ".join(r.stdout.split())
+    actions = [a for a in build_parser()._actions if a.option_strings]
+    assert [a.option_strings[0] for a in actions if not a.help] == []
+    shown = [a for a in actions if a.nargs != 0 and a.default is not None]
+    assert shown and [a.option_strings[0] for a in shown if f"[default: {a.default}]" not in text] == []
+
+
 @pytest.mark.parametrize("policy", ["stop", "warn"])
 def test_ckpt_on_failure_policy(tmp_path, policy):
     """A save that really fails in the engine: --ckpt-on-failure stop raises, warn logs and training goes on;
@@ -173,6 +190,15 @@ REFUSED = [
     (["--load", "{tmp}/nothing"], "--load '{tmp}/nothing' does not exist or is not a directory", {}),
     (["--load", "{tmp}/empty"], "--load '{tmp}/empty': '{tmp}/empty' holds no checkpoint", {}),
     (["--load", "{tmp}/bad"], "iter_0000007 is missing", {}),
+    (["--load", "{tmp}/nothing", "--pretrained-checkpoint", "{tmp}/empty"], "--pretrained-checkpoint '{tmp}/empty': "
+     "'{tmp}/empty' holds no checkpoint: neither latest_checkpointed_iteration.txt nor a published iter_XXXXXXX "
+     "directory (and --load '{tmp}/nothing' holds no checkpoint)", {}),
+    (SAVE + ["--load", CK, "--ckpt-step", "3"], "--ckpt-step 3: '{tmp}/ck' holds no published checkpoint of "
+     "that iteration (published: none)", {}),
+    (["--ckpt-step", "3"], "--ckpt-step 3 needs --load or --pretrained-checkpoint", {}),
+    (["--ckpt-step", "-1"], "--ckpt-step must be an iteration (0 or more), got -1", {}),
+    (SAVE + ["--ckpt-format", "torch", "--verify-integrity"], "--verify-integrity: --ckpt-format torch saves no "
+     "checksums here", {}),
     (SAVE + ["--save-after-load"], "--save-after-load needs both --load and --save", {}),
     (SAVE + ["--load", CK, "--save-after-load"], "--save-after-load: --save must be another directory than --load",
      {}),

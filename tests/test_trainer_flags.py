@@ -4,10 +4,10 @@ One uninterrupted 2-rank run (`reference`) is the reference for every exact comp
 iteration lazily with --async-save (the alias of --async-ckpt), --ckpt-direct-io on, --ckpt-writer-threads 2,
 --ckpt-publish-timeout-s 120, --no-ckpt-fsync and --ckpt-on-failure warn, and its save of iteration 2 fails on
 rank 1 (tests/fault_launcher.py, FAULT_FAIL_SAVE): it must warn and go on. Its checkpoint of iteration 3 is
-resumed with --ckpt-direct-io off and --no-save-optim (`resumed`); that checkpoint, which has no optimizer state,
-and the reference's (saved without --use-distributed-optimizer) are resumed once more each, to be refused (the
-latter also resumed into the distributed optimizer). torch and torch_dist runs stop at iteration 3 and resume in
-their own format. Nine launches in all.
+resumed, picked with upstream's --ckpt-step 3 among the newer ones, with --ckpt-direct-io off and --no-save-optim
+(`resumed`); that checkpoint, which has no optimizer state, and the reference's (saved without
+--use-distributed-optimizer) are resumed once more each, to be refused (the latter also resumed into the distributed
+optimizer). torch and torch_dist runs stop at iteration 3 and resume in their own format. Nine launches in all.
 """
 from __future__ import annotations
 
@@ -45,11 +45,12 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, reference):
-    """(save root, log) of a resume from the reference's iteration 3 (an iteration directory as --load), saving
+    """(save root, log) of a resume from the reference's iteration 3 (--ckpt-step 3; its tracker names 6), saving
     iteration 6 with --ckpt-direct-io off and without optimizer state."""
     root = str(tmp_path_factory.mktemp("resumed") / "ck")
-    _, log = torchrun(2, FLAGS + ["--load", iter_dir(reference[0], K), "--save", root, "--save-interval", str(N),
-                                  "--async-save", "--ckpt-direct-io", "off", "--no-save-optim"])
+    _, log = torchrun(2, FLAGS + ["--load", reference[0], "--ckpt-step", str(K), "--save", root,
+                                  "--save-interval", str(N), "--async-save", "--ckpt-direct-io", "off",
+                                  "--no-save-optim"])
     return root, log
 
 

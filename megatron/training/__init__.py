@@ -6,6 +6,8 @@ from .global_vars import get_args, get_tokenizer  # noqa: F401
 
 
 def pretrain(*args, **kwargs):
+    from .arguments import answer_help
+    answer_help(kwargs.get("extra_args_provider"), kwargs.get("argv"))  # before megatron-core's import warnings
     from .training import pretrain as _pretrain
     return _pretrain(*args, **kwargs)
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from datastates import CheckpointError, find_latest, fitted_replication, node_of, storage_for
-from datastates.paths import TRACKER, join as join_path, normalize as normalize_path, scheme as url_scheme
+from datastates import CheckpointError, find_latest, fitted_replication, node_of, published_iterations, storage_for
+from datastates.paths import (TRACKER, iteration_of, join as join_path, normalize as normalize_path,
+                             scheme as url_scheme)
 
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla
@@ -25,15 +26,15 @@ def _require(args, *names):
         raise ArgumentError("missing required flag(s): " + ", ".join("--" + n for n in missing))
 
 
-def _loadable(path: str) -> tuple[bool, str]:
-    """Whether --load points at something this trainer can load, and why not."""
+def _loadable(path: str, flag: str = "--load") -> tuple[bool, str]:
+    """Whether `flag` points at something this trainer can load, and why not."""
     if url_scheme(path) is None and not os.path.isdir(path):
-        return False, f"--load {path!r} does not exist or is not a directory"
+        return False, f"{flag} {path!r} does not exist or is not a directory"
     try:
         latest = find_latest(path)
     except CheckpointError as e:  # an unreadable tracker
-        return False, f"--load {path!r}: {e}"
-    return latest.path is not None, f"--load {path!r}: {latest.why_none()}"
+        return False, f"{flag} {path!r}: {e}"
+    return latest.path is not None, f"{flag} {path!r}: {latest.why_none()}"
 
 
 def _validate_local_directories(args) -> None:
@@ -205,9 +206,15 @@ def _validate_checkpointing(args, world_size: int) -> None:
     if args.ckpt_format in UPSTREAM_ONLY_FORMATS:
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: upstream's {args.ckpt_format} format is not built "
                             f"here; formats: {', '.join(CKPT_FORMATS)} (tools/convert_checkpoint.py converts "
-                            "torch_dist checkpoints)")
+                            "torch_dist checkpoints; --use-torch-fsdp2 runs save their sharded state in the default "
+                            "datastates format, docs/fsdp.md)")
     if args.save_interval is not None and args.save_interval <= 0:
         raise ArgumentError(f"--save-interval must be positive, got {args.save_interval}")
+    if args.verify_integrity and args.ckpt_format != "datastates":
+        raise ArgumentError(f"--verify-integrity: --ckpt-format {args.ckpt_format} saves no checksums here; "
+                            "--ckpt-format datastates checksums every chunk and checks it on load")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ArgumentError(f"--ckpt-step must be an iteration (0 or more), got {args.ckpt_step}")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval given without --save")
     if args.ckpt_keep_last == "all":
@@ -219,7 +226,7 @@ def _validate_checkpointing(args, world_size: int) -> None:
             raise ArgumentError(f"--ckpt-keep-last must be an integer or 'all', got {args.ckpt_keep_last!r}")
         if args.ckpt_keep_last < 1:
             raise ArgumentError("--ckpt-keep-last must be >= 1")
-    if args.ckpt_host_buffer_gb <= 0 or args.ckpt_writer_threads <= 0 or \
+    if (args.ckpt_host_buffer_gb is not None and args.ckpt_host_buffer_gb <= 0) or args.ckpt_writer_threads <= 0 or \
             (args.ckpt_read_threads is not None and args.ckpt_read_threads <= 0):
         raise ArgumentError("--ckpt-host-buffer-gb, --ckpt-writer-threads and --ckpt-read-threads must be positive")
     if args.ckpt_compress != "off" and args.ckpt_format != "datastates":
@@ -269,18 +276,38 @@ def _validate_checkpointing(args, world_size: int) -> None:
 
 
 def _validate_load(args) -> None:
-    """--load points at something loadable, or is the fresh "resume if possible" --load equal to --save."""
+    """--load points at something loadable, or is the fresh "resume if possible" --load equal to --save, or
+    --pretrained-checkpoint is loadable in its stead; --ckpt-step names a published iteration of the one loaded."""
+    finetune_from = args.pretrained_checkpoint
     if args.load is not None:
         ok, why = _loadable(args.load)
         fresh = (normalize_path(args.load) == normalize_path(args.save or ".")
                  and not storage_for(args.load).exists(join_path(args.load, TRACKER)))
-        if not ok and (args.exit_on_missing_checkpoint or not fresh):
+        if not ok and finetune_from is None and (args.exit_on_missing_checkpoint or not fresh):
             # Megatron starts from scratch when --load equals --save and nothing was saved there yet (the usual
             # "resume if possible" launch); anything else that points at nothing loadable is an error.
             raise ArgumentError(why)
         args.load_exists = ok
     else:
         args.load_exists = False
+    if finetune_from is not None and not args.load_exists:  # upstream: then fine-tune from it
+        ok, why = _loadable(finetune_from, "--pretrained-checkpoint")
+        if not ok:
+            raise ArgumentError(why + (f" (and --load {args.load!r} holds no checkpoint)" if args.load else ""))
+    if args.ckpt_step is not None:
+        _validate_ckpt_step(args, args.load if args.load_exists or finetune_from is None else finetune_from)
+
+
+def _validate_ckpt_step(args, root: str | None) -> None:
+    """--ckpt-step N: iteration N of the save root the run loads from is published."""
+    if root is None:
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load or --pretrained-checkpoint")
+    if iteration_of(root) is not None:
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step}: {root!r} is one checkpoint already; give its save root")
+    published = published_iterations(root)
+    if args.ckpt_step not in published:
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step}: {root!r} holds no published checkpoint of that "
+                            f"iteration (published: {', '.join(map(str, published)) or 'none'})")
 
 
 def _validate_device(args, cuda: bool) -> None:

@@ -60,28 +60,37 @@ def add_moe_args(parser) -> None:
     g = parser.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (off: dense MLPs)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's hidden size [--ffn-hidden-size]")
-    g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
-    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk", type=int, default=2,
+                   help="experts each token is routed to")
+    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss",
+                   help="the router's load-balancing loss")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
+                   help="the router's score function")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax before the top-k selection instead of after")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
                    help="the router's logits and probabilities in this precision [the activations']")
     g.add_argument("--moe-router-num-groups", type=int, default=None, help="group-limited routing: expert groups")
     g.add_argument("--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups per token")
-    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="scale the top-k routing weights by this [none]")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router's z-loss")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
-    g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHER_TYPES, default="allgather")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="the weight of the load-balancing loss")
+    g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHER_TYPES, default="allgather",
+                   help="how tokens reach their experts (flex is refused: DeepEP is not wired)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="a shared expert of this hidden size beside the routed ones")
     g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
                    help="an MoE layer every N layers, or a 0/1 list per layer such as [1,0,1,0]")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="aux-loss-free load balancing: a per-expert bias (a saved buffer) updated from the load")
-    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="the update rate of the expert bias (aux-loss-free load balancing)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="grouped GEMM experts (CUDA only; on CPU the experts are SequentialMLP)")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert-parallel size (EP)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="[--tensor-model-parallel-size]")
 
 

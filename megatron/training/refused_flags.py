@@ -32,6 +32,49 @@ _INPROCESS_OPTIONS = ("max-iterations", "monitor-thread-interval", "monitor-proc
                       "heartbeat-timeout", "barrier-timeout", "completion-timeout", "last-call-wait",
                       "termination-grace-time", "granularity", "active-world-size", "empty-cuda-cache")
 
+_TORCH_DIST_ONLY = ("tunes megatron-core's torch_dist saver or loader, whose async and parallel paths this trainer "
+                    "replaces with the datastates engine (--ckpt-format datastates, --async-ckpt); drop the flag")
+_DEBUG_DUMPS = "periodic dumps of gradients, parameters or activations for debugging are not built here (drop it)"
+_CHECKPOINT = {  # megatron-core's checkpoint group (tests/test_upstream_flags.py checks it against upstream's)
+    "--save-retain-interval": "retention of every N-th checkpoint is not built here; --ckpt-keep-last K keeps the "
+                              "newest K (the newest published one is never deleted)",
+    "--non-persistent-global-ckpt-dir": "belongs to --non-persistent-ckpt-type global, not built here: the memory "
+                                        "tier is node-local (--non-persistent-local-ckpt-dir, docs/memory-tier.md)",
+    "--non-persistent-local-ckpt-algo": "the memory tier has one algorithm of its own (docs/memory-tier.md); drop "
+                                        "the flag",
+    "--dist-ckpt-format": "deprecated upstream; use --ckpt-format",
+    "--dist-ckpt-workers": _TORCH_DIST_ONLY + " (the engine's writers: --ckpt-writer-threads)",
+    "--async-strategy": _TORCH_DIST_ONLY + " (the lazy engine is the asynchronous strategy here: --async-ckpt)",
+    "--async-ckpt-cpu-priority": "the engine's writer threads run below training's priority on their own; drop it",
+    "--async-ckpt-io-priority": "the engine's writer threads run below training's priority on their own; drop it",
+    "--async-ckpt-use-cpu-shm": "the engine copies the state into its own host staging (--ckpt-host-buffer-gb); "
+                                "no worker process takes GPU tensors; drop it",
+    "--ckpt-fully-parallel-load-exchange-algo": _TORCH_DIST_ONLY,
+    "--ckpt-fully-parallel-load-process-group": _TORCH_DIST_ONLY,
+    "--ckpt-fully-parallel-save-process-group": _TORCH_DIST_ONLY,
+    "--no-ckpt-load-validate-sharding-integrity": "a load always checks that the saved shards cover each tensor "
+                                                  "exactly; it cannot be skipped",
+    "--disable-ckpt-load-validate-sharding-integrity": "a load always checks that the saved shards cover each "
+                                                       "tensor exactly; it cannot be skipped",
+    "--no-stream-ckpt-dequant": _FP8, "--disable-stream-ckpt-dequant": _FP8,
+    "--dist-ckpt-save-pre-mcore-014": "the torch_dist layout of megatron-core before 0.14 is not written here",
+    "--distrib-optim-fully-reshardable-mem-efficient": _TORCH_DIST_ONLY + " (datastates streams the optimizer "
+                                                       "state through bounded staging)",
+    "--ckpt-convert-format": "convert with tools/convert_checkpoint.py, or --load OLD --save NEW --save-after-load "
+                             "(docs/from-megatron-lm.md)",
+    "--ckpt-convert-save": "convert with tools/convert_checkpoint.py, or --load OLD --save NEW --save-after-load "
+                           "(docs/from-megatron-lm.md)",
+    "--ckpt-convert-update-legacy-dist-opt-format": "the distributed optimizer's legacy (pre-2024) checkpoint "
+                                                    "layout is not read here",
+    "--load-main-params-from-ckpt": "not built here: load the optimizer state (drop --no-load-optim), whose fp32 "
+                                    "main params come back bit for bit",
+    "--use-mp-args-from-checkpoint-args": "pass the parallel sizes on the command line: a datastates checkpoint "
+                                          "loads into any TP/PP/DP layout",
+    "--override-ckpt-iteration": "not built here; --ckpt-step N loads iteration N as saved",
+    **{f"--save-{what}-interval": _DEBUG_DUMPS for what in ("wgrads", "dgrads", "params", "activations",
+                                                            "tokens-per-expert")},
+}
+
 REFUSED = {
     "--fp8-format": _FP8, "--fp8-recipe": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
     "--fp8-param-gather": _FP8, "--fp8-margin": _FP8,
@@ -59,6 +102,8 @@ REFUSED = {
     "--moe-per-layer-logging": "per-layer MoE loss logging is not built here; the total loss is logged",
     "--inprocess-restart": _INPROCESS, **{f"--inprocess-{o}": _INPROCESS for o in _INPROCESS_OPTIONS},
     "--enable-ft-package": _FT_PACKAGE, "--calc-ft-timeouts": _FT_PACKAGE, "--ft-num-warmup-iters": _FT_PACKAGE,
+    "--no-strict-fsdp-dtensor-load": _FSDP, "--disable-strict-fsdp-dtensor-load": _FSDP,
+    **_CHECKPOINT,
 }
 
 

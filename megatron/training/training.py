@@ -222,11 +222,14 @@ class Run:
             scalars.update(memory(args.device))
         self.metrics.log(iteration, scalars)
 
-    def log_checkpoints(self, checkpoints) -> None:
-        """The checkpoints that finished since the last call, to the metrics sinks."""
+    def log_checkpoints(self, checkpoints, iteration: int, agree: bool) -> None:
+        """The checkpoints that finished since the last call, to the metrics sinks at the run's `iteration`; with
+        `agree` (a point every rank reaches: a save, the end) the slowest rank's stall of each too."""
         for record in checkpoints.records[self.records_seen:]:
-            self.metrics.log_checkpoint(record)
+            self.metrics.log_checkpoint(iteration, record)
         self.records_seen = len(checkpoints.records)
+        if agree:
+            self.metrics.log_slowest(iteration)
 
     def evaluate(self, iteration: int, dataset, split: str, evaluations_done: int) -> None:
         args = self.args
@@ -281,13 +284,14 @@ def train(args, model, optimizer, scheduler, run: Run, checkpoints, iteration, c
                 t_last = now
             if args.eval_interval and iteration % args.eval_interval == 0:
                 run.evaluate(iteration, run.valid_ds, "validation", evaluations_before(args, iteration))
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
+            saving = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+            if saving:
                 checkpoints.save(iteration, consumed)
                 saved_last = iteration
             elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
                 checkpoints.save_local(iteration, consumed)  # storage has this iteration already otherwise
             checkpoints.maybe_finalize()
-            run.log_checkpoints(checkpoints)
+            run.log_checkpoints(checkpoints, iteration, agree=saving)
             if args.exit_interval and iteration % args.exit_interval == 0:
                 stop = f"--exit-interval {args.exit_interval}"
             else:
@@ -339,7 +343,7 @@ def _pretrain(args, train_valid_test_dataset_provider, model_provider, forward_s
         iteration, stop = train(args, model, optimizer, scheduler, run, checkpoints, iteration, consumed)
         with stage("the wait for the last checkpoints", args.distributed_timeout_minutes):
             checkpoints.wait()  # every checkpoint durable and published
-        run.log_checkpoints(checkpoints)
+        run.log_checkpoints(checkpoints, iteration, agree=True)
         if stop is not None:
             print_rank_0(f"exiting program at iteration {iteration}: {stop}")
         elif iteration >= args.train_iters:  # the end of training: the validation and test sets, as upstream

@@ -14,6 +14,7 @@ finished writing it; the engine does this off the training thread, the synchrono
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,7 +25,8 @@ import torch
 from megatron.core import parallel_state as ps
 
 from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, CheckpointReader, Exchange,
-                        LoadStats, SaveHandle, Storage, clean_leftovers, holds_legacy, storage_for, write_latest)
+                        LoadStats, SaveHandle, Storage, clean_leftovers, holds_legacy, node_of, storage_for,
+                        write_latest)
 from datastates.paths import METADATA, checkpoint_dir, data_file, join as join_path, scheme as url_scheme
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
 
@@ -58,9 +60,9 @@ class CheckpointFormat:
         raise NotImplementedError
 
     @classmethod
-    def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
-        """A format that only reads --load (a checkpoint of another format than this run's --ckpt-format, or on
-        another storage than --save's)."""
+    def for_loading(cls, args, model, optimizer, scheduler, root: str) -> CheckpointFormat:
+        """A format that only reads the save root `root` (--load or --pretrained-checkpoint: a checkpoint of
+        another format than this run's --ckpt-format, or on another storage than --save's)."""
         return cls(args, model, optimizer, scheduler)
 
     def reads(self, ckpt_dir: str) -> bool:
@@ -140,8 +142,8 @@ class DatastatesFormat(CheckpointFormat):
                 _clean_leftovers(args.save, self.engine.storage)
 
     @classmethod
-    def for_loading(cls, args, model, optimizer, scheduler) -> CheckpointFormat:
-        return cls(args, model, optimizer, scheduler, clean_leftovers=False, root=args.load)
+    def for_loading(cls, args, model, optimizer, scheduler, root: str) -> CheckpointFormat:
+        return cls(args, model, optimizer, scheduler, clean_leftovers=False, root=root)
 
     def reads(self, ckpt_dir: str) -> bool:
         return self.root is None or storage_of(ckpt_dir) == storage_of(self.root)
@@ -397,12 +399,64 @@ def storage_of(path: str) -> tuple[str, str] | None:
     return (scheme, path.split("://", 1)[1].split("/")[0] if scheme == "msc" else "") if scheme else None
 
 
+DEFAULT_STAGING = 4 << 30  # an engine that only reads (no model to size it by), when --ckpt-host-buffer-gb is unset
+HOST_SHARE = 0.5  # of the node's available memory at start, split over its ranks: the most staging takes unasked
+
+
+def rank_share_bytes(args, model: list) -> int:
+    """What this rank's storage save writes, about: its model chunk's state (`saved_bytes_bound`) over the DP
+    group, which shards the distributed optimizer's state and spreads the replicas (ReplicaOwnership)."""
+    return -(-saved_bytes_bound(args, model) // _dp_shards())
+
+
+def rank_held_bytes(args, model: list) -> int:
+    """What this rank holds of a checkpoint, at most: a memory-tier part (self-contained: every replica it holds),
+    its model chunk's weights and its optimizer state, a DP shard of it with the distributed optimizer."""
+    weights = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
+    optimizer = saved_bytes_bound(args, model) - weights
+    return weights + -(-optimizer // (_dp_shards() if args.use_distributed_optimizer else 1))
+
+
+def _dp_shards() -> int:
+    """The fewest ranks a DP shard is spread over: the data-parallel size, or the experts' when smaller."""
+    if not torch.distributed.is_initialized():
+        return 1
+    return min(ps.get_data_parallel_world_size(), ps.get_expert_data_parallel_world_size())
+
+
 def staging_bytes(args, model: list | None) -> int:
-    """One engine's host staging: what this rank's save holds at most, a tenth and 64 MiB more for packing chunks
-    into slots and for the objects, and never more than --ckpt-host-buffer-gb. Made when the engine starts
-    (`CheckpointEngine(stage_ahead=)`), so it costs what the saves use, not the flag's 4 GB."""
-    cap = int(args.ckpt_host_buffer_gb * (1 << 30))
-    return cap if model is None else min(cap, saved_bytes_bound(args, model) * 11 // 10 + (64 << 20))
+    """One engine's host staging: all that this rank's save writes (its share of the state, the replicas spread
+    over the DP group; a tenth and 64 MiB more for packing chunks into slots and for the objects), so that a
+    snapshot never waits on storage. Without --ckpt-host-buffer-gb it is bounded by HOST_SHARE of the node's
+    available memory over the ranks on the node; with it, by the flag. Smaller than the save, a NOTICE says what
+    that costs. Made when the engine starts (`CheckpointEngine(stage_ahead=)`)."""
+    cap = None if args.ckpt_host_buffer_gb is None else int(args.ckpt_host_buffer_gb * (1 << 30))
+    if model is None:
+        return cap or DEFAULT_STAGING
+    want = rank_share_bytes(args, model) * 11 // 10 + (64 << 20)
+    bound, why = (cap, "--ckpt-host-buffer-gb") if cap is not None else _host_share()
+    if bound < want:
+        _notice(f"NOTICE: host staging is {bound / 2**30:.2f} GiB per rank ({why}) where this rank's checkpoint "
+                f"needs {want / 2**30:.2f} GiB: each snapshot copies the rest only as storage frees staging, so "
+                "training can stall on storage before the next optimizer step (docs/sizing.md)")
+    return min(bound, want)
+
+
+def _host_share() -> tuple[int, str]:
+    """(bytes, how they were found): HOST_SHARE of the node's available memory over the ranks on the node."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    ranks = node_of(rank, world)[1]
+    return int(available * HOST_SHARE) // ranks, (f"half of the node's {available / 2**30:.1f} GiB available "
+                                                  f"memory over its {ranks} ranks")
+
+
+@functools.lru_cache(maxsize=None)
+def _notice(text: str) -> None:
+    """Log `text` once per process (the storage engine and the memory tier's size their staging alike)."""
+    log.info(text)
 
 
 def _engine(args, ownership: ReplicaOwnership, root: str, model: list | None) -> CheckpointEngine:

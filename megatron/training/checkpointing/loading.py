@@ -1,5 +1,5 @@
-"""The load policy: which checkpoint a run resumes from (the memory tier or storage) and what of it it takes
-(--finetune, --no-load-optim, --no-load-rng), with the checks that refuse, before anything is read, a
+"""The load policy: which checkpoint a run resumes from (the memory tier or storage, --ckpt-step,
+--pretrained-checkpoint) and what of it it takes (--finetune, --no-load-optim, --no-load-rng), with the checks that refuse, before anything is read, a
 checkpoint this run cannot take. How a format's bytes are read is its CheckpointFormat's."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from datastates import CheckpointError, LocalTier, find_latest, read_index
+from datastates import CheckpointError, LocalTier, find_latest, paths, read_index
 
 from ..optimizer_state import chain_length, load_optimizer_state
 from ..virtual_pipeline import chunks_sharded_state_dict, load_chunks
@@ -27,13 +27,19 @@ class LoadPolicy:
         self.checkpoint_format, self.tier = ckpt_format, tier
 
     def load(self) -> tuple[int, int]:
-        """(iteration, consumed samples) of what was loaded; (0, 0) when there is nothing to load."""
+        """(iteration, consumed samples) of what was loaded; (0, 0) when there is nothing to load.
+
+        As upstream: --pretrained-checkpoint is fine-tuned from (weights only, iteration 0) when --load holds no
+        checkpoint, and --ckpt-step loads that iteration instead of the tracker's, from storage (both checked at
+        start, `argument_checks`). A restart of a fine-tuning job resumes from the memory tier like any other."""
         args = self.args
-        if args.load is None:
+        finetune_from = args.pretrained_checkpoint if not getattr(args, "load_exists", False) else None
+        root = finetune_from or args.load
+        if root is None:
             return 0, 0
-        latest = find_latest(args.load)
-        in_storage = latest.iteration if isinstance(latest.iteration, int) else None
-        if self.tier is not None:
+        latest = find_latest(root if args.ckpt_step is None else paths.checkpoint_dir(root, args.ckpt_step))
+        in_storage = latest.iteration if isinstance(latest.iteration, int) and not finetune_from else None
+        if self.tier is not None and args.ckpt_step is None:
             local = self.tier.choose(in_storage)
             if local is not None:
                 ckpt_format = DatastatesFormat(args, self.model, self.optimizer, self.scheduler,
@@ -45,13 +51,17 @@ class LoadPolicy:
                 raise CheckpointError(f"--load {args.load!r}: no checkpoint found")
             log.warning("could not find a checkpoint at %s; training from scratch", args.load)
             return 0, 0
+        if finetune_from:
+            args.finetune = True  # upstream's choice too: the weights only, from iteration 0
+            log.info(f"--load {args.load!r} holds no checkpoint: fine-tuning from --pretrained-checkpoint "
+                     f"{latest.path}")
         cls = detect(latest.path)
         # this run's format reads it where it is of that format and on --save's storage; else a reader of its own
         ckpt_format = self.checkpoint_format if type(self.checkpoint_format) is cls and \
             self.checkpoint_format.reads(latest.path) else cls.for_loading(args, self.model, self.optimizer,
-                                                                             self.scheduler)
+                                                                             self.scheduler, root)
         try:
-            return _told(ckpt_format.load(self, latest.path, args.load), "storage", latest.path, in_storage,
+            return _told(ckpt_format.load(self, latest.path, root), "storage", latest.path, in_storage,
                          memory=self._memory_unused())
         finally:
             if ckpt_format is not self.checkpoint_format:

@@ -28,12 +28,12 @@ from datastates.paths import checkpoint_dir, iteration_of
 from datastates.megatron import make_registry, save_sharded
 
 from .loading import LoadPolicy
-from .formats import Written, format_class, staging_bytes
+from .formats import Written, format_class, rank_held_bytes, staging_bytes
 from .hf_job import REFUSED, ExportDropped
 from .hf_publish import Exported, HFPublisher
 from .weights_publish import WeightsPublication, shared
 from ..fsdp import localized
-from .state import build_state, current_layout, saved_bytes_bound
+from .state import build_state, current_layout
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class CheckpointManager:
         factor = args.replication_factor if args.replication else 1
         # newest 2 kept + 1 being written + 1 retired but still written to storage from (at most one storage
         # save is in flight on the tier's pages), per copy, for every rank of the node
-        per_copy = saved_bytes_bound(args, self.model)
+        per_copy = rank_held_bytes(args, self.model)
         copies = 4 if args.save and args.save_interval else 3
         job, layout = job_id(args.save), list(current_layout())
         check_fits(args.non_persistent_local_ckpt_dir, copies * per_copy * factor * node_of(self.rank, world)[1],

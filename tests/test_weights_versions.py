@@ -103,8 +103,8 @@ def test_a_model_the_version_does_not_fit_and_a_pointer_to_nothing_are_refused(t
 def test_a_reader_versions_behind_reaches_the_newest_through_deltas_exactly(tmp_path):
     """bf16 tensors of which about 1% of the elements change per version (-0.0 and NaN among them: compared by
     their bits), and one whose every element changes (sent whole); a reader holding version 1 is brought to 3,
-    then 2 versions behind to 5, bit for bit the full version; a copy left at 1 once the delta to 2 is retired is
-    told to load the full version, untouched."""
+    then 2 versions behind to 5, bit for bit the full version; a copy left at 1 once the delta to 2 is retired,
+    and one whose deltas would take more bytes than the full version, are told to load it, untouched."""
     path = str(tmp_path / "versions")
     os.makedirs(path)
     root = VersionRoot(storage_for(path), path, keep_last=1, deltas=3)
@@ -140,3 +140,10 @@ def test_a_reader_versions_behind_reaches_the_newest_through_deltas_exactly(tmp_
     with safe_open(os.path.join(path, "deltas", "iter_0000005.safetensors"), framework="pt") as f:
         assert sorted(f.keys()) == ["a:index", "a:value", "b:index", "b:value", "c:full"]
     assert sorted(os.listdir(os.path.join(path, "deltas"))) == [f"iter_000000{i}.safetensors" for i in (3, 4, 5)]
+    for it in (6, 7):  # every element changes: two deltas take more bytes than one full version
+        publish(root, it, {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in tensors.items()})
+    before = {k: v.clone() for k, v in held.items()}
+    with pytest.raises(WeightsError, match=r"the deltas from version 5 to 7 under .* take more bytes than the full "
+                                           r"version: version 5 cannot be brought to 7 by deltas"):
+        reader.catch_up(held, 5)
+    assert all(torch.equal(held[k].view(torch.int16), before[k].view(torch.int16)) for k in held)

@@ -78,18 +78,23 @@ class BrokenChain(LookupError):
     """No chain of deltas leads from the version held to the newest (one was retired, or never written)."""
 
 
-def catch_up(root: str, tensors: dict, held: int, newest: int) -> int:
+def catch_up(root: str, tensors: dict, held: int, newest: int, limit: int | None = None) -> int:
     """Bring `tensors` ({name: tensor}, contiguous, changed in place) from version `held` to `newest` through the
     deltas between them; the bytes read. Every delta of the chain is opened before any is applied (an open one
     stays readable if it is retired meanwhile), so the tensors are either brought to `newest` or left as they
-    were (BrokenChain, KeyError naming a tensor they lack)."""
+    were (BrokenChain, also when the chain's files take `limit` bytes or more: the full version is cheaper;
+    KeyError naming a tensor they lack)."""
     with contextlib.ExitStack() as stack:
-        chain, at = [], newest
+        chain, at, size = [], newest, 0
         while at != held:
             try:
                 f = stack.enter_context(safe_open(delta_path(root, at), framework="pt"))
+                size += os.path.getsize(delta_path(root, at))
             except FileNotFoundError:
                 raise BrokenChain(f"no delta to version {at} under {root}") from None
+            if limit is not None and size >= limit:
+                raise BrokenChain(f"the deltas from version {held} to {newest} under {root} take more bytes than "
+                                  f"the full version")
             chain.append(f)
             at = int(f.metadata()["from"])
             if at < held:

@@ -152,12 +152,17 @@ class WeightsReader:
         """Bring `tensors` (this reader's own copy of version `held`, e.g. `dict(model.named_parameters())`) to
         the newest version in place, reading only the elements that changed (the trainer's deltas,
         --publish-weights-deltas): (the newest iteration, the bytes read). WeightsError, the tensors untouched,
-        when no chain of deltas leads there: load the full version instead."""
+        when no chain of deltas leads there, or only one larger than the full version: load that instead."""
         newest = self.pointed()
         if newest is None or newest <= held:
             return held, 0
+        try:  # never more bytes than the full version (its index's total; no bound once it is retired)
+            with open(os.path.join(self.root, checkpoint_name(newest), INDEX)) as f:
+                limit = json.load(f)["metadata"]["total_size"]
+        except FileNotFoundError:
+            limit = None
         try:
-            return newest, catch_up(self.root, tensors, held, newest)
+            return newest, catch_up(self.root, tensors, held, newest, limit)
         except BrokenChain as e:
             raise WeightsError(f"{e}: version {held} cannot be brought to {newest} by deltas; load the full "
                                f"version") from None

@@ -11,7 +11,7 @@ bash scripts/setup.sh
 . scripts/env.sh
 OUT=${1:-/tmp/datastates_rl_demo}
 SHM=/dev/shm/datastates_rl_demo_$$
-ITERS=${ITERS:-12}
+ITERS=${ITERS:-20}
 PY=$VENV/bin/python
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore PYTHONPATH=$PWD
 rm -rf "$OUT" && mkdir -p "$OUT"
@@ -27,7 +27,7 @@ done
     --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data --seed 1234 --train-iters "$ITERS" \
     --save "$OUT/ckpt" --save-interval "$ITERS" --async-ckpt \
     --non-persistent-save-interval 1 --non-persistent-local-ckpt-dir "$SHM/tier" \
-    --publish-weights-dir "$SHM/policy" --publish-weights-interval 1 --publish-weights-deltas 4 \
+    --publish-weights-dir "$SHM/policy" --publish-weights-interval 1 --publish-weights-deltas 8 \
     2>&1 | tee "$OUT/train.log" | awk '/lm loss|weights version|training done|Error/ {print "   " $0; fflush()}'
 wait
 cat "$OUT"/rollout_*.log

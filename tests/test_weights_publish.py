@@ -51,8 +51,9 @@ def in_place(version):
 
 
 def test_versions_follow_training_readers_come_and_die_and_the_last_is_the_hf_export(tmp_path):
+    """bf16 at lr 1e-6, an RL step: few elements change, so the follower takes the deltas."""
     versions, hf = str(tmp_path / "versions"), str(tmp_path / "hf")
-    train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "6"]
+    train = TRAIN[:TRAIN.index("--train-iters")] + ["--lr", "1e-6", "--bf16", "--train-iters", "6"]  # the last --lr
     holder, follower, held = reader(versions, "hold"), reader(versions, "follow", "6"), []
     killer = threading.Thread(target=kill_once_mid_read, args=(holder, held))
     killer.start()

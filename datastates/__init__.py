@@ -3,7 +3,8 @@
 The public API is what `__all__` names, plus the public modules: `datastates.paths` (what a save root and a
 checkpoint hold: its names, and paths and URLs alike), `datastates.megatron` (the adapter to megatron-core's
 sharded state dicts), `datastates.names` (how that adapter names items, without megatron-core), `datastates.logs`,
-`datastates.dtensors` (torch DTensors: a rank's shard and its box, and their providers),
+`datastates.dtensors` (torch DTensors: a rank's shard and its box, and their providers), `datastates.weights`
+(the readers of the policy versions a trainer publishes: rl-weights.md),
 and the Hugging Face library `datastates.hf` (transformers in and out). Every other module is the engine's own and
 may change (docs/architecture.md, "Public API"; tests/test_import_contract.py holds the trainer, the tools and
 the benchmarks to it).

@@ -10,7 +10,7 @@ under `if TYPE_CHECKING:`, which never runs. Four rules:
 2. Imports point down: a module imports its own floor or those below it, never a floor above.
 3. The engine's users (the trainer and the entry points) use its public surface only: names in
    `datastates.__all__`, the public modules (`datastates.paths`, `datastates.megatron`, `datastates.names`,
-   `datastates.logs`, `datastates.dtensors`; names in their `__all__` where they have one) and the Hugging Face library `datastates.hf`
+   `datastates.logs`, `datastates.dtensors`, `datastates.weights`; names in their `__all__` where they have one) and the Hugging Face library `datastates.hf`
    (its modules' names that do not start with `_`). A benchmark that deliberately measures an internal is named in `MEASURES_INTERNALS`
    with the reason.
 4. No user reaches into an engine object's private attributes (`x._name` for a `_name` the engine defines).
@@ -29,7 +29,7 @@ FLOORS = (("engine", ("datastates",)),
           ("entry points", ("pretrain_gpt.py", "tools", "benchmarks", "scripts", "examples")))
 ENGINE = "datastates"
 PUBLIC_MODULES = {"datastates", "datastates.paths", "datastates.megatron", "datastates.names", "datastates.logs",
-                  "datastates.dtensors"}
+                  "datastates.dtensors", "datastates.weights"}
 PUBLIC_PACKAGE = "datastates.hf"  # the trainer's --save-hf and the tools' --to hf / --from hf share it
 NATIVE = {"datastates._native"}  # built from csrc/, not a .py file: imports nothing of the repository
 # (benchmark, engine module) -> why: the benchmarks that deliberately measure an internal (rule 3's exceptions)

@@ -11,7 +11,9 @@ reader.py   open the newest version or wait for the next; (name, tensor) pairs; 
             catch a copy up to the newest through the deltas
 deltas.py   a delta between two versions: written by the trainer, applied by a reader
 """
+from .deltas import retire_deltas, write_delta
 from .leases import lease, unleased
 from .reader import Version, WeightsError, WeightsReader
 
-__all__ = ["Version", "WeightsError", "WeightsReader", "lease", "unleased"]
+__all__ = ["Version", "WeightsError", "WeightsReader", "lease", "unleased",
+           "write_delta", "retire_deltas"]  # the publishing side's (the trainer's --publish-weights-deltas)

@@ -15,8 +15,7 @@ import logging
 import os
 
 from datastates.hf.writer import write_index
-from datastates.weights import unleased
-from datastates.weights.deltas import retire_deltas, write_delta
+from datastates.weights import retire_deltas, unleased, write_delta
 
 from .hf_models import ModelRoot
 

@@ -139,9 +139,9 @@ def _assert_shrunk_exactly(work: str, survivor: int, log: str, lost: str, refere
 
     # every loss before the loss is the reference 4-rank run's, every loss after it the 2-rank run's that loads
     # iteration 7 from storage into TP2 x DP1
-    printed = {**losses(lost), **losses(log)}
+    printed = {**losses(lost), **losses(log)}  # the last rank prints them: node 1's before the loss, the survivor's
     assert {it: loss for it, loss in printed.items() if it <= KILLED_AFTER} == reference[0], printed
-    assert losses(log) == reference[1], (losses(log), reference[1])
+    assert {it: loss for it, loss in printed.items() if it > KILLED_AFTER} == reference[1], (printed, reference[1])
 
 
 def test_a_node_lost_for_good_the_survivor_goes_on_as_dp1_at_the_exact_sample(tmp_path, shrink_reference):

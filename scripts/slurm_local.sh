@@ -209,12 +209,15 @@ test_examples() {
         examples/slurm/ckpt_vs_model_size.sbatch); ids+=("$j"); names+=(model_size)
   j=$("${sb[@]}" --export="$common_env,FORMATS=datastates:async" \
         examples/slurm/ckpt_vs_dp_scale.sbatch); ids+=("$j"); names+=(dp_scale)
-  j=$("${sb[@]}" --export="$common_env,FORMATS=datastates:async,INTERVALS=0 1" \
+  # e2e: its rendezvous on an etcd that common.sh starts (on the one node here), two runs on one etcd
+  j=$("${sb[@]}" --export="$common_env,FORMATS=datastates:async,INTERVALS=0 1,RDZV=etcd" \
         examples/slurm/e2e_every_iter.sbatch); ids+=("$j"); names+=(e2e)
   local fail=0
   for i in "${!ids[@]}"; do
     wait_job "${ids[$i]}" || { fail=1; log "FAIL: job ${names[$i]} did not complete; its output:"; tail -40 "$out"/*-"${ids[$i]}".out || true; }
   done
+  grep -q "ready to serve client requests" "$out/logs/etcd-${ids[2]}.out" 2>/dev/null \
+    || { fail=1; log "FAIL: the e2e job's etcd did not serve (RDZV=etcd fell back, or it did not start)"; }
   "$venv/bin/python" examples/slurm/plot.py --logs "$out/logs" --out "$out/figures" || { fail=1; log "FAIL: plot.py failed"; }
   ls -l "$out/figures" || true
   local f

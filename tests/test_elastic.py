@@ -10,6 +10,10 @@ its replicas of node 1's, set apart in the old layout and read into the new one 
 Checked: the resume line, that every sample index after the shrink is the one the uninterrupted run reads in that
 iteration (none skipped or repeated), and that every loss after it equals that of a plain 2-rank run that loads
 iteration 7, saved to storage by a 4-rank run, into the same new layout.
+
+The same loss of node 0, the node that started first, under a rendezvous on etcd (tests/etcd_server.py), which
+no node hosts: the survivor, renumbered node 0, goes on alike. A c10d rendezvous hosted by an agent cannot lose
+that node (docs/restarts.md).
 """
 import datetime
 import os
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch.distributed as dist
 
 from megatron_helpers import ROOT, TINY, losses, torchrun
@@ -30,12 +35,12 @@ FLAGS = TINY + ["--global-batch-size", str(GBS), "--train-iters", str(ITERS), "-
 SAMPLES_RE = re.compile(r"FAULT-SAMPLES rank (\d+) attempt (\d+): ([\d ]+)")
 
 
-def _agent(node: int, port: int, flags: list[str], work: str, faults: dict | None = None,
-           rdzv_conf: str = "is_host=false") -> tuple[subprocess.Popen, str]:
-    """One node: a torchrun agent of 2 ranks joining the c10d rendezvous on the test's store, with a memory tier
-    directory of its own; (the agent, its log), every worker's output in that log."""
+def _agent(node: int, endpoint: str, flags: list[str], work: str, faults: dict | None = None,
+           rdzv_conf: str = "is_host=false", backend: str = "c10d") -> tuple[subprocess.Popen, str]:
+    """One node: a torchrun agent of 2 ranks joining the rendezvous at `endpoint` (the test's c10d store, or an
+    etcd), with a memory tier directory of its own; (the agent, its log), every worker's output in that log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+           "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test",
            "--rdzv-conf", rdzv_conf, "--max-restarts", "3", os.path.join(ROOT, "tests", "fault_launcher.py"),
            *flags, "--non-persistent-local-ckpt-dir", os.path.join(work, f"mem{node}")]
     env = environment({"DATASTATES_JOB_ID": "elastic-test", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -47,12 +52,19 @@ def _agent(node: int, port: int, flags: list[str], work: str, faults: dict | Non
                                 start_new_session=True), log
 
 
-def _elastic_job(work: str, flags: list[str], timeout: float = 400) -> tuple[int, str, str]:
-    """(which agent survived, its log, the lost node's log) of the two agents' job; the rendezvous's store is the
-    test's, so that neither node holds it (no port probed and released); past `timeout` every process is
-    killed."""
+def c10d_store() -> tuple[dist.TCPStore, str]:
+    """A c10d rendezvous store that neither node holds, hosted by this process (no port probed and released):
+    (the store, its endpoint)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=datetime.timedelta(seconds=60))
-    agents = [_agent(node, store.port, flags, work) for node in range(2)]
+    return store, f"127.0.0.1:{store.port}"
+
+
+def _elastic_job(work: str, flags: list[str], endpoint: str, killed: int = 1, backend: str = "c10d",
+                 rdzv_conf: str = "is_host=false", timeout: float = 400) -> tuple[int, str, str]:
+    """(which agent survived, its log, the lost node's log) of the two agents' job, agent 0 started first, whose
+    node `killed` (torchrun's GROUP_RANK) is lost after iteration 7; past `timeout` every process is killed."""
+    faults = {"FAULT_KILL_NODE_AFTER_LOCAL": f"{killed}:{KILLED_AFTER}"}
+    agents = [_agent(node, endpoint, flags, work, faults, rdzv_conf, backend) for node in range(2)]
     codes = []
     for proc, _ in agents:
         try:
@@ -62,7 +74,7 @@ def _elastic_job(work: str, flags: list[str], timeout: float = 400) -> tuple[int
                 kill_tree(p.pid)
             raise AssertionError(f"the elastic job did not end within {timeout} s: logs in {work}") from None
     texts = [open(log).read() for _, log in agents]
-    lost = [i for i, text in enumerate(texts) if "FAULT-KILL-NODE" in text]  # which agent became node 1
+    lost = [i for i, text in enumerate(texts) if "FAULT-KILL-NODE" in text]  # which agent became node `killed`
     assert len(lost) == 1, texts
     survivor = 1 - lost[0]
     assert (codes[survivor], codes[lost[0]]) == (0, -9), (codes, texts[survivor][-6000:])
@@ -77,13 +89,24 @@ def _per_iteration(log: str, rank: int, attempt: int, first: int, per_step: int)
             for k in range(0, len(batches), per_step)}
 
 
-def test_a_node_lost_for_good_the_survivor_goes_on_as_dp1_at_the_exact_sample(tmp_path):
-    work, ck = str(tmp_path), str(tmp_path / "ck")
-    flags = FLAGS + ["--save", ck, "--load", ck, "--save-interval", str(STORAGE_EVERY), "--async-ckpt",
-                     "--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
-    survivor, log, lost = _elastic_job(work, flags)
+@pytest.fixture(scope="module")
+def shrink_reference(tmp_path_factory) -> tuple[dict, dict]:
+    """(the losses of iterations 1-7 of a 4-rank run that saves iteration 7 to storage, the losses of a 2-rank
+    run loading it into TP2 x DP1): what a shrink after iteration 7 must print, whichever node is lost."""
+    ref = str(tmp_path_factory.mktemp("shrink_reference"))
+    _, ref_log = torchrun(4, FLAGS + ["--save", ref, "--save-interval", "100", "--exit-interval", str(KILLED_AFTER)])
+    before = losses(ref_log)
+    _, ref_log = torchrun(2, FLAGS + ["--load", ref])
+    after = losses(ref_log)
+    assert sorted(after) == list(range(KILLED_AFTER + 1, ITERS + 1)), ref_log[-3000:]
+    return before, after
+
+
+def _assert_shrunk_exactly(work: str, survivor: int, log: str, lost: str, reference: tuple[dict, dict]) -> None:
+    """The survivor's job went on as TP2 x DP1 from the memory tier's iteration 7, read into the new layout, at the
+    exact sample, with the reference's losses bit for bit."""
     assert lost.count(f"after the memory checkpoint of iteration {KILLED_AFTER}") == 2, lost[-3000:]
-    assert re.search(rf"RankFailure: rank [01]: iteration {KILLED_AFTER + 1} did not finish: another rank died",
+    assert re.search(rf"RankFailure: rank \d: iteration {KILLED_AFTER + 1} did not finish: another rank died",
                      log), log[-6000:]
     assert "> world size 2: tensor-parallel 2, pipeline-parallel 1, data-parallel 1, 4 micro-batch(es)" in log
     # replication follows the world, said once (rank 0), and never fails the restart
@@ -102,26 +125,52 @@ def test_a_node_lost_for_good_the_survivor_goes_on_as_dp1_at_the_exact_sample(tm
     assert f"> training done at iteration {ITERS}" in log
 
     # the data position: every iteration after the shrink reads, on its one DP rank (both TP ranks alike), the
-    # samples the uninterrupted DP2 run reads in it (iterations 6-7 were read by DP2 before the kill too)
+    # samples the uninterrupted DP2 run reads in it (global ranks 0 and 2 before the kill, on either node)
     after = _per_iteration(log, 0, 1, KILLED_AFTER + 1, GBS // MBS)
     assert after == _per_iteration(log, 1, 1, KILLED_AFTER + 1, GBS // MBS)
     assert sorted(after) == list(range(KILLED_AFTER + 1, ITERS + 1)), after
-    before = {it: sorted(a + b) for (it, a), b in zip(_per_iteration(log, 0, 0, 1, GBS // MBS // 2).items(),
-                                                      _per_iteration(lost, 2, 0, 1, GBS // MBS // 2).values())}
+    both = log + lost
+    before = {it: sorted(a + b) for (it, a), b in zip(_per_iteration(both, 0, 0, 1, GBS // MBS // 2).items(),
+                                                      _per_iteration(both, 2, 0, 1, GBS // MBS // 2).values())}
     for it, samples in after.items():
         assert samples == list(range((it - 1) * GBS, it * GBS)), (it, samples)  # no sample skipped or repeated
-        if it in before:  # iteration 8 was in flight at DP2 when node 1 died
+        if it in before:  # iteration 8 was in flight at DP2 when the node died
             assert sorted(samples) == before[it], (it, samples, before[it])
 
-    # every loss after the shrink equals that of a 2-rank run loading iteration 7 into TP2 x DP1 from storage,
-    # where a 4-rank run (whose losses are those the job printed before the loss) saved it
-    ref = str(tmp_path / "ref")
-    _, ref_log = torchrun(4, FLAGS + ["--save", ref, "--save-interval", "100", "--exit-interval", str(KILLED_AFTER)])
-    assert losses(ref_log) == {it: loss for it, loss in losses(lost).items() if it <= KILLED_AFTER}, ref_log[-3000:]
-    _, ref_log = torchrun(2, FLAGS + ["--load", ref])
-    expected = losses(ref_log)
-    assert sorted(expected) == list(range(KILLED_AFTER + 1, ITERS + 1)), ref_log[-3000:]
-    assert losses(log) == expected, (losses(log), expected)
+    # every loss before the loss is the reference 4-rank run's, every loss after it the 2-rank run's that loads
+    # iteration 7 from storage into TP2 x DP1
+    printed = {**losses(lost), **losses(log)}  # the last rank prints them: node 1's before the loss, the survivor's
+    assert {it: loss for it, loss in printed.items() if it <= KILLED_AFTER} == reference[0], printed
+    assert {it: loss for it, loss in printed.items() if it > KILLED_AFTER} == reference[1], (printed, reference[1])
+
+
+def test_a_node_lost_for_good_the_survivor_goes_on_as_dp1_at_the_exact_sample(tmp_path, shrink_reference):
+    work, ck = str(tmp_path), str(tmp_path / "ck")
+    flags = FLAGS + ["--save", ck, "--load", ck, "--save-interval", str(STORAGE_EVERY), "--async-ckpt",
+                     "--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
+    store, endpoint = c10d_store()
+    survivor, log, lost = _elastic_job(work, flags, endpoint)
+    _assert_shrunk_exactly(work, survivor, log, lost, shrink_reference)
+
+
+def test_the_first_node_lost_under_etcd_the_survivor_renumbered_goes_on_from_memory(tmp_path, shrink_reference):
+    """The rendezvous on a service no node hosts, etcd (torchrun's etcd-v2 backend), and the node lost the one
+    that started first and is node 0: under a c10d rendezvous hosted by an agent, the node holding the store, and
+    here the node whose rank 0 holds the workers' own store. The other node's agent re-forms the job alone through
+    etcd, as node 0 now: its machine takes the parts it held as node 1 as node 0's, and the job goes on as in the
+    node-1 loss, exactly."""
+    from etcd_server import EtcdServer
+    work, ck = str(tmp_path), str(tmp_path / "ck")
+    flags = FLAGS + ["--save", ck, "--load", ck, "--save-interval", str(STORAGE_EVERY), "--async-ckpt",
+                     "--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
+    with EtcdServer(work) as etcd:
+        survivor, log, lost = _elastic_job(work, flags, etcd.endpoint, killed=0, backend="etcd-v2",
+                                           rdzv_conf="keep_alive_interval=1")
+    # node 0 is the lowest of the nodes' (address, pid): on one machine the agent started first
+    assert survivor == 1, (survivor, log[-6000:])
+    assert f"NOTICE: memory tier {os.path.join(work, 'mem1', 'elastic-test', 'node_00001')}: the parts this " \
+           f"machine held as node 1 are node 0's now" in log, log[-6000:]
+    _assert_shrunk_exactly(work, survivor, log, lost, shrink_reference)
 
 
 def test_a_node_that_joins_grows_the_job_to_dp2_from_the_memory_tier(tmp_path):
@@ -133,17 +182,17 @@ def test_a_node_that_joins_grows_the_job_to_dp2_from_the_memory_tier(tmp_path):
     work, ck = str(tmp_path), str(tmp_path / "ck")
     flags = FLAGS + ["--save", ck, "--load", ck, "--save-interval", str(STORAGE_EVERY), "--async-ckpt",
                      "--non-persistent-save-interval", "1", "--replication", "--replication-factor", "2"]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=datetime.timedelta(seconds=60))
+    store, endpoint = c10d_store()
     conf = "is_host=false,last_call_timeout=2"
     grown = KILLED_AFTER
-    first, first_log = _agent(0, store.port, flags, work, {"FAULT_WAIT_AFTER_LOCAL": f"2:{grown}"}, conf)
+    first, first_log = _agent(0, endpoint, flags, work, {"FAULT_WAIT_AFTER_LOCAL": f"2:{grown}"}, conf)
     agents = [(first, first_log)]
     try:
         deadline = time.monotonic() + 300
         while "FAULT-WAIT" not in open(first_log).read():
             assert first.poll() is None and time.monotonic() < deadline, open(first_log).read()[-6000:]
             time.sleep(0.5)
-        agents.append(_agent(1, store.port, flags, work, {}, conf))
+        agents.append(_agent(1, endpoint, flags, work, {}, conf))
         codes = [proc.wait(timeout=400) for proc, _ in agents]
     finally:
         for proc, _ in agents:

@@ -244,11 +244,12 @@ def render(out, results_dir=None, results_md=None, command=None):
             with open(notes) as f:
                 doc += ["## Notes", "", f.read()]
         # measured by run_all.py and memory_tier.py beside the tree before a change (snapshot.md), run_all.py with a
-        # staging below the state (staging.md), object_store.py, compression.py, hf_export.py, trainer_e2e.py's FSDP2
-        # rows (fsdp2.md), rl_weights.py (rl_weights.md) and on a GPU machine by scripts/gpu_check.sh
-        # (gpu_figures.py --markdown), not by run_all.py: their sections are kept beside this script
-        for kept in ("snapshot.md", "staging.md", "object_store.md", "compression.md", "hf_export.md", "fsdp2.md",
-                     "rl_weights.md", "gpu.md"):
+        # staging below the state (staging.md), elastic.py's rendezvous (rendezvous.md), object_store.py,
+        # compression.py, hf_export.py, trainer_e2e.py's FSDP2 rows (fsdp2.md), rl_weights.py (rl_weights.md) and
+        # on a GPU machine by scripts/gpu_check.sh (gpu_figures.py --markdown), not by run_all.py: their sections are
+        # kept beside this script
+        for kept in ("snapshot.md", "staging.md", "rendezvous.md", "object_store.md", "compression.md",
+                     "hf_export.md", "fsdp2.md", "rl_weights.md", "gpu.md"):
             path = os.path.join(os.path.dirname(os.path.abspath(__file__)), kept)
             if os.path.exists(path):
                 with open(path) as f:

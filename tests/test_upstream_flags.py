@@ -19,8 +19,9 @@ from megatron_helpers import ROOT
 UPSTREAM = json.load(open(os.path.join(ROOT, "tests", "fixtures", "upstream_checkpoint_flags.json")))
 # upstream's own parser, from site-packages only (this repository's megatron/training left off the path)
 BUILD_UPSTREAM_GROUP = """
-import argparse, json, sys
-sys.path = [p for p in sys.path if p and not p.startswith(sys.argv[1])]
+import argparse, json, os, sys
+root = os.path.realpath(sys.argv[1])  # this repository (its own megatron/training), not the venv inside it
+sys.path = [p for p in sys.path if p and os.path.realpath(p) != root]
 import megatron.training.arguments as upstream
 assert upstream.__file__.startswith(sys.argv[2]), upstream.__file__
 parser = argparse.ArgumentParser(add_help=False)

@@ -76,7 +76,12 @@ def test_versions_follow_training_readers_come_and_die_and_the_last_is_the_hf_ex
     got = [line.split()[1:] for line in out.splitlines() if line.startswith("GOT")]
     its = [int(g[0]) for g in got]
     assert its and its[-1] == 6 and its == sorted(set(its)) and out.rstrip().endswith("DONE"), out
-    assert got[-1][3] == "exact" and "DIFFERS" not in out and any(g[2] == "deltas" for g in got), out
+    assert got[-1][3] == "exact" and "DIFFERS" not in out, out
+    # a follower that started late on a loaded machine may take only the last version (its first is always whole);
+    # otherwise it came through the deltas, which the trainer wrote either way (their exactness over chains:
+    # test_weights_versions)
+    assert len(got) == 1 or any(g[2] == "deltas" for g in got), out
+    assert os.listdir(os.path.join(versions, "deltas")), os.listdir(versions)
     assert held and held[0] < 6 and holder.wait() == -signal.SIGKILL
     # keep-last 1: the dead reader's version was freed by a later publication; the last is what `latest` names
     assert sorted(os.listdir(versions)) == ["deltas", "iter_0000006", "latest"], os.listdir(versions)

@@ -98,10 +98,10 @@ def _rows(view: torch.Tensor, of: torch.Tensor) -> tuple[int, int]:
     return first, first + view.shape[0]
 
 
-def _local_pieces(pieces: list, full, meta: torch.Tensor, where: str) -> list:
-    """megatron-core ShardedTensors over row slices of `meta` (`full`'s shape on the meta device), cut to the rows this rank holds and
-    rebuilt over its local tensor; each keeps its key, its global shape and its offset moved by the rows cut."""
-    shard = local_shard(full, where)
+def _local_pieces(pieces: list, shard, meta: torch.Tensor, where: str) -> list:
+    """megatron-core ShardedTensors over row slices of `meta` (the DTensor's shape on the meta device), cut to the
+    rows this rank holds (`shard`, its LocalShard) and rebuilt over its local tensor; each keeps its key, its global
+    shape and its offset moved by the rows cut."""
     local = shard.tensor
     first = shard.global_offset[0]
     end = first + local.shape[0]
@@ -147,9 +147,10 @@ def localized(state):
                        for p in pieces):
                 raise ValueError(f"{state.key}: megatron-core's factory for it does not cut the tensor into "
                                  "row slices; its FSDP2 shard cannot be saved without gathering it")
-        local = _local_pieces(pieces, full, meta, state.key)
+        shard = local_shard(full, state.key)
+        local = _local_pieces(pieces, shard, meta, state.key)
         if not local:
-            return LocalNonpersistentObject(local_shard(full, state.key).tensor)
+            return LocalNonpersistentObject(shard.tensor)
         return local[0] if isinstance(state, ShardedTensor) else local
     return state
 

@@ -29,8 +29,12 @@ from datastates.weights import WeightsReader  # noqa: E402
 
 
 def reader(root: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "tests/weights_reader.py", root, *args], cwd=ROOT, env=environment(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """A reader process (tests/weights_reader.py), returned once it said READY (its imports done)."""
+    p = subprocess.Popen([sys.executable, "tests/weights_reader.py", root, *args], cwd=ROOT, env=environment(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = p.stdout.readline()
+    assert first == "READY\n", first + p.stdout.read()
+    return p
 
 
 def kill_once_mid_read(holder: subprocess.Popen, held: list) -> None:

@@ -7,6 +7,9 @@
                                                       until LAST, then `DONE`
     python tests/weights_reader.py ROOT hold          the first version, one tensor read, then `MID-READ <iteration>`
                                                       and sleep holding it (the test SIGKILLs it there)
+
+Either prints `READY` first, once its imports are done: the test starts the trainer only then, so that a reader
+slow to start on a loaded machine does not miss the versions it is there for.
 """
 import sys
 import time
@@ -17,6 +20,7 @@ from datastates.weights import WeightsError, WeightsReader
 
 root, mode = sys.argv[1], sys.argv[2]
 reader = WeightsReader(root)
+print("READY", flush=True)
 if mode == "hold":
     version = reader.wait_next(None, timeout_s=300)
     next(version.tensors())

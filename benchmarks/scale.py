@@ -16,6 +16,15 @@ rank does once its data is durable. For each W this reports:
 
     python benchmarks/scale.py [--worlds 16 64 256 1024 4096] [--torch-dist-worlds 4 8 16] [--out ...]
     python benchmarks/scale.py --quick --out DIR   # a world of 16, torch_dist at 2 ranks
+    python benchmarks/scale.py --fsdp2 [--worlds 16 64 256 1024]
+
+--fsdp2: the state is FSDP2's instead of one row per rank: DTensors sharded on dim 0 over a mesh of all W ranks
+(torch's own DeviceMesh and DTensor, over torch's "fake" process group: a W-rank mesh in one process), some of
+whose rows do not divide W, so that the last ranks hold fewer rows or none, as FSDP2 leaves them. The observers
+save them through the engine's DTensor provider and rank 1 loads its shards back in place, bytes checked; the
+lightweight ranks write their rows of every tensor in torch's chunking. Two more columns: the torch.distributed
+calls the observers make during a save (the DTensor path plans each box from the mesh, with no collective per
+tensor or per save) and the size of rank 1's manifest (flat in W: its own boxes only).
 
 Beside it, megatron-core's torch_dist (`dist_checkpointing.save/load`) runs where this machine can hold a real
 process per rank (`--torch-dist-worlds`): every rank saves its row of the same tensor, then loads it back; for
@@ -54,6 +63,15 @@ def _store(port: int, master: bool = False):
 
 
 WORLD = [0]  # the simulated world size, for the provider below
+# --fsdp2: (name, global shape) of the DTensors, rows chosen not to divide the worlds (a 1,000-row tensor leaves
+# 24 of 1,024 ranks without a row)
+FSDP2_TENSORS = [("embedding.word_embeddings.weight", (5003, 16)), ("decoder.layers.0.self_attention.linear_qkv."
+                 "weight", (3000, 16)), ("decoder.layers.0.self_attention.linear_proj.weight", (1000, 16)),
+                 ("decoder.layers.0.mlp.linear_fc1.weight", (4100, 16)), ("decoder.layers.0.mlp.linear_fc2.weight",
+                 (2050, 16)), ("decoder.final_layernorm.weight", (1000,)), ("output_layer.weight", (5003, 16))]
+C10D_CALLS = ("all_gather_object", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
+              "broadcast_object_list", "barrier", "gather", "gather_object", "scatter", "scatter_object_list",
+              "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv")
 
 
 def _registry():
@@ -78,6 +96,56 @@ def _row(rank: int):
     return torch.full((1, ROW), float(rank))
 
 
+def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """torch's Shard(0) chunking (torch.chunk's): ceil(n / world) rows a rank, the last ones fewer or none."""
+    per = -(-n // world)
+    start = min(rank * per, n)
+    return start, min(start + per, n)
+
+
+def _fsdp2_values(index: int, shape: tuple, start: int, stop: int):
+    """The rows [start, stop) of FSDP2 tensor `index`: each element its own value, so a misplaced row shows."""
+    import torch
+    cols = 1 if len(shape) == 1 else shape[1]
+    t = torch.arange(start * cols, stop * cols, dtype=torch.float32) + index * 1e6
+    return t if len(shape) == 1 else t.reshape(stop - start, cols)
+
+
+def _fsdp2_state(rank: int, world: int, zero: bool = False) -> dict:
+    """This rank's FSDP2 DTensors on a W-rank mesh (the fake process group: no peers needed), zeros to load into."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    mesh = init_device_mesh("cpu", (world,))
+    state = {}
+    for i, (name, shape) in enumerate(FSDP2_TENSORS):
+        start, stop = _rows(shape[0], world, rank)
+        local = _fsdp2_values(i, shape, start, stop)
+        stride = (shape[1], 1) if len(shape) == 2 else (1,)
+        dt = DTensor.from_local(torch.zeros_like(local) if zero else local, mesh, [Shard(0)], run_check=False,
+                                shape=torch.Size(shape), stride=stride)
+        state[name] = dt
+    return state
+
+
+def _counting_c10d() -> list:
+    """Count the torch.distributed calls made from now on (in this benchmark's observer processes only)."""
+    import torch.distributed as dist
+    calls = []
+    for name in C10D_CALLS:
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        setattr(dist, name, counted)
+    return calls
+
+
 def _mark(label: str) -> None:
     try:
         os.stat(MARK + label)
@@ -85,13 +153,15 @@ def _mark(label: str) -> None:
         pass
 
 
-def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
-    """A real engine as rank 0 or 1: save `iters` checkpoints, then (rank 1) load its row back."""
+def observer(rank: int, world: int, port: int, root: str, iters: int, fsdp2: bool) -> None:
+    """A real engine as rank 0 or 1: save `iters` checkpoints, then (rank 1) load its row (its shards) back."""
     import torch
     from datastates import CheckpointEngine, PosixOptions
-    from datastates.paths import checkpoint_dir
+    from datastates.paths import checkpoint_dir, manifest_file
     WORLD[0] = world
     store = _store(port)
+    state = _fsdp2_state(rank, world) if fsdp2 else {"w": ("row", rank, _row(rank))}
+    calls = _counting_c10d() if fsdp2 else []
     out = {}
     with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), copy_threads=1,
                           rank=rank, world_size=world,
@@ -99,29 +169,54 @@ def observer(rank: int, world: int, port: int, root: str, iters: int) -> None:
         for it in range(1, iters + 1):
             store.wait([f"go/{it}"])
             _mark(f"save{it}-begin")
-            eng.save({"w": ("row", rank, _row(rank))}, checkpoint_dir(root, it))
+            eng.save(state, checkpoint_dir(root, it))
             stats = eng.wait()[0]
             _mark(f"save{it}-end")
-        out.update(publish_s=stats.publish_s, durable_s=stats.durable_s)
+        out.update(publish_s=stats.publish_s, durable_s=stats.durable_s, c10d_calls=len(calls))
         if rank == 1:
-            template = torch.zeros(1, ROW)
+            out["manifest_bytes"] = os.path.getsize(os.path.join(checkpoint_dir(root, iters), manifest_file(1)))
+            template = _fsdp2_state(rank, world, zero=True) if fsdp2 else {"w": ("row", rank, torch.zeros(1, ROW))}
             _mark("load-begin")
             t0 = time.perf_counter()
-            eng.load(root, template={"w": ("row", rank, template)})
+            eng.load(root, template=template)
             out["load_s"] = time.perf_counter() - t0
             _mark("load-end")
-            assert torch.equal(template, _row(rank)), "rank 1 loaded wrong bytes"
+            want = state if fsdp2 else {"w": ("row", rank, _row(rank))}
+            for name, t in template.items():
+                got, ref = (t._local_tensor, want[name]._local_tensor) if fsdp2 else (t[2], want[name][2])
+                assert torch.equal(got, ref), f"rank 1 loaded wrong bytes for {name}"
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, queue) -> None:
+def _light_items(rank: int, world: int, fsdp2: bool) -> tuple[bytes, list]:
+    """A lightweight rank's data file and its items (4 KiB-aligned, one checksummed chunk each), as an engine
+    writes them: its row of "w", or (--fsdp2) its rows of every FSDP2 tensor, an empty box where it holds none."""
+    from datastates import _native
+    from datastates.schema import Item, Kind, Scope
+    if not fsdp2:
+        data = _row(rank).numpy().tobytes()
+        return data, [Item(f"w@{rank}", Kind.TENSOR, Scope.GLOBAL, "w", "float32", (1, ROW), (world, ROW), (rank, 0),
+                           offset=0, nbytes=len(data), chunk_bytes=len(data), crcs=[_native.crc32c(data)])]
+    data, items = b"", []
+    for i, (name, shape) in enumerate(FSDP2_TENSORS):
+        start, stop = _rows(shape[0], world, rank)
+        part = _fsdp2_values(i, shape, start, stop).numpy().tobytes()
+        data += b"\0" * (-len(data) % 4096)
+        items.append(Item(name, Kind.TENSOR, Scope.GLOBAL, name, "float32", (stop - start, *shape[1:]), shape,
+                          (start, *(0,) * (len(shape) - 1)), offset=len(data), nbytes=len(part),
+                          chunk_bytes=len(part), crcs=[_native.crc32c(part)] if part else []))
+        data += part
+    return data, items
+
+
+def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, fsdp2: bool, queue) -> None:
     """Lightweight ranks: the real file layout and the real Coordinator, without an engine's threads."""
     from datastates.storage.posix import write_file
     from datastates.paths import checkpoint_dir, data_file, manifest_file, partial_dir
     # the internals measured: a rank's report as the engine makes it (crc32c, records, signed manifest, Coordinator)
-    from datastates import _native, format as fmt
+    from datastates import format as fmt
     from datastates.coordination import Coordinator
-    from datastates.schema import Item, Kind, Manifest, Scope
+    from datastates.schema import Manifest
     store = _store(port)
     coords = {r: Coordinator(store, r, world) for r in ranks}
     times = []
@@ -131,13 +226,11 @@ def light_ranks(ranks: list[int], world: int, port: int, root: str, iters: int, 
         for r in ranks:
             t0 = time.perf_counter()
             os.makedirs(partial, exist_ok=True)
-            data = _row(r).numpy().tobytes()
+            data, items = _light_items(r, world, fsdp2)
             with open(os.path.join(partial, data_file(r)), "wb") as f:
                 f.write(data)
                 os.fsync(f.fileno())
-            item = Item(f"w@{r}", Kind.TENSOR, Scope.GLOBAL, "w", "float32", (1, ROW), (world, ROW), (r, 0),
-                        offset=0, nbytes=len(data), chunk_bytes=len(data), crcs=[_native.crc32c(data)])
-            manifest = fmt.signed_manifest(Manifest.written(r, world, len(data), False, [item]))
+            manifest = fmt.signed_manifest(Manifest.written(r, world, len(data), False, items))
             write_file(os.path.join(partial, manifest_file(r)), fmt.encode_json(manifest), fsync=True)
             coords[r].report(it, manifest, None)
             times.append(time.perf_counter() - t0)
@@ -249,12 +342,12 @@ def _phase(trace: str, label: str, tree: str | None = None) -> tuple[int, int, i
     return calls, json_opened, opened
 
 
-def run_world(world: int, iters: int = 2, workers: int = 2) -> dict:
+def run_world(world: int, iters: int = 2, workers: int = 2, fsdp2: bool = False) -> dict:
     """Timings from a plain run, syscall counts from a second run under strace (which slows every call)."""
-    row = _run_world(world, iters, workers, strace=None)
+    row = _run_world(world, iters, workers, None, fsdp2)
     strace = shutil.which("strace")
     if strace:
-        traced = _run_world(world, iters, workers, strace)
+        traced = _run_world(world, iters, workers, strace, fsdp2)
         row.update({k: traced[k] for k in ("syscalls_save", "syscalls_save_r0", "json_opened_load")})
     return row
 
@@ -268,14 +361,14 @@ def _tracker_text(root: str) -> str | None:
         return None
 
 
-def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict:
+def _run_world(world: int, iters: int, workers: int, strace: str | None, fsdp2: bool) -> dict:
     root = tempfile.mkdtemp(prefix=f"ds-scale-{world}-", dir=os.environ.get("DS_SCALE_DIR"))
     store = _store(0, master=True)
     port = store.port
     procs, traces = {}, {}
     for rank in (0, 1):
         cmd = [sys.executable, os.path.abspath(__file__), "--observer", str(rank), "--world", str(world),
-               "--port", str(port), "--root", root, "--iters", str(iters)]
+               "--port", str(port), "--root", root, "--iters", str(iters)] + (["--fsdp2"] if fsdp2 else [])
         if strace:
             traces[rank] = os.path.join(root, f"strace{rank}.txt")
             cmd = [strace, "-f", "-qq", "-y", "-e", "trace=%file,%desc", "-o", traces[rank]] + cmd
@@ -283,7 +376,7 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     rest = list(range(2, world))
-    light = [ctx.Process(target=light_ranks, args=(rest[i::workers], world, port, root, iters, queue))
+    light = [ctx.Process(target=light_ranks, args=(rest[i::workers], world, port, root, iters, fsdp2, queue))
              for i in range(workers) if rest[i::workers]]
     for p in light:
         p.start()
@@ -302,7 +395,9 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict
         results[rank] = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     row = {"world": world, "publish_s": results[0]["publish_s"], "load_s": results[1]["load_s"],
            "report_s": sum(report_times) / max(1, len(report_times)),
-           "index_bytes": os.path.getsize(os.path.join(root, f"iter_{iters:07d}", "metadata.json"))}
+           "index_bytes": os.path.getsize(os.path.join(root, f"iter_{iters:07d}", "metadata.json")),
+           "manifest_bytes_r1": results[1]["manifest_bytes"],
+           "c10d_calls": max(results[0]["c10d_calls"], results[1]["c10d_calls"])}
     if strace:
         row["syscalls_save"] = _phase(traces[1], f"save{iters}", root)[0]
         row["syscalls_save_r0"] = _phase(traces[0], f"save{iters}", root)[0]
@@ -311,7 +406,7 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None) -> dict
     return row
 
 
-def plot(rows: list[dict], out: str) -> None:
+def plot(rows: list[dict], png: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -325,7 +420,7 @@ def plot(rows: list[dict], out: str) -> None:
         ax.set_xlabel("ranks (W)")
         ax.set_title(k, fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "scale.png"), dpi=110)
+    fig.savefig(png, dpi=110)
 
 
 def main(argv=None) -> None:
@@ -341,11 +436,14 @@ def main(argv=None) -> None:
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="a simulated world of 16, torch_dist at 2 ranks")
+    ap.add_argument("--fsdp2", action="store_true", help="FSDP2's DTensors over a W-rank mesh (no torch_dist rows)")
     a = ap.parse_args(argv)
     if a.quick:
         a.worlds, a.torch_dist_worlds = [16], [2]
+    if a.fsdp2:  # megatron-core's torch_dist takes no FSDP2 DTensors: nothing to run beside it
+        a.torch_dist_worlds = []
     if a.observer is not None:
-        observer(a.observer, a.world, a.port, a.root, a.iters)
+        observer(a.observer, a.world, a.port, a.root, a.iters, a.fsdp2)
         return
     if a.torch_dist_rank is not None:
         torch_dist_rank(a.torch_dist_rank, a.world, a.port, a.root)
@@ -354,14 +452,15 @@ def main(argv=None) -> None:
     require("matplotlib")
     rows = []
     header = f"{'W':>6} {'publish s':>10} {'load s':>8} {'report ms':>10} {'syscalls/ckpt r1':>17} " \
-             f"{'r0':>6} {'json at load':>13} {'index KB':>9}"
-    print(header)
+             f"{'r0':>6} {'json at load':>13} {'index KB':>9} {'manifest r1 B':>14} {'c10d calls':>11}"
+    print(("FSDP2 DTensors\n" if a.fsdp2 else "") + header)
     for w in a.worlds:
-        r = run_world(w)
+        r = run_world(w, fsdp2=a.fsdp2)
         rows.append(r)
         print(f"{w:>6} {r['publish_s']:>10.3f} {r['load_s']:>8.3f} {r['report_s'] * 1e3:>10.2f} "
               f"{r.get('syscalls_save', '-'):>17} {r.get('syscalls_save_r0', '-'):>6} "
-              f"{r.get('json_opened_load', '-'):>13} {r['index_bytes'] / 1024:>9.1f}", flush=True)
+              f"{r.get('json_opened_load', '-'):>13} {r['index_bytes'] / 1024:>9.1f} {r['manifest_bytes_r1']:>14} "
+              f"{r['c10d_calls']:>11}", flush=True)
     td_rows = []
     if a.torch_dist_worlds:
         print(f"\ntorch_dist\n{'W':>6} {'save s r0':>10} {'load s':>8} {'syscalls save r1':>17} {'r0':>6} "
@@ -372,10 +471,11 @@ def main(argv=None) -> None:
         print(f"{w:>6} {r['save_s']:>10.3f} {r['load_s']:>8.3f} {r.get('syscalls_save', '-'):>17} "
               f"{r.get('syscalls_save_r0', '-'):>6} {r.get('files_opened_load', '-'):>21}", flush=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "scale.json"), "w") as f:
+    name = "scale_fsdp2" if a.fsdp2 else "scale"
+    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
         json.dump({"datastates": rows, "torch_dist": td_rows}, f, indent=1)
-    plot(rows, a.out)
-    print(f"wrote {a.out}/scale.json, scale.png")
+    plot(rows, os.path.join(a.out, f"{name}.png"))
+    print(f"wrote {a.out}/{name}.json, {name}.png")
 
 
 if __name__ == "__main__":

@@ -361,8 +361,11 @@ stop_resume f "$F_END" "$F_LOG" "$F" "${SHARDED[@]}" --use-torch-fsdp2 "${LAZY[@
 fsdp2="$VERDICT: $DETAIL"
 # Megatron-FSDP: CUDA only. The trainer refuses its checkpoints until they are wired (docs/fsdp.md), so on a card
 # it trains the same model without them; on CPU ranks the refusal itself is what runs.
-if [ "$DEVICE" != cuda ]; then
-  ftrain mfsdp-refused "${SHARDED[@]}" --use-megatron-fsdp
+if [ "$DEVICE" != cuda ]; then  # the run must stop at its start, naming the flag and the reason
+  echo "======== mfsdp-refused" >>"$F_LOG"
+  timeout "$(cap 30)" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py "${SHARDED[@]}" \
+    --use-megatron-fsdp >"$WORK/f_mfsdp-refused.log" 2>&1
+  cat "$WORK/f_mfsdp-refused.log" >>"$F_LOG"
   refusal=$(grep -o -m 1 -- "--use-megatron-fsdp: Megatron-FSDP is a CUDA-only implementation" "$WORK/f_mfsdp-refused.log")
   if [ -n "$refusal" ]; then mfsdp="needs CUDA (refused on CPU ranks: '$refusal ...')"; else
     mfsdp="not refused on CPU ranks as a CUDA-only implementation (log $F_LOG)"; f_fail=1; fi

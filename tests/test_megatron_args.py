@@ -339,3 +339,14 @@ def test_megatron_fsdp_on_cuda_takes_upstream_s_defaults_and_the_distributed_opt
     assert (args.data_parallel_sharding_strategy, args.megatron_fsdp_main_params_dtype,
             args.megatron_fsdp_main_grads_dtype, args.fsdp_double_buffer, args.use_distributed_optimizer) == \
         ("optim_grads_params", "fp32", "auto", True, True)
+
+
+def test_megatron_fsdp_dtype_options_need_the_megatron_core_that_has_them(monkeypatch):
+    import dataclasses
+    from megatron.core.distributed import DistributedDataParallelConfig
+    if "megatron_fsdp_grad_comm_dtype" in {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}:
+        pytest.skip("this megatron-core (0.19+) has Megatron-FSDP's dtype settings")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with pytest.raises(ArgumentError, match="--megatron-fsdp-grad-comm-dtype needs megatron-core 0.19 or newer"):
+        validate_args(parse_args(argv=BASE + ["--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "bf16"]), 2,
+                      cuda=True)

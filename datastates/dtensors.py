@@ -1,8 +1,11 @@
 """torch DTensors (FSDP2's sharded parameters and optimizer states) as the engine's items: a DTensor is saved as
 its local shard with that shard's box in the global tensor, uneven shards included, and nothing is gathered.
 
-A rank's box follows from the DTensor's own mesh and placements (torch's chunking rule, the same on every rank),
-so no collective is needed to plan a save or a load. Placements may shard (`Shard`) or replicate (`Replicate`)
+`local_shard` gives a rank's box from the DTensor's own mesh and placements (torch's chunking rule, the same on
+every rank), with no collective. `DTensorProvider` also takes shards that do not follow that rule (Megatron-FSDP's,
+cut where its flat buffers put them): their boxes are learned from the ranks' local shapes once per structure
+(datastates/dtensor_layouts.py: one collective at the first save or load of a structure, none after it; never one
+per tensor). Placements may shard (`Shard`) or replicate (`Replicate`)
 along the mesh's dimensions; of the replicas of a shard, the one at coordinate 0 of every replicating mesh
 dimension writes it (the others restore it, they do not save it). A `Partial` DTensor holds pending reductions,
 not values: it is refused.
@@ -22,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .dtensor_layouts import ShardLayouts
 from .providers import (ItemRef, ObjectProvider, ProviderRegistry, StateProvider, TensorProvider,
                         default_registry)
 from .schema import Scope
@@ -42,21 +46,26 @@ def is_dtensor(value) -> bool:
     return isinstance(value, DTensor)
 
 
-def local_shard(dt: DTensor, where: str = "") -> LocalShard:
-    """This rank's shard of `dt` and its box; `where` names it in errors."""
-    placements = tuple(dt.placements)
-    for p in placements:
+def _writes(dt: DTensor, where: str) -> bool:
+    """Whether this rank writes its shard of `dt` (coordinate 0 of every replicating mesh dimension); refuses
+    placements that hold no values."""
+    for p in dt.placements:
         if isinstance(p, Partial) or not isinstance(p, (Shard, Replicate)):
             raise ValueError(f"cannot checkpoint the DTensor {where or ''} with placement {p}: only Shard and "
                              "Replicate placements hold values (reduce a Partial one first)")
-    mesh = dt.device_mesh
+    coordinate = dt.device_mesh.get_coordinate() or [0] * dt.device_mesh.ndim
+    return all(c == 0 for c, p in zip(coordinate, dt.placements) if isinstance(p, Replicate))
+
+
+def local_shard(dt: DTensor, where: str = "") -> LocalShard:
+    """This rank's shard of `dt` and its box by torch's chunking rule; `where` names it in errors."""
+    writes = _writes(dt, where)
     local = dt._local_tensor  # the shard itself (to_local() may wrap it in an autograd view)
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, tuple(dt.placements))
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"the DTensor {where} holds a local tensor of shape {tuple(local.shape)}, but its mesh and "
-                         f"placements {placements} give this rank {tuple(shape)} (a padded or custom layout)")
-    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
-    writes = all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
+                         f"placements {tuple(dt.placements)} give this rank {tuple(shape)} (a padded or custom "
+                         "layout)")
     return LocalShard(local, tuple(int(n) for n in dt.shape), tuple(int(o) for o in offset), writes)
 
 
@@ -79,16 +88,26 @@ class DTensorRef(ItemRef):
 
 class DTensorProvider(StateProvider):
     """A DTensor -> a global tensor item named by its path: this rank's shard, in its box, written by one replica.
-    Nothing is copied or gathered here: the lazy snapshot copies the local tensor in the background."""
+    Nothing is copied or gathered here: the lazy snapshot copies the local tensor in the background. The boxes of
+    one walk's DTensors are placed together once it ends, from `layouts` (learned once per structure)."""
+
+    def __init__(self, layouts: ShardLayouts | None = None):
+        self.layouts = layouts or ShardLayouts()
 
     def accepts(self, value):
         return isinstance(value, DTensor)
 
     def flatten(self, value, path, ctx):
-        shard = local_shard(value, repr(path))
-        ref = ctx.add_tensor(path, shard.tensor, scope=Scope.GLOBAL, name=path, global_shape=shard.global_shape,
-                             global_offset=shard.global_offset, write=shard.writes)
+        writes = _writes(value, repr(path))
+        ref = ctx.add_tensor(path, value._local_tensor, scope=Scope.GLOBAL, name=path,
+                             global_shape=tuple(int(n) for n in value.shape), write=writes)
+        ctx.batch(self._place).append((path, value, ctx.entries[-1].item))
         return DTensorRef(ref.id, value)
+
+    def _place(self, leaves: list) -> None:
+        offsets = self.layouts.offsets([(path, dt) for path, dt, _ in leaves])
+        for (_, _, item), offset in zip(leaves, offsets):
+            item.global_offset = offset
 
 
 class GlobalState:

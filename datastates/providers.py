@@ -45,6 +45,13 @@ class FlattenContext:
         self.entries: list[Entry] = []
         self._ids: set[str] = set()
         self._seen_tensors: dict[int, tuple[torch.Tensor, ItemRef]] = {}
+        self.batches: dict[Callable[[list], None], list] = {}
+
+    def batch(self, finish: Callable[[list], None]) -> list:
+        """The list a provider puts this walk's leaves in when they are completed together: `finish(list)` runs
+        once the whole walk is done, before its entries are used (uneven DTensors learn their boxes in one
+        collective)."""
+        return self.batches.setdefault(finish, [])
 
     def flatten(self, value: Any, path: str) -> Any:
         return self.registry.find(value, path).flatten(value, path, self)
@@ -167,6 +174,8 @@ class ProviderRegistry:
     def flatten(self, state: Any) -> tuple[Any, list[Entry]]:
         ctx = FlattenContext(self)
         skeleton = ctx.flatten(state, "")
+        for finish, leaves in ctx.batches.items():
+            finish(leaves)
         return skeleton, ctx.entries
 
 

@@ -46,10 +46,17 @@
 #                110 MB model, then --large --shard-mb 50, one round each; GPU_CHECK_HF_SIZES="gigabyte" runs
 #                --gigabyte --shard-mb 100 instead); figures, never a failure; in a rehearsal
 #                (GPU_CHECK_DEVICE=cpu) the --quick model at 2 ranks
+#   (f)    200   only with GPU_CHECK_PARTS naming it (its own device call: set-up and (f) fit in 270 s): issue 65's
+#                fully sharded runs of (b)'s model (--untie-embeddings-and-output-weights): --use-torch-fsdp2 --bf16
+#                --async-ckpt stopped at 10, resumed to 20, every loss against an uninterrupted run's as (b) compares
+#                them (the largest per-save stall on its line); then --use-megatron-fsdp --bf16 for 20 iterations
+#                (CUDA only; its trainer checkpoints are refused until wired, so no stop/resume yet); in a
+#                rehearsal the FSDP2 half runs and the Megatron-FSDP half is its refusal on CPU ranks, reported as
+#                "needs CUDA" (not a failure)
 # One PASS/FAIL line per part with its key figure; exit 1 if any part fails. Under OUT (default
 # bench_out/gpu_check; the device tool's $OUT when it sets one), at most 8 files, all of which come back:
 #   check.log (everything printed), figures.json, a_test_cuda.log, b_trainer.log, c_bench.log, d_diagnostics.log,
-#   e_hf_export.log
+#   e_hf_export.log, f_fsdp.log
 # Checkpoints go to WORK (default bench_out/gpu_check_work), which is removed at the end.
 #
 # GPU_CHECK_DEVICE=cpu: the same steps and parts on the CPU, smaller (a rehearsal; scripts/gpu_rehearsal.sh runs it
@@ -105,7 +112,7 @@ esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench_out/gpu_check}
 WORK=${WORK:-bench_out/gpu_check_work}
-mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log,d_diagnostics.log,e_hf_export.log}
+mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log,d_diagnostics.log,e_hf_export.log,f_fsdp.log}
 rm -rf "$WORK" && mkdir -p "$WORK"
 OUT=$(cd "$OUT" && pwd) WORK=$(cd "$WORK" && pwd)
 exec > >(tee "$OUT/check.log") 2>&1
@@ -212,50 +219,57 @@ fi
 
 # ---------------------------------------------------------------- (b) bf16 trainer: stop, resume, compare
 ITERS=20 HALF=10 INTERVAL=5
-MODEL=(--num-layers 4 --hidden-size "$HIDDEN" --num-attention-heads 8 --seq-length "$SEQ" --max-position-embeddings "$SEQ"
-       --vocab-size 1024 --micro-batch-size 4 --global-batch-size 8 --train-iters "$ITERS" --lr 3e-3
-       --lr-warmup-iters 2 --lr-decay-style cosine --mock-data --seed 1234 --log-interval 1 --deterministic-mode
-       --bf16 --use-distributed-optimizer --ckpt-format datastates --async-ckpt --save-interval "$INTERVAL")
+TINY=(--num-layers 4 --hidden-size "$HIDDEN" --num-attention-heads 8 --seq-length "$SEQ" --max-position-embeddings "$SEQ"
+      --vocab-size 1024 --micro-batch-size 4 --global-batch-size 8 --train-iters "$ITERS" --lr 3e-3
+      --lr-warmup-iters 2 --lr-decay-style cosine --mock-data --seed 1234 --log-interval 1 --deterministic-mode --bf16)
+LAZY=(--ckpt-format datastates --async-ckpt --save-interval "$INTERVAL")
+MODEL=("${TINY[@]}" --use-distributed-optimizer "${LAZY[@]}")
 B_LOG=$OUT/b_trainer.log
 B_END=$((SECONDS + $(cap 130)))
-train() {  # train NAME ARGS...: one 1-process torchrun job within what is left of (b)'s cap, appended to B_LOG
-  local name=$1 left=$((B_END - SECONDS))
-  shift
-  [ "$left" -gt 5 ] || { say "(b) no time left for $name"; return 1; }
-  say "(b) $name (at most $left s)"
-  echo "======== $name" >>"$B_LOG"
-  timeout "$left" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py "${MODEL[@]}" "$@" \
-    >"$WORK/b_$name.log" 2>&1
+trainer() {  # trainer PART END LOG NAME ARGS...: one 1-process torchrun job of pretrain_gpt.py until END (what is
+  local part=$1 end=$2 log=$3 name=$4 left=$(($2 - SECONDS))  # left of PART's cap), its log appended to LOG
+  shift 4
+  [ "$left" -gt 5 ] || { say "($part) no time left for $name"; return 1; }
+  say "($part) $name (at most $left s)"
+  echo "======== $name" >>"$log"
+  timeout "$left" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py "$@" \
+    >"$WORK/${part}_$name.log" 2>&1
   local rc=$?
-  cat "$WORK/b_$name.log" >>"$B_LOG"
-  [ "$rc" = 0 ] || { say "(b) $name failed (exit $rc); the end of its log:"; tail -n 20 "$WORK/b_$name.log"; }
+  cat "$WORK/${part}_$name.log" >>"$log"
+  [ "$rc" = 0 ] || { say "($part) $name failed (exit $rc); the end of its log:"; tail -n 20 "$WORK/${part}_$name.log"; }
   return "$rc"
 }
 compare() { "$PY" scripts/compare_losses.py --iters "$ITERS" "$@"; }
+stop_resume() {  # stop_resume PART END LOG DIR ARGS...: stopped at HALF and resumed to ITERS, every loss against an
+  local part=$1 end=$2 log=$3 dir=$4  # uninterrupted run's; on a difference that run is repeated: if the two differ,
+  shift 4                             # the GPU is not deterministic run to run and the resume passes within twice
+  local logs=("$WORK/${part}_1-stop-at-$HALF.log" "$WORK/${part}_2-resume-to-$ITERS.log" "$WORK/${part}_3-uninterrupted.log")
+  # their largest difference (compare_losses.py --again). Sets VERDICT and DETAIL; returns 1 unless it passed.
+  if ! { trainer "$part" "$end" "$log" "1-stop-at-$HALF" "$@" --save "$dir/resumed" --load "$dir/resumed" \
+           --exit-interval "$HALF" &&
+         trainer "$part" "$end" "$log" "2-resume-to-$ITERS" "$@" --save "$dir/resumed" --load "$dir/resumed" &&
+         trainer "$part" "$end" "$log" "3-uninterrupted" "$@" --save "$dir/straight"; }; then
+    VERDICT=failed DETAIL="a training run failed or ran over the part's cap (log $log)"; return 1
+  fi
+  if DETAIL=$(compare --half "$HALF" "${logs[@]}"); then VERDICT=exact; return 0; fi
+  say "($part) the losses differ: $DETAIL; repeating the uninterrupted run to tell a resume bug from a non-deterministic GPU"
+  if ! trainer "$part" "$end" "$log" "4-uninterrupted-again" "$@" --save "$dir/straight2"; then
+    VERDICT=failed DETAIL="the losses differ ($DETAIL), and the repeated uninterrupted run failed"; return 1
+  fi
+  if DETAIL=$(compare --half "$HALF" "${logs[@]}" --again "$WORK/${part}_4-uninterrupted-again.log"); then
+    VERDICT=within-run-to-run-spread; return 0
+  fi
+  VERDICT=resume-differs; return 1
+}
 B=$WORK/b_ckpt  # kept for (d)'s codecs: the trained state
 b_json() { echo "{\"verdict\": \"$1\", \"detail\": $(printf '%s' "$2" | "$PY" -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" >"$FIGURES/b_trainer.json"; }
-if ! part b; then
-  :
-elif train "1-stop-at-$HALF" --save "$B/resumed" --load "$B/resumed" --exit-interval "$HALF" &&
-   train "2-resume-to-$ITERS" --save "$B/resumed" --load "$B/resumed" &&
-   train "3-uninterrupted" --save "$B/straight"; then
-  if msg=$(compare --half "$HALF" "$WORK/b_1-stop-at-$HALF.log" "$WORK/b_2-resume-to-$ITERS.log" "$WORK/b_3-uninterrupted.log"); then
-    result "(b) bf16 stop/resume" PASS "$msg"; b_json exact "$msg"
+if part b; then
+  if stop_resume b "$B_END" "$B_LOG" "$B" "${MODEL[@]}"; then
+    result "(b) bf16 stop/resume" PASS "$DETAIL"
   else
-    say "(b) the losses differ: $msg; repeating the uninterrupted run to tell a resume bug from a non-deterministic GPU"
-    if train "4-uninterrupted-again" --save "$B/straight2"; then
-      if msg=$(compare --half "$HALF" "$WORK/b_1-stop-at-$HALF.log" "$WORK/b_2-resume-to-$ITERS.log" \
-               "$WORK/b_3-uninterrupted.log" --again "$WORK/b_4-uninterrupted-again.log"); then
-        result "(b) bf16 stop/resume" PASS "$msg"; b_json within-run-to-run-spread "$msg"
-      else
-        result "(b) bf16 stop/resume" FAIL "$msg"; b_json resume-differs "$msg"
-      fi
-    else
-      result "(b) bf16 stop/resume" FAIL "the losses differ ($msg), and the repeated uninterrupted run failed"
-    fi
+    result "(b) bf16 stop/resume" FAIL "$DETAIL"
   fi
-else
-  result "(b) bf16 stop/resume" FAIL "a training run failed or ran over the part's cap of $(cap 130) s (log $B_LOG)"
+  b_json "$VERDICT" "$DETAIL"
 fi
 
 # ---------------------------------------------------------------- (c) side by side on the device, then the large state
@@ -335,6 +349,42 @@ for size in "${sizes[@]}"; do
 done
 grep -E "^(loop|exports|offline|storage floor|bytes passed)" "$OUT/e_hf_export.log" | sed 's/^/  /'
 result "(e) --save-hf, a core per rank" INFO "${e_rc[*]} (figures in e_hf_export.log)"
+fi
+# ---------------------------------------------------------------- (f) fully sharded: FSDP2 and Megatron-FSDP (only when asked)
+if part f; then
+say "(f) the tiny model fully sharded: --use-torch-fsdp2, then --use-megatron-fsdp (log: $OUT/f_fsdp.log)"
+F_LOG=$OUT/f_fsdp.log F_END=$((SECONDS + $(cap 200))) F=$WORK/f_ckpt
+SHARDED=("${TINY[@]}" --untie-embeddings-and-output-weights)  # FSDP2 refuses tied output weights
+ftrain() { trainer f "$F_END" "$F_LOG" "$@"; }
+f_fail=0
+stop_resume f "$F_END" "$F_LOG" "$F" "${SHARDED[@]}" --use-torch-fsdp2 "${LAZY[@]}" || f_fail=1
+fsdp2="$VERDICT: $DETAIL"
+# Megatron-FSDP: CUDA only. The trainer refuses its checkpoints until they are wired (docs/fsdp.md), so on a card
+# it trains the same model without them; on CPU ranks the refusal itself is what runs.
+if [ "$DEVICE" != cuda ]; then  # the run must stop at its start, naming the flag and the reason
+  echo "======== mfsdp-refused" >>"$F_LOG"
+  timeout "$(cap 30)" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py "${SHARDED[@]}" \
+    --use-megatron-fsdp >"$WORK/f_mfsdp-refused.log" 2>&1
+  cat "$WORK/f_mfsdp-refused.log" >>"$F_LOG"
+  refusal=$(grep -o -m 1 -- "--use-megatron-fsdp: Megatron-FSDP is a CUDA-only implementation" "$WORK/f_mfsdp-refused.log")
+  if [ -n "$refusal" ]; then mfsdp="needs CUDA (refused on CPU ranks: '$refusal ...')"; else
+    mfsdp="not refused on CPU ranks as a CUDA-only implementation (log $F_LOG)"; f_fail=1; fi
+elif ftrain mfsdp-train "${SHARDED[@]}" --use-megatron-fsdp; then
+  last=$(grep -o "iteration *$ITERS/.*lm loss: [^ ]*" "$WORK/f_mfsdp-train.log" | grep -o "lm loss: [^ ]*")
+  mfsdp="trains $ITERS iterations (${last:-no loss logged}); stop/resume pending: its trainer checkpoints are not wired"
+  [ -n "$last" ] || f_fail=1
+else
+  mfsdp="the run failed (log $F_LOG)"; f_fail=1
+fi
+"$PY" - "$FIGURES/f_fsdp.json" "$fsdp2" "$mfsdp" <<'PYEOF'
+import json, sys
+json.dump({"fsdp2": sys.argv[2], "megatron_fsdp": sys.argv[3]}, open(sys.argv[1], "w"), indent=1)
+PYEOF
+if [ "$f_fail" = 0 ]; then
+  result "(f) fully sharded stop/resume" PASS "FSDP2 $fsdp2 | Megatron-FSDP $mfsdp"
+else
+  result "(f) fully sharded stop/resume" FAIL "FSDP2 $fsdp2 | Megatron-FSDP $mfsdp"
+fi
 fi
 rm -rf "$B"
 finish

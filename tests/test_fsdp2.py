@@ -145,8 +145,3 @@ def test_tied_embeddings_refused_naming_the_flag_to_pass():
     argv = [a for a in BASE if a != "--untie-embeddings-and-output-weights"]
     with pytest.raises(ArgumentError, match="--untie-embeddings-and-output-weights"):
         validate_args(parse_args(argv=argv), 2, cuda=False)
-
-
-def test_megatron_fsdp_refused_with_its_reason():
-    with pytest.raises(ArgumentError, match="--use-megatron-fsdp: Megatron-FSDP is a CUDA-only implementation"):
-        parse_args(argv=BASE + ["--use-megatron-fsdp"])

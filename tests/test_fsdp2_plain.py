@@ -5,6 +5,7 @@ the source's parameters and Adam moments; a replicated DTensor written by one ra
 Partial DTensor refused by its name."""
 import datetime
 import importlib.util
+import math
 import multiprocessing
 import os
 import sys
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from datastates import CheckpointEngine, CheckpointReader, GlobalState, PosixOptions
 from datastates.paths import checkpoint_dir
@@ -195,3 +196,109 @@ def test_the_benchmark_s_quick_mode(tmp_path, capsys):
         assert row["loop_ratio"] > 0 and row["loop_held_s"] >= 0, row
     assert "| engine_lazy |" in capsys.readouterr().out
     assert (tmp_path / "fsdp2_plain.json").exists()
+
+
+# Megatron-FSDP's layout: shards cut where its flat buffers put them, not by torch's rule (one rank may hold none),
+# as `DTensor.from_local(..., shape=, stride=)` makes them; a 2x2 mesh (dp, tp) nests FSDP inside TP as
+# Megatron-FSDP's `_shard_order` says. name -> (global shape, rows (columns for "r") of each rank, by global rank).
+UNEVEN_ON_4 = {"w": ((10, 3), [3, 0, 5, 2]),           # 1-D mesh of 4, Shard(0)
+               "n": ((12, 2), [4, 1, 2, 5]),           # (dp, tp) mesh, [Shard(0), Shard(0)], tp outer: 6 rows each
+               "r": ((4, 6), [4, 2, 4, 2])}            # (dp, tp) mesh, [Replicate(), Shard(1)]
+UNEVEN_ON_3 = {"w": [5, 5, 0], "n": [0, 12, 0], "r": [1, 2, 1]}  # all 1-D Shard(0) on 3 ranks
+
+
+def _full_value(name, shape):
+    return torch.arange(math.prod(shape), dtype=torch.float32).view(shape) * (1 + len(name))
+
+
+def _uneven(name, shape, counts, mesh, placements, dim=0):
+    """This rank's DTensor of `name`: the rows (or columns, `dim`) its place in `counts` gives it, taken from
+    `_full_value`, nested over the mesh as `mesh._shard_order` (or torch) says."""
+    rank = dist.get_rank()
+    if mesh.ndim == 1:
+        start = sum(counts[:rank])
+    elif dim == 1:  # replicated over dp, columns over tp: both dp rows of a tp rank hold the same columns
+        tp = rank % 2
+        start = sum(counts[:tp])
+    else:  # tp outer (rows [6 tp, 6 tp + 6)), dp inner
+        dp, tp = divmod(rank, 2)
+        start = shape[0] // 2 * tp + (counts[tp] if dp == 1 else 0)
+    local = _full_value(name, shape).narrow(dim, start, counts[rank]).clone()
+    return DTensor.from_local(local, mesh, placements, shape=torch.Size(shape),
+                              stride=torch.empty(shape).stride())
+
+
+def _save_uneven_on_4(root, out):
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+    calls = []
+    counted = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("group"))
+        return counted(*args, **kwargs)
+
+    line = init_device_mesh("cpu", (4,))
+    square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    square._shard_order = [1, 0]  # as Megatron-FSDP marks it: TP sharded first (outer), then FSDP
+    state = {"w": _uneven("w", *UNEVEN_ON_4["w"], line, [Shard(0)]),
+             "n": _uneven("n", *UNEVEN_ON_4["n"], square, [Shard(0), Shard(0)]),
+             "r": _uneven("r", *UNEVEN_ON_4["r"], square, [Replicate(), Shard(1)], dim=1)}
+    more = dict(state, extra=_uneven("w", *UNEVEN_ON_4["w"], line, [Shard(0)]))
+    dist.all_gather_object = counting
+    try:
+        with _engine() as engine:
+            for step in (1, 2, 3):  # one structure: its boxes learned at the first save only
+                engine.save(state, checkpoint_dir(root, step))
+            assert len(calls) == 1
+            engine.save(more, checkpoint_dir(root, 4))  # another structure: learned once more
+            engine.wait()
+            assert len(calls) == 2
+            for dt in more.values():
+                dt._local_tensor.zero_()
+            loaded = engine.load(checkpoint_dir(root, 4), template=more)  # a known structure: no collective
+            assert len(calls) == 2 and loaded["n"] is more["n"]
+            bad = {"b": _uneven("b", (11, 2), [3, 0, 5, 2], line, [Shard(0)])}  # 10 rows held of 11
+            with pytest.raises(ValueError, match=r"'b'.*cover \[\(10, 2\)\], not its global shape \(11, 2\)"):
+                engine.save(bad, checkpoint_dir(root, 5))
+            index = engine.checkpoint(checkpoint_dir(root, 4)).global_index()
+    finally:
+        dist.all_gather_object = counted
+    for name, dt in more.items():  # back in place, and each box the one upstream's own helper computes
+        full = _full_value(name if name != "extra" else "w", dt.shape)
+        start = gather_and_compute_chunk_metadata(dt).offsets
+        box = tuple(slice(o, o + n) for o, n in zip(start, dt._local_tensor.shape))
+        assert torch.equal(dt._local_tensor, full[box]), name
+        if dt._local_tensor.numel():
+            assert tuple(start) in {tuple(s.box.offset) for s in index[name]}, (name, start)
+    if dist.get_rank() == 0:
+        torch.save({name: [(s.rank, tuple(s.box.offset)) for s in index[name] if s.box.volume()] for name in more},
+                   out)
+
+
+def _load_uneven_on_3(root):
+    line = init_device_mesh("cpu", (3,))
+    state = {name: _uneven(name, UNEVEN_ON_4[name][0], counts, line, [Shard(0)]) for name, counts in
+             UNEVEN_ON_3.items()}
+    for dt in state.values():
+        dt._local_tensor.fill_(-1)
+    with _engine() as engine:
+        engine.load(checkpoint_dir(root, 3), template=state)
+    for name, dt in state.items():
+        rows = sum(UNEVEN_ON_3[name][:dist.get_rank()])
+        assert torch.equal(dt._local_tensor, _full_value(name, dt.shape)[rows:rows + dt._local_tensor.shape[0]])
+
+
+def test_uneven_shards_saved_by_their_true_boxes_learned_once_and_loaded_anywhere(tmp_path):
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor  # noqa: F401  once, before the forks
+    root = str(tmp_path / "ck")
+    _run(4, _save_uneven_on_4, root, str(tmp_path / "boxes.pt"))
+    boxes = torch.load(tmp_path / "boxes.pt")
+    assert boxes["w"] == [(0, (0, 0)), (2, (3, 0)), (3, (8, 0))]  # (rank 1 holds no row)
+    assert boxes["n"] == [(0, (0, 0)), (1, (6, 0)), (2, (4, 0)), (3, (7, 0))]  # tp outer, dp inner
+    assert boxes["r"] == [(0, (0, 0)), (1, (0, 4))]  # the dp replicas at coordinate 0 write
+    _run(3, _load_uneven_on_3, root)
+    saved = _saved(checkpoint_dir(root, 3))  # into plain whole tensors, without a live model
+    assert sorted(saved) == ["n", "r", "w"]
+    for name, value in saved.items():
+        assert torch.equal(value, _full_value(name, UNEVEN_ON_4[name][0])), name
+    assert not os.path.exists(checkpoint_dir(root, 5))  # the refused save wrote nothing

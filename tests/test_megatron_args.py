@@ -309,3 +309,44 @@ def test_a_torchrun_restart_on_a_world_the_layout_cannot_take_names_it(monkeypat
         initialize_megatron(argv=BASE + extra + ["--save", str(ck), "--load", str(ck)])
     assert [p.name for p in ck.iterdir()] == ["latest_checkpointed_iteration.txt"]
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "5"
+
+
+def test_megatron_fsdp_on_cpu_ranks_is_refused_as_cuda_only_and_its_options_need_it():
+    with pytest.raises(ArgumentError, match="--use-megatron-fsdp: Megatron-FSDP is a CUDA-only implementation .* use "
+                                            "--use-torch-fsdp2 on CPU"):
+        check(["--use-megatron-fsdp"])
+    with pytest.raises(ArgumentError, match="--data-parallel-sharding-strategy is an option of --use-megatron-fsdp"):
+        check(["--data-parallel-sharding-strategy", "optim"], world=2)
+
+
+@pytest.mark.parametrize("extra,env,named", [
+    (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], {}, "--use-torch-fsdp2"),
+    (["--ckpt-format", "torch_dist"], {}, "--ckpt-format torch_dist"),
+    (["--save", "ckpt"], {}, "--save: the trainer's checkpoints of a Megatron-FSDP run are not wired yet"),
+    ([], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "CUDA_DEVICE_MAX_CONNECTIONS=1"),
+])
+def test_megatron_fsdp_on_cuda_refuses_what_upstream_refuses_beside_it(extra, env, named, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ArgumentError, match=f"--use-megatron-fsdp with {re.escape(named)}"):
+        validate_args(parse_args(argv=BASE + ["--use-megatron-fsdp", "--bf16"] + extra), 2, cuda=True)
+
+
+def test_megatron_fsdp_on_cuda_takes_upstream_s_defaults_and_the_distributed_optimizer(monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    args = validate_args(parse_args(argv=BASE + ["--use-megatron-fsdp", "--bf16", "--fsdp-double-buffer"]), 2,
+                         cuda=True)
+    assert (args.data_parallel_sharding_strategy, args.megatron_fsdp_main_params_dtype,
+            args.megatron_fsdp_main_grads_dtype, args.fsdp_double_buffer, args.use_distributed_optimizer) == \
+        ("optim_grads_params", "fp32", "auto", True, True)
+
+
+def test_megatron_fsdp_dtype_options_need_the_megatron_core_that_has_them(monkeypatch):
+    import dataclasses
+    from megatron.core.distributed import DistributedDataParallelConfig
+    if "megatron_fsdp_grad_comm_dtype" in {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}:
+        pytest.skip("this megatron-core (0.19+) has Megatron-FSDP's dtype settings")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with pytest.raises(ArgumentError, match="--megatron-fsdp-grad-comm-dtype needs megatron-core 0.19 or newer"):
+        validate_args(parse_args(argv=BASE + ["--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "bf16"]), 2,
+                      cuda=True)

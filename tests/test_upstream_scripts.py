@@ -92,9 +92,9 @@ def test_the_script_as_launched_is_honoured_or_refused_flag_by_flag(name, paths)
 
 def test_a_refused_flag_stops_the_run_before_any_work_naming_every_refusal(capsys):
     with pytest.raises(ArgumentError) as e:
-        parse_args(argv=["--fp8-format", "hybrid", "--use-megatron-fsdp", "--num-layers", "2"])
+        parse_args(argv=["--fp8-format", "hybrid", "--init-model-with-meta-device", "--num-layers", "2"])
     lines = str(e.value).splitlines()
-    assert [line.split(":")[0].strip() for line in lines[1:]] == ["--fp8-format", "--use-megatron-fsdp"]
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["--fp8-format", "--init-model-with-meta-device"]
     with pytest.raises(SystemExit) as e:  # a flag upstream does not have either is argparse's own error
         parse_args(argv=["--no-such-flag"])
     assert e.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from datastates.paths import (TRACKER, iteration_of, join as join_path, normaliz
 from .arguments import CKPT_FORMATS, DEFAULT_SPLIT, UPSTREAM_ONLY_FORMATS, ArgumentError
 from .latent_attention import validate_mla
 from .local_dirs import unwritable
+from . import megatron_fsdp
 from .fsdp import validate_fsdp2
 from .moe import validate_moe
 from .multi_token import validate_mtp
@@ -100,6 +101,7 @@ def validate_args(args, world_size: int, *, cuda: bool | None = None) -> argpars
         validate_mtp(args, cuda)
         validate_virtual_pipeline(args)
         validate_fsdp2(args)
+        megatron_fsdp.validate(args, cuda)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     _validate_save_hf(args)

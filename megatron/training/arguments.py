@@ -11,6 +11,7 @@ import sys
 
 from datastates import AUTO_CODEC, CODEC_SETTINGS
 
+from . import megatron_fsdp
 from .latent_attention import add_mla_args
 from .moe import add_moe_args
 from .multi_token import add_mtp_args
@@ -144,6 +145,7 @@ def _add_parallel_args(p):
                    dest="torch_fsdp2_reshard_after_forward",
                    help="keep each FSDP2 module's gathered parameters from the forward to the backward pass "
                         "(more memory, one all-gather fewer per module)")
+    megatron_fsdp.add_arguments(g)
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="overlap the gradient reduction with the backward pass (CUDA streams; refused on CPU ranks)")
     g.add_argument("--overlap-param-gather", action="store_true",

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 _FP8 = ("fp8 training needs Transformer Engine's fp8 recipes on fp8-capable GPUs, which this trainer does not "
         "wire; train in --bf16 (the checkpoint format does not depend on it)")
-_FSDP = ("Megatron-FSDP is a CUDA-only implementation (its constructor and buffers use CUDA devices and streams) "
-         "and is not wired into this trainer; shard parameters with --use-torch-fsdp2 (torch's fully_shard, any "
-         "device), whose DTensor state the datastates checkpoint saves lazily and reshards (docs/fsdp.md)")
+_META_INIT = ("Megatron-FSDP's meta-device initialization is not wired into this trainer: the model is built on its "
+              "device, then sharded (drop the flag)")
+_FSDP_DTENSOR = ("belongs to megatron-core's fsdp_dtensor checkpoint loads; a datastates load always checks that the "
+                 "saved shards cover each tensor exactly (it cannot be relaxed)")
 _NCCL_UB = "NCCL user buffers belong to Megatron-FSDP on NCCL; not built here (drop the flag)"
 _GPT_OSS = ("GPT-OSS's architecture (sliding-window attention, a learnable softmax offset, clamped quick-GeGLU, "
             "YaRN) is not built here yet; Llama- and Mixtral-style models are")
@@ -78,9 +79,7 @@ _CHECKPOINT = {  # megatron-core's checkpoint group (tests/test_upstream_flags.p
 REFUSED = {
     "--fp8-format": _FP8, "--fp8-recipe": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
     "--fp8-param-gather": _FP8, "--fp8-margin": _FP8,
-    "--use-megatron-fsdp": _FSDP, "--data-parallel-sharding-strategy": _FSDP,
-    "--megatron-fsdp-grad-comm-dtype": _FSDP, "--megatron-fsdp-main-grads-dtype": _FSDP,
-    "--init-model-with-meta-device": _FSDP, "--fsdp-double-buffer": _FSDP,
+    "--init-model-with-meta-device": _META_INIT,
     "--use-nccl-ub": _NCCL_UB, "--fsdp-manual-registration": _NCCL_UB,
     "--use-flash-attn": "FlashAttention is a CUDA kernel (through Transformer Engine): use --attention-backend "
                         "flash with --transformer-impl transformer_engine on GPUs, or drop it on CPU ranks",
@@ -102,7 +101,7 @@ REFUSED = {
     "--moe-per-layer-logging": "per-layer MoE loss logging is not built here; the total loss is logged",
     "--inprocess-restart": _INPROCESS, **{f"--inprocess-{o}": _INPROCESS for o in _INPROCESS_OPTIONS},
     "--enable-ft-package": _FT_PACKAGE, "--calc-ft-timeouts": _FT_PACKAGE, "--ft-num-warmup-iters": _FT_PACKAGE,
-    "--no-strict-fsdp-dtensor-load": _FSDP, "--disable-strict-fsdp-dtensor-load": _FSDP,
+    "--no-strict-fsdp-dtensor-load": _FSDP_DTENSOR, "--disable-strict-fsdp-dtensor-load": _FSDP_DTENSOR,
     **_CHECKPOINT,
 }
 

@@ -28,7 +28,7 @@ from megatron.core import parallel_state as ps
 from torch.distributed.elastic.multiprocessing.errors import record
 from megatron.core.enums import ModelType
 
-from . import cpu_shim, fsdp
+from . import cpu_shim, fsdp, megatron_fsdp
 from .checkpointing import CheckpointManager
 from .data import MicroBatches, build_train_valid_test_datasets
 from .evaluation import describe, evaluate, evaluations_before
@@ -110,6 +110,8 @@ def _wrap(args, gpt, ddp_config, chunk: int):
         module = Float16Module(gpt.config, gpt)  # 16-bit inputs in, fp32 logits out, as in Megatron-LM
     if args.use_torch_fsdp2:
         return fsdp.wrap(args, module, gpt.config)
+    if args.use_megatron_fsdp:
+        return megatron_fsdp.wrap(args, module, gpt.config, ddp_config, chunk)
     return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=module,
                                    disable_bucketing=chunk > 0)
 

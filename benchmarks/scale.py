@@ -23,8 +23,9 @@ rank does once its data is durable. For each W this reports:
 whose rows do not divide W, so that the last ranks hold fewer rows or none, as FSDP2 leaves them. The observers
 save them through the engine's DTensor provider and rank 1 loads its shards back in place, bytes checked; the
 lightweight ranks write their rows of every tensor in torch's chunking. Two more columns: the torch.distributed
-calls the observers make during a save (the DTensor path plans each box from the mesh, with no collective per
-tensor or per save) and the size of rank 1's manifest (flat in W: its own boxes only).
+calls the observers make during each save (one all_gather_object the first time a structure is seen, to learn
+every rank's box, none after: never one per tensor; the other ranks' answers are simulated, the fake process
+group exchanging nothing) and the size of rank 1's manifest (flat in W: its own boxes only).
 
 Beside it, megatron-core's torch_dist (`dist_checkpointing.save/load`) runs where this machine can hold a real
 process per rank (`--torch-dist-worlds`): every rank saves its row of the same tensor, then loads it back; for
@@ -132,12 +133,23 @@ def _fsdp2_state(rank: int, world: int, zero: bool = False) -> dict:
     return state
 
 
-def _counting_c10d() -> list:
-    """Count the torch.distributed calls made from now on (in this benchmark's observer processes only)."""
+def _counting_c10d(world: int) -> list:
+    """Count the torch.distributed calls made from now on (in this benchmark's observer processes only). The fake
+    process group exchanges nothing, so `all_gather_object` (the engine learns a DTensor structure's boxes with
+    one, datastates/dtensor_layouts.py) answers what the other ranks would send: their local shapes of each
+    DTensor, by torch's chunking."""
     import torch.distributed as dist
-    calls = []
+    calls, shapes = [], dict(FSDP2_TENSORS)
+
+    def every_rank(out, obj, group=None):
+        for r in range(world):
+            out[r] = {}
+            for name in obj:
+                shape = shapes[name]
+                start, stop = _rows(shape[0], world, r)
+                out[r][name] = (stop - start, *shape[1:])
     for name in C10D_CALLS:
-        real = getattr(dist, name)
+        real = every_rank if name == "all_gather_object" else getattr(dist, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
@@ -161,7 +173,8 @@ def observer(rank: int, world: int, port: int, root: str, iters: int, fsdp2: boo
     WORLD[0] = world
     store = _store(port)
     state = _fsdp2_state(rank, world) if fsdp2 else {"w": ("row", rank, _row(rank))}
-    calls = _counting_c10d() if fsdp2 else []
+    calls = _counting_c10d(world) if fsdp2 else []
+    per_save = []
     out = {}
     with CheckpointEngine(host_buffer_bytes=1 << 20, storage=PosixOptions(writer_threads=1), copy_threads=1,
                           rank=rank, world_size=world,
@@ -172,7 +185,8 @@ def observer(rank: int, world: int, port: int, root: str, iters: int, fsdp2: boo
             eng.save(state, checkpoint_dir(root, it))
             stats = eng.wait()[0]
             _mark(f"save{it}-end")
-        out.update(publish_s=stats.publish_s, durable_s=stats.durable_s, c10d_calls=len(calls))
+            per_save.append(len(calls) - sum(per_save))
+        out.update(publish_s=stats.publish_s, durable_s=stats.durable_s, c10d_calls=per_save)
         if rank == 1:
             out["manifest_bytes"] = os.path.getsize(os.path.join(checkpoint_dir(root, iters), manifest_file(1)))
             template = _fsdp2_state(rank, world, zero=True) if fsdp2 else {"w": ("row", rank, torch.zeros(1, ROW))}
@@ -397,7 +411,7 @@ def _run_world(world: int, iters: int, workers: int, strace: str | None, fsdp2: 
            "report_s": sum(report_times) / max(1, len(report_times)),
            "index_bytes": os.path.getsize(os.path.join(root, f"iter_{iters:07d}", "metadata.json")),
            "manifest_bytes_r1": results[1]["manifest_bytes"],
-           "c10d_calls": max(results[0]["c10d_calls"], results[1]["c10d_calls"])}
+           "c10d_calls": [max(a, b) for a, b in zip(results[0]["c10d_calls"], results[1]["c10d_calls"])]}
     if strace:
         row["syscalls_save"] = _phase(traces[1], f"save{iters}", root)[0]
         row["syscalls_save_r0"] = _phase(traces[0], f"save{iters}", root)[0]
@@ -452,7 +466,7 @@ def main(argv=None) -> None:
     require("matplotlib")
     rows = []
     header = f"{'W':>6} {'publish s':>10} {'load s':>8} {'report ms':>10} {'syscalls/ckpt r1':>17} " \
-             f"{'r0':>6} {'json at load':>13} {'index KB':>9} {'manifest r1 B':>14} {'c10d calls':>11}"
+             f"{'r0':>6} {'json at load':>13} {'index KB':>9} {'manifest r1 B':>14} {'c10d calls/save':>16}"
     print(("FSDP2 DTensors\n" if a.fsdp2 else "") + header)
     for w in a.worlds:
         r = run_world(w, fsdp2=a.fsdp2)
@@ -460,7 +474,7 @@ def main(argv=None) -> None:
         print(f"{w:>6} {r['publish_s']:>10.3f} {r['load_s']:>8.3f} {r['report_s'] * 1e3:>10.2f} "
               f"{r.get('syscalls_save', '-'):>17} {r.get('syscalls_save_r0', '-'):>6} "
               f"{r.get('json_opened_load', '-'):>13} {r['index_bytes'] / 1024:>9.1f} {r['manifest_bytes_r1']:>14} "
-              f"{r['c10d_calls']:>11}", flush=True)
+              f"{' '.join(map(str, r['c10d_calls'])) or '-':>16}", flush=True)
     td_rows = []
     if a.torch_dist_worlds:
         print(f"\ntorch_dist\n{'W':>6} {'save s r0':>10} {'load s':>8} {'syscalls save r1':>17} {'r0':>6} "

@@ -201,14 +201,14 @@ def test_scale(tmp_path):
 
 @slow
 def test_scale_fsdp2(tmp_path):
-    """FSDP2's uneven DTensors over a 16-rank mesh: saved with no torch.distributed call, rank 1's shards loaded
-    back bit for bit (scale.py asserts it)."""
+    """FSDP2's uneven DTensors over a 16-rank mesh: one collective at the first save (the structure's boxes
+    learned), none at the second, rank 1's shards loaded back bit for bit (scale.py asserts it)."""
     pytest.importorskip("matplotlib", reason="scale.py requires matplotlib (the bench extra) for its figure")
     run("scale", "--fsdp2", "--worlds", "16", "--out", tmp_path)
     with open(tmp_path / "scale_fsdp2.json") as f:
         res = json.load(f)
     (row,) = res["datastates"]
-    assert row["world"] == 16 and row["c10d_calls"] == 0 and row["load_s"] > 0 and row["manifest_bytes_r1"] > 0
+    assert row["world"] == 16 and row["c10d_calls"] == [1, 0] and row["load_s"] > 0 and row["manifest_bytes_r1"] > 0
     assert res["torch_dist"] == [] and (tmp_path / "scale_fsdp2.png").exists()
 
 

@@ -63,12 +63,16 @@ from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.bundle import Bundle, read_datastates  # noqa: E402
 from tools.checkpoint.paths import ConvertError, check_locations, resolve_input  # noqa: E402
 from tools.checkpoint.torch_dist import close_megatron, init_megatron, read_torch_dist, write_torch_dist  # noqa: E402
+from tools.checkpoint.torch_dcp import read_torch_dcp, write_torch_dcp  # noqa: E402
 from tools.checkpoint.writers import write_datastates, write_safetensors  # noqa: E402
 from tools.hf import cli as hf_cli  # noqa: E402
 
 __all__ = ["ConvertError", "main", "read_datastates", "resolve_input"]
-FORMATS_IN = ("datastates", "torch_dist", "hf")
-FORMATS_OUT = ("datastates", "torch_dist", "safetensors", "hf")
+FORMATS_IN = ("datastates", "torch_dist", "torch_dcp", "hf")
+FORMATS_OUT = ("datastates", "torch_dist", "torch_dcp", "safetensors", "hf")
+READERS = {"datastates": read_datastates, "torch_dist": read_torch_dist, "torch_dcp": read_torch_dcp}
+# torch_dcp numbers the optimizer's states in the module's parameter order, which a datastates checkpoint keeps
+TORCH_DCP_FROM = ("datastates", "torch_dcp")
 
 log = logging.getLogger("tools.convert_checkpoint")
 
@@ -118,10 +122,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _convert(args) -> tuple[Bundle, str]:
+    if args.dst == "torch_dcp" and args.src not in TORCH_DCP_FROM:
+        raise ConvertError(f"--to torch_dcp reads {' or '.join(TORCH_DCP_FROM)}: convert {args.src} to datastates "
+                           "first")
     if args.src == "datastates":
         bundle = read_datastates(args.input, args.iteration, args.threads)
     else:
-        bundle = read_torch_dist(args.input, args.iteration)
+        bundle = READERS[args.src](args.input, args.iteration)
+    if args.dst == "torch_dcp":
+        return bundle, write_torch_dcp(bundle, args.output)
     if args.dst == "torch_dist":
         return bundle, write_torch_dist(bundle, args.output)
     if args.dst == "datastates":

@@ -60,13 +60,14 @@ class Pieces:
         return itertools.product(*(range(n) for n in self.shape[:self.lead]))
 
 
-class _PiecePlanner(DefaultSavePlanner):
+class PiecePlanner(DefaultSavePlanner):
     """DCP's default global planning (metadata from the items, overlap and bounds checks) over write items of our
-    own: a chunk per piece, a byte item per object; `resolve_data` builds each as it is written."""
+    own: a chunk per piece, a byte item per object; `resolve_data` builds each as it is written. `listed`: an
+    object is saved as `[value]` (megatron-core's ShardedObject) rather than itself (a plain DCP state dict's)."""
 
-    def __init__(self, tensors: dict[str, Pieces], objects: dict[str, object]):
+    def __init__(self, tensors: dict[str, Pieces], objects: dict[str, object], listed: bool = True):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.tensors, self.objects = tensors, objects
+        self.tensors, self.objects, self.listed = tensors, objects, listed
 
     def create_local_plan(self) -> SavePlan:
         items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
@@ -86,7 +87,7 @@ class _PiecePlanner(DefaultSavePlanner):
         key = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
-            torch.save([self.objects[key]], buffer)
+            torch.save([self.objects[key]] if self.listed else self.objects[key], buffer)
             buffer.seek(0)
             return buffer
         pieces = self.tensors[key]
@@ -115,21 +116,35 @@ def save_torch_dist(tensors: dict[str, Pieces], objects: dict[tuple[str, tuple],
             raise ConvertError(f"object {name!r} has the name of a tensor")
     root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=CONFIG_FILE)
     try:
-        _publish(root, planner=_PiecePlanner(tensors, named), common=common, out=out)
+        _publish(root, planner=PiecePlanner(tensors, named), common=common, out=out)
     finally:
         root.storage.close()
 
 
-def _publish(root: SaveRoot, planner: _PiecePlanner, common: dict, out: str) -> None:
+def write_dcp(directory: str, planner: PiecePlanner) -> None:
+    """DCP's files of `planner`'s items in `directory`, fsynced, from this one process."""
+    writer = dcp.FileSystemWriter(directory, thread_count=1, sync_files=True)
+    with warnings.catch_warnings():  # DCP warns that it saves in one process even when told to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+
+
+def failed(e: BaseException, what: str, out: str) -> ConvertError:
+    """The ConvertError of a failed write of `out`: the error DCP reports as the cause (a `CheckpointException`,
+    a BaseException, holds it), a ConvertError raised while building a piece as it is."""
+    cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e
+    if isinstance(cause, ConvertError):
+        return cause
+    return ConvertError(f"writing {what} checkpoint {out!r} failed: {type(cause).__name__}: {cause}")
+
+
+def _publish(root: SaveRoot, planner: PiecePlanner, common: dict, out: str) -> None:
     """DCP's files, the common state and megatron-core's metadata.json (the marker) written unseen, then `out`
     published and the tracker pointed at it; a failure removes what was written."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
     partial = root.stage(out, private=True)
     try:
-        writer = dcp.FileSystemWriter(partial, thread_count=1, sync_files=True)
-        with warnings.catch_warnings():  # DCP warns that it saves in one process even when told to
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        write_dcp(partial, planner)
         common_bytes = io.BytesIO()
         torch.save(common, common_bytes)
         root.storage.write_bytes(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer())
@@ -141,8 +156,4 @@ def _publish(root: SaveRoot, planner: _PiecePlanner, common: dict, out: str) -> 
             from None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
         root.storage.remove(partial)
-        cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e
-        if isinstance(cause, ConvertError):
-            raise cause from None
-        raise ConvertError(f"writing torch_dist checkpoint {out!r} failed: {type(cause).__name__}: {cause}") from None
-
+        raise failed(e, "torch_dist", out) from None

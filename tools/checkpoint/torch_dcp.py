@@ -233,7 +233,8 @@ def write_torch_dcp(bundle: Bundle, output: str) -> str:
     root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=names.DCP_METADATA)
     partial = root.stage(out, private=True)
     try:
-        write_dcp(partial, PiecePlanner(tensors, objects, listed=False))
+        paths = {k: names.nested_path(k) for k in (*tensors, *objects)}
+        write_dcp(partial, PiecePlanner(tensors, objects, listed=False, paths=paths))
         root.publish(partial, out, None, replace=False)
     except FileExistsError:
         root.storage.remove(partial)

@@ -63,11 +63,20 @@ class Pieces:
 class PiecePlanner(DefaultSavePlanner):
     """DCP's default global planning (metadata from the items, overlap and bounds checks) over write items of our
     own: a chunk per piece, a byte item per object; `resolve_data` builds each as it is written. `listed`: an
-    object is saved as `[value]` (megatron-core's ShardedObject) rather than itself (a plain DCP state dict's)."""
+    object is saved as `[value]` (megatron-core's ShardedObject) rather than itself (a plain DCP state dict's);
+    `paths`: each key's place in a nested state dict, recorded in the metadata as DCP's flattening records it."""
 
-    def __init__(self, tensors: dict[str, Pieces], objects: dict[str, object], listed: bool = True):
+    def __init__(self, tensors: dict[str, Pieces], objects: dict[str, object], listed: bool = True,
+                 paths: dict[str, tuple] | None = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.tensors, self.objects, self.listed = tensors, objects, listed
+        self.tensors, self.objects, self.listed, self.paths = tensors, objects, listed, paths
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = super().create_global_plan(all_plans)
+        if self.paths is not None:
+            metadata = dataclasses.replace(metadata, planner_data=self.paths)
+            self.metadata = metadata
+        return plans, metadata
 
     def create_local_plan(self) -> SavePlan:
         items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]

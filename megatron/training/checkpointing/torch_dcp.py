@@ -102,6 +102,16 @@ def optimizer_prefix(bf16_or_fp16: bool) -> str:
 MAIN_PARAMS = "optimizer.fp32_from_fp16_params."
 
 
+def nested_path(key: str) -> tuple:
+    """Where the flat DCP key `key` sits in upstream's nested state dict (what DCP's metadata records as its
+    `planner_data`, for `dcp_to_torch_save` and loads that flatten): the model's names whole, a list's index as
+    an int, a dict's key (the optimizer's state ids included) as a string."""
+    if key.startswith(MODEL):
+        return ("model", key[len(MODEL):])
+    parts = key.split(".")
+    return tuple(int(p) if p.isdigit() and parts[i - 1] != "state" else p for i, p in enumerate(parts))
+
+
 # ----- objects -----
 
 _SAFE = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str",

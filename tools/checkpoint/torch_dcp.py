@@ -23,7 +23,7 @@ from megatron.training.checkpointing.torch_dcp import TorchDcpError
 from .bundle import Bundle
 from .paths import ConvertError, resolve_input, resolve_output
 from .torch_dist import stacked_lead
-from .torch_dist_writer import PiecePlanner, Pieces, failed, write_dcp
+from .torch_dist_writer import PiecePlanner, Pieces, publish_dcp
 
 RNG = "rng_state"
 STACKED_OBJECT = "._extra_state"
@@ -231,18 +231,9 @@ def write_torch_dcp(bundle: Bundle, output: str) -> str:
         _write_optimizer(bundle, args, order, tensors, objects)
     _write_rng(bundle, tensors, objects)
     root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=names.DCP_METADATA)
-    partial = root.stage(out, private=True)
+    paths = {k: names.nested_path(k) for k in (*tensors, *objects)}
     try:
-        paths = {k: names.nested_path(k) for k in (*tensors, *objects)}
-        write_dcp(partial, PiecePlanner(tensors, objects, listed=False, paths=paths))
-        root.publish(partial, out, None, replace=False)
-    except FileExistsError:
-        root.storage.remove(partial)
-        raise ConvertError(f"output {out!r} was written by another conversion meanwhile: refusing to overwrite it") \
-            from None
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
-        root.storage.remove(partial)
-        raise failed(e, "torch_dcp", out) from None
+        publish_dcp(root, out, PiecePlanner(tensors, objects, listed=False, paths=paths), "torch_dcp")
     finally:
         root.storage.close()
     return out

@@ -138,7 +138,7 @@ def write_dcp(directory: str, planner: PiecePlanner) -> None:
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
 
 
-def failed(e: BaseException, what: str, out: str) -> ConvertError:
+def _failed(e: BaseException, what: str, out: str) -> ConvertError:
     """The ConvertError of a failed write of `out`: the error DCP reports as the cause (a `CheckpointException`,
     a BaseException, holds it), a ConvertError raised while building a piece as it is."""
     cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e
@@ -147,22 +147,33 @@ def failed(e: BaseException, what: str, out: str) -> ConvertError:
     return ConvertError(f"writing {what} checkpoint {out!r} failed: {type(cause).__name__}: {cause}")
 
 
-def _publish(root: SaveRoot, planner: PiecePlanner, common: dict, out: str) -> None:
-    """DCP's files, the common state and megatron-core's metadata.json (the marker) written unseen, then `out`
-    published and the tracker pointed at it; a failure removes what was written."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+def publish_dcp(root: SaveRoot, out: str, planner: PiecePlanner, what: str, marker: bytes | None = None,
+                beside: Callable[[str], None] | None = None) -> None:
+    """DCP's files of `planner` (and what `beside` adds to the directory) written unseen, then `out` published
+    with `marker` (None: DCP's own files hold the root's marker) and the tracker pointed at it, never over an
+    output another conversion completed meanwhile; a failure removes what was written. `what` names the format."""
     partial = root.stage(out, private=True)
     try:
         write_dcp(partial, planner)
-        common_bytes = io.BytesIO()
-        torch.save(common, common_bytes)
-        root.storage.write_bytes(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer())
-        config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
-        root.publish(partial, out, json.dumps(config).encode(), replace=False)
+        if beside is not None:
+            beside(partial)
+        root.publish(partial, out, marker, replace=False)
     except FileExistsError:
         root.storage.remove(partial)
         raise ConvertError(f"output {out!r} was written by another conversion meanwhile: refusing to overwrite it") \
             from None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
         root.storage.remove(partial)
-        raise failed(e, "torch_dist", out) from None
+        raise _failed(e, what, out) from None
+
+
+def _publish(root: SaveRoot, planner: PiecePlanner, common: dict, out: str) -> None:
+    """torch_dist: DCP's files, the common state and megatron-core's metadata.json (the marker)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+
+    def common_file(partial: str) -> None:
+        common_bytes = io.BytesIO()
+        torch.save(common, common_bytes)
+        root.storage.write_bytes(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer())
+    config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
+    publish_dcp(root, out, planner, "torch_dist", json.dumps(config).encode(), common_file)

@@ -137,3 +137,13 @@ def test_to_torch_dcp_only_from_datastates(tmp_path, capsys):
     rc, _, err = run_here(tool.main, ["--from", "torch_dist", "--to", "torch_dcp", "--input", str(tmp_path),
                                       "--output", str(tmp_path / "out")], capsys)
     assert rc == 1 and "--to torch_dcp reads datastates or torch_dcp: convert torch_dist to datastates" in err
+
+
+def test_an_upstream_launch_with_ckpt_format_torch_dcp_is_told_to_drop_the_flag():
+    """Saving stays this engine's (lazy); the message says the load needs no flag and where torch_dcp is written."""
+    from megatron.training.argument_checks import validate_args
+    from megatron.training.arguments import ArgumentError, parse_args
+    argv = [a for a in MODEL if a != "--no-ckpt-fsync"] + ["--save", "ck", "--ckpt-format", "torch_dcp"]
+    with pytest.raises(ArgumentError, match="a torch_dcp checkpoint under --load is found and read without the "
+                                            "flag: drop it"):
+        validate_args(parse_args(argv=argv), 2, cuda=False)

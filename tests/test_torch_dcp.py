@@ -147,3 +147,16 @@ def test_an_upstream_launch_with_ckpt_format_torch_dcp_is_told_to_drop_the_flag(
     with pytest.raises(ArgumentError, match="a torch_dcp checkpoint under --load is found and read without the "
                                             "flag: drop it"):
         validate_args(parse_args(argv=argv), 2, cuda=False)
+
+
+def test_param_groups_the_default_grouping_does_not_describe_are_refused_and_nothing_is_written(tmp_path):
+    """Adam's ids follow megatron-core's default groups (weight decay off for biases and 1-D parameters): a
+    checkpoint whose groups say otherwise (here both with weight decay) is refused naming the parameters."""
+    from tools.checkpoint.paths import ConvertError
+    from tools.checkpoint.torch_dcp import read_torch_dcp, write_torch_dcp
+    bundle = read_torch_dcp(UPSTREAM, None)
+    for group in bundle.common["optimizer"]["optimizer"]["param_groups"]:
+        group["wd_mult"] = 1.0
+    with pytest.raises(ConvertError, match=r"no optimizer group holds \['decoder.layers.0.input_layernorm.weight'"):
+        write_torch_dcp(bundle, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")

@@ -228,7 +228,10 @@ def write_torch_dcp(bundle: Bundle, output: str) -> str:
     for k, v in (common.get("opt_param_scheduler") or {}).items():
         objects[f"opt_param_scheduler.{k}"] = v
     if "optimizer" in common:
-        _write_optimizer(bundle, args, order, tensors, objects)
+        try:
+            _write_optimizer(bundle, args, order, tensors, objects)
+        except TorchDcpError as e:
+            raise ConvertError(f"{bundle.source!r}: {e}") from None
     _write_rng(bundle, tensors, objects)
     root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=names.DCP_METADATA)
     paths = {k: names.nested_path(k) for k in (*tensors, *objects)}

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from datastates import SaveRoot, holds_dcp, storage_for
+from datastates.save_root import DCP_METADATA
 from megatron.training.checkpointing import torch_dcp as names
 from megatron.training.checkpointing.torch_dcp import TorchDcpError
 
@@ -233,7 +234,7 @@ def write_torch_dcp(bundle: Bundle, output: str) -> str:
         except TorchDcpError as e:
             raise ConvertError(f"{bundle.source!r}: {e}") from None
     _write_rng(bundle, tensors, objects)
-    root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=names.DCP_METADATA)
+    root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=DCP_METADATA)
     paths = {k: names.nested_path(k) for k in (*tensors, *objects)}
     try:
         publish_dcp(root, out, PiecePlanner(tensors, objects, listed=False, paths=paths), "torch_dcp")

@@ -17,9 +17,11 @@ megatron-core keys the same tensors by layer-stacked names (`decoder.layers.self
 layer_norm_weight`, one axis per layer); its layer spec renames some modules in checkpoints
 (`sharded_state_dict_keys_map`: the local spec's `input_layernorm.` is `self_attention.linear_qkv.layer_norm_`).
 The parameter ids follow megatron-core's default parameter groups: weight decay on every parameter but biases and
-1-D ones (`get_standard_config_overrides`), groups without overrides first. Every map is checked against what the
-checkpoint itself records (the ids of each group, each state's shape), so a model the rule does not describe is
-refused, not mis-assigned.
+1-D ones (`get_standard_config_overrides`), groups without overrides first, each in the model's parameter order (a
+read takes it from the DCP metadata, which keeps the saved state dict's order; a write from the datastates
+checkpoint's keys, which keep megatron-core's sharded state dict's). A read checks the groups against what the
+checkpoint records (the ids of each group, each state's shape), a write against the saved groups' weight decay, so
+a model the rule does not describe is refused, not mis-assigned.
 """
 from __future__ import annotations
 
@@ -34,8 +36,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 MODEL = "model."
 LAYERS = "decoder.layers."
-TRACKER = "latest_checkpointed_iteration.txt"
-DCP_METADATA = ".metadata"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 ADAM = ("exp_avg", "exp_avg_sq")
 

@@ -160,3 +160,12 @@ def test_param_groups_the_default_grouping_does_not_describe_are_refused_and_not
     with pytest.raises(ConvertError, match=r"no optimizer group holds \['decoder.layers.0.input_layernorm.weight'"):
         write_torch_dcp(bundle, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_use_checkpoint_args_reads_upstreams_args():
+    from megatron.training.checkpointing.formats import TorchDcpFormat, detect
+    fmt = detect(iter_dir(UPSTREAM, IT))
+    assert fmt is TorchDcpFormat
+    saved = fmt.alone().saved_common(iter_dir(UPSTREAM, IT))
+    assert saved["iteration"] == IT
+    assert (saved["args"].hidden_size, saved["args"].ffn_hidden_size, saved["args"].use_torch_fsdp2) == (16, 18, True)

@@ -379,6 +379,12 @@ class TorchDcpFormat(CheckpointFormat):
         from .torch_dcp_load import load
         return load(self.args, self.model, self.optimizer, self.scheduler, ckpt_dir)
 
+    def saved_common(self, ckpt_dir: str) -> dict:
+        """args (as plain values) and iteration: what --use-checkpoint-args reads."""
+        from .torch_dcp import plain_args, read_objects
+        saved = read_objects(ckpt_dir, ("args", "iteration"))
+        return {**saved, "args": plain_args(saved["args"])}
+
 
 # in the order `detect` asks
 FORMATS: tuple[type[CheckpointFormat], ...] = (DatastatesFormat, TorchDistFormat, TorchFormat, TorchDcpFormat)

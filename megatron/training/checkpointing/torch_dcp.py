@@ -168,6 +168,18 @@ class SafeObjectsPlanner(DefaultLoadPlanner):
             self.original_state_dict[fqn] = obj
 
 
+def read_objects(ckpt_dir: str, keys: tuple[str, ...]) -> dict:
+    """Objects `keys` of the DCP checkpoint `ckpt_dir`, read by this process alone (none of its tensors)."""
+    import warnings
+    from torch.distributed import checkpoint as dcp
+    state = dict.fromkeys(keys)
+    with warnings.catch_warnings():  # DCP warns that it reads in one process even when told to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt_dir),
+                 planner=SafeObjectsPlanner(flatten_state_dict=False), no_dist=True)
+    return state
+
+
 def plain_args(args):
     """Upstream's args as a Namespace of plain values (what this trainer's checks and args readers use)."""
     import argparse

@@ -295,11 +295,8 @@ def holds_legacy(storage: Storage, path: str) -> bool:
     return any(name.startswith("mp_rank_") for name in storage.list(path))
 
 
-DCP_METADATA = ".metadata"  # PyTorch DCP's global metadata, written last by its coordinator
-
-
 def holds_dcp(storage: Storage, path: str) -> bool:
     """Whether `path` is a plain PyTorch DCP checkpoint (upstream Megatron-LM's torch_dcp): DCP's `.metadata`, which
     its save writes after every rank's files, and no metadata.json (megatron-core's torch_dist has both)."""
-    return storage.stat(paths.join(path, DCP_METADATA)) is not None and \
+    return storage.stat(paths.join(path, paths.DCP_METADATA)) is not None and \
         storage.stat(paths.join(path, paths.METADATA)) is None

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from datastates import SaveRoot, holds_dcp, storage_for
-from datastates.save_root import DCP_METADATA
+from datastates.paths import DCP_METADATA
 from megatron.training.checkpointing import torch_dcp as names
 from megatron.training.checkpointing.torch_dcp import TorchDcpError
 

@@ -23,7 +23,7 @@ from .problems import Problems
 from .providers import ProviderRegistry, StateProvider, default_registry, register_provider
 from .load_reads import LoadStats
 from .reader import CheckpointReader
-from .save_root import DIRECTORY_TEXT, ITERATION_TEXT, SaveRoot, holds_legacy
+from .save_root import DIRECTORY_TEXT, ITERATION_TEXT, SaveRoot, holds_dcp, holds_legacy
 from .save_plan import aligned_empty
 from .schema import Box, dtype_from_name, dtype_name
 from .copies import built_on_copy
@@ -61,6 +61,7 @@ __all__ = [
     # holding DIRECTORY_TEXT)
     "SaveRoot", "ITERATION_TEXT", "DIRECTORY_TEXT",
     # Megatron's legacy torch format detected as the tracker detects it (the trainer's torch format)
+    "holds_dcp",
     "holds_legacy",
     # a directory's entries made durable (the benchmarks' files), JSON read with a clear error
     "fsync_dir", "read_json",

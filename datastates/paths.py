@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["METADATA", "TRACKER", "PARTIAL", "DELETING", "RANK_FILE_RE", "data_file", "manifest_file", "scheme",
-           "normalize", "parent", "name", "join", "checkpoint_dir", "iteration_of", "partial_dir"]
+__all__ = ["METADATA", "DCP_METADATA", "TRACKER", "PARTIAL", "DELETING", "RANK_FILE_RE", "data_file", "manifest_file",
+           "scheme", "normalize", "parent", "name", "join", "checkpoint_dir", "iteration_of", "partial_dir"]
 
 METADATA = "metadata.json"
+DCP_METADATA = ".metadata"  # PyTorch DCP's global metadata, written last by its coordinator (upstream's torch_dcp)
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
 RANK_FILE_RE = re.compile(r"^rank_(\d{5,})\.(data|manifest\.json)$")

@@ -146,8 +146,9 @@ class SaveRoot:
 
     def holds_checkpoint(self, path: str) -> bool:
         """Whether a load may resume from `path`: a published checkpoint (a checkpoint root's metadata.json: this
-        engine's format and megatron-core's torch_dist), or Megatron's legacy torch format (`holds_legacy`)."""
-        return self.is_published(path) or holds_legacy(self.storage, path)
+        engine's format and megatron-core's torch_dist), Megatron's legacy torch format (`holds_legacy`) or
+        upstream's torch_dcp (`holds_dcp`)."""
+        return self.is_published(path) or holds_legacy(self.storage, path) or holds_dcp(self.storage, path)
 
     def published(self) -> list[int]:
         """The iterations of the root with a published checkpoint, oldest first."""
@@ -292,3 +293,10 @@ def holds_legacy(storage: Storage, path: str) -> bool:
     """Whether `path` is in Megatron's legacy torch format: mp_rank_* directories, written without an index before
     the tracker names them."""
     return any(name.startswith("mp_rank_") for name in storage.list(path))
+
+
+def holds_dcp(storage: Storage, path: str) -> bool:
+    """Whether `path` is a plain PyTorch DCP checkpoint (upstream Megatron-LM's torch_dcp): DCP's `.metadata`, which
+    its save writes after every rank's files, and no metadata.json (megatron-core's torch_dist has both)."""
+    return storage.stat(paths.join(path, paths.DCP_METADATA)) is not None and \
+        storage.stat(paths.join(path, paths.METADATA)) is None

@@ -1,14 +1,22 @@
 #!/usr/bin/env python
-"""Convert checkpoints between datastates, megatron-core torch_dist and a consolidated safetensors file.
+"""Convert checkpoints between datastates, megatron-core torch_dist, upstream's torch_dcp and a consolidated
+safetensors file.
 
     python tools/convert_checkpoint.py --from datastates --to torch_dist  --input ckpt     --output ckpt_td
     python tools/convert_checkpoint.py --from torch_dist --to datastates  --input ckpt_td  --output ckpt_ds
     python tools/convert_checkpoint.py --from datastates --to safetensors --input ckpt     --output model.safetensors
     python tools/convert_checkpoint.py --from datastates --to hf          --input ckpt     --output hf_model
     python tools/convert_checkpoint.py --from hf         --to datastates  --input hf_model --output ckpt_ft
+    python tools/convert_checkpoint.py --from torch_dcp  --to datastates  --input up_ckpt  --output ckpt_ds
+    python tools/convert_checkpoint.py --from datastates --to torch_dcp   --input ckpt     --output up_ckpt
 
 --to hf / --from hf: a transformers model directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 or GPT-2),
 streamed layer by layer, see docs/huggingface.md.
+
+--from torch_dcp / --to torch_dcp: upstream Megatron-LM's `--use-torch-fsdp2 --ckpt-format torch_dcp` checkpoint
+(plain PyTorch DCP, keyed by module names, Adam's states by parameter id), of a dense GPT model at TP 1, PP 1: read
+to every output format (to hf through a datastates checkpoint staged beside the output), written from a datastates
+checkpoint of an FSDP2 or DDP run; names, ids and what is kept: docs/fsdp.md.
 
 --input is a save root (its latest published iteration is converted; --iteration N picks another) or an
 iteration directory. A datastates input must be published (metadata.json present, no `.partial`) and complete
@@ -54,7 +62,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 if __package__ in (None, ""):  # run as `python tools/convert_checkpoint.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,12 +73,16 @@ from datastates.logs import setup_logging  # noqa: E402
 from tools.checkpoint.bundle import Bundle, read_datastates  # noqa: E402
 from tools.checkpoint.paths import ConvertError, check_locations, resolve_input  # noqa: E402
 from tools.checkpoint.torch_dist import close_megatron, init_megatron, read_torch_dist, write_torch_dist  # noqa: E402
+from tools.checkpoint.torch_dcp import read_torch_dcp, write_torch_dcp  # noqa: E402
 from tools.checkpoint.writers import write_datastates, write_safetensors  # noqa: E402
 from tools.hf import cli as hf_cli  # noqa: E402
 
 __all__ = ["ConvertError", "main", "read_datastates", "resolve_input"]
-FORMATS_IN = ("datastates", "torch_dist", "hf")
-FORMATS_OUT = ("datastates", "torch_dist", "safetensors", "hf")
+FORMATS_IN = ("datastates", "torch_dist", "torch_dcp", "hf")
+FORMATS_OUT = ("datastates", "torch_dist", "torch_dcp", "safetensors", "hf")
+READERS = {"datastates": read_datastates, "torch_dist": read_torch_dist, "torch_dcp": read_torch_dcp}
+# torch_dcp numbers the optimizer's states in the module's parameter order, which a datastates checkpoint keeps
+TORCH_DCP_FROM = ("datastates", "torch_dcp")
 
 log = logging.getLogger("tools.convert_checkpoint")
 
@@ -80,6 +94,8 @@ def _convert_hf(args) -> int:
     try:
         if args.src == args.dst:
             raise ConvertError("--from hf --to hf: nothing to convert")
+        if args.dst == "hf" and args.src == "torch_dcp":
+            return _torch_dcp_to_hf(args)
         if args.dst == "hf":
             hf_cli.export(args, init_megatron)
             return 0
@@ -96,6 +112,22 @@ def _convert_hf(args) -> int:
         return 1
     finally:
         close_megatron()
+
+
+def _torch_dcp_to_hf(args) -> int:
+    """--from torch_dcp --to hf: through a datastates checkpoint beside the output, the export's own input, removed
+    after."""
+    parent = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(parent, exist_ok=True)
+    staged = tempfile.mkdtemp(prefix=".torch_dcp_to_hf.", dir=parent)
+    try:
+        bundle = read_torch_dcp(args.input, args.iteration)
+        write_datastates(bundle, staged, args.threads)
+        hf_cli.export(argparse.Namespace(**{**vars(args), "src": "datastates", "input": staged,
+                                            "iteration": None}), init_megatron)
+        return 0
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,10 +150,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _convert(args) -> tuple[Bundle, str]:
+    if args.dst == "torch_dcp" and args.src not in TORCH_DCP_FROM:
+        raise ConvertError(f"--to torch_dcp reads {' or '.join(TORCH_DCP_FROM)}: convert {args.src} to datastates "
+                           "first")
     if args.src == "datastates":
         bundle = read_datastates(args.input, args.iteration, args.threads)
     else:
-        bundle = read_torch_dist(args.input, args.iteration)
+        bundle = READERS[args.src](args.input, args.iteration)
+    if args.dst == "torch_dcp":
+        return bundle, write_torch_dcp(bundle, args.output)
     if args.dst == "torch_dist":
         return bundle, write_torch_dist(bundle, args.output)
     if args.dst == "datastates":

@@ -205,6 +205,11 @@ def _validate_run(args) -> None:
 
 
 def _validate_checkpointing(args, world_size: int) -> None:
+    if args.ckpt_format == "torch_dcp":
+        raise ArgumentError("--ckpt-format torch_dcp: --use-torch-fsdp2 runs save lazily in the default datastates "
+                            "format here, and a torch_dcp checkpoint under --load is found and read without the "
+                            "flag: drop it (tools/convert_checkpoint.py --to torch_dcp writes upstream's format, "
+                            "docs/fsdp.md)")
     if args.ckpt_format in UPSTREAM_ONLY_FORMATS:
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: upstream's {args.ckpt_format} format is not built "
                             f"here; formats: {', '.join(CKPT_FORMATS)} (tools/convert_checkpoint.py converts "

@@ -6,7 +6,7 @@ its `sharded_state_dict` / `load_state_dict` do the work. The workarounds, each 
 by both supported releases, 0.16.1 and 0.19.2 (the code they work around is unchanged between them; the
 bit-exact resume and resharding tests, which fail without them, run in both environments):
 
-- with torch's Adam (no TE/apex) a fresh optimizer has no `step` to describe (`_init_optimizer_state`), the
+- with torch's Adam (no TE/apex) a fresh optimizer has no `step` to describe (`init_optimizer_state`), the
   non-distributed optimizers leave their common step out at 0 (`_one_common_step`), the
   DistributedOptimizer shares one step tensor between all parameters and its dp_reshardable loader overwrites the
   steps (`_restore_adam_steps`), and its fully_reshardable loader fails on the step (`_load_fully_reshardable`);
@@ -138,7 +138,7 @@ def _padded_dp_zero_state(opt, gather, *args, **kwargs):
     return state
 
 
-def _init_optimizer_state(optimizer) -> None:
+def init_optimizer_state(optimizer) -> None:
     """Give a fresh optimizer its state, Adam's step included, so that it can describe what it saves or loads.
 
     megatron-core's `init_state_fn` makes the moments but no step; with torch's Adam (no TE/apex) the
@@ -175,7 +175,7 @@ def optimizer_sharded_state_dict(optimizer, model_sd: dict, metadata: dict, *, i
     step the optimizer took (fp16's loss scaler skips the steps that overflow) describes the zero moments and
     step 0 Adam would create at that first step, the same math: a load always asks for them. `saved_chain`: a
     load template for a checkpoint whose chained optimizer has that many parts (see `_template_for_chain`)."""
-    _init_optimizer_state(optimizer)
+    init_optimizer_state(optimizer)
     _mark_decoupled_lr_groups(optimizer)
     with _bucket_padded_gather(optimizer, metadata):
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)

@@ -60,13 +60,23 @@ class Pieces:
         return itertools.product(*(range(n) for n in self.shape[:self.lead]))
 
 
-class _PiecePlanner(DefaultSavePlanner):
+class PiecePlanner(DefaultSavePlanner):
     """DCP's default global planning (metadata from the items, overlap and bounds checks) over write items of our
-    own: a chunk per piece, a byte item per object; `resolve_data` builds each as it is written."""
+    own: a chunk per piece, a byte item per object; `resolve_data` builds each as it is written. `listed`: an
+    object is saved as `[value]` (megatron-core's ShardedObject) rather than itself (a plain DCP state dict's);
+    `paths`: each key's place in a nested state dict, recorded in the metadata as DCP's flattening records it."""
 
-    def __init__(self, tensors: dict[str, Pieces], objects: dict[str, object]):
+    def __init__(self, tensors: dict[str, Pieces], objects: dict[str, object], listed: bool = True,
+                 paths: dict[str, tuple] | None = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.tensors, self.objects = tensors, objects
+        self.tensors, self.objects, self.listed, self.paths = tensors, objects, listed, paths
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = super().create_global_plan(all_plans)
+        if self.paths is not None:
+            metadata = dataclasses.replace(metadata, planner_data=self.paths)
+            self.metadata = metadata
+        return plans, metadata
 
     def create_local_plan(self) -> SavePlan:
         items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
@@ -86,7 +96,7 @@ class _PiecePlanner(DefaultSavePlanner):
         key = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
-            torch.save([self.objects[key]], buffer)
+            torch.save([self.objects[key]] if self.listed else self.objects[key], buffer)
             buffer.seek(0)
             return buffer
         pieces = self.tensors[key]
@@ -115,34 +125,55 @@ def save_torch_dist(tensors: dict[str, Pieces], objects: dict[tuple[str, tuple],
             raise ConvertError(f"object {name!r} has the name of a tensor")
     root = SaveRoot(storage_for(out), os.path.dirname(os.path.abspath(out)), marker=CONFIG_FILE)
     try:
-        _publish(root, planner=_PiecePlanner(tensors, named), common=common, out=out)
+        _publish(root, planner=PiecePlanner(tensors, named), common=common, out=out)
     finally:
         root.storage.close()
 
 
-def _publish(root: SaveRoot, planner: _PiecePlanner, common: dict, out: str) -> None:
-    """DCP's files, the common state and megatron-core's metadata.json (the marker) written unseen, then `out`
-    published and the tracker pointed at it; a failure removes what was written."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+def write_dcp(directory: str, planner: PiecePlanner) -> None:
+    """DCP's files of `planner`'s items in `directory`, fsynced, from this one process."""
+    writer = dcp.FileSystemWriter(directory, thread_count=1, sync_files=True)
+    with warnings.catch_warnings():  # DCP warns that it saves in one process even when told to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+
+
+def _failed(e: BaseException, what: str, out: str) -> ConvertError:
+    """The ConvertError of a failed write of `out`: the error DCP reports as the cause (a `CheckpointException`,
+    a BaseException, holds it), a ConvertError raised while building a piece as it is."""
+    cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e
+    if isinstance(cause, ConvertError):
+        return cause
+    return ConvertError(f"writing {what} checkpoint {out!r} failed: {type(cause).__name__}: {cause}")
+
+
+def publish_dcp(root: SaveRoot, out: str, planner: PiecePlanner, what: str, marker: bytes | None = None,
+                beside: Callable[[str], None] | None = None) -> None:
+    """DCP's files of `planner` (and what `beside` adds to the directory) written unseen, then `out` published
+    with `marker` (None: DCP's own files hold the root's marker) and the tracker pointed at it, never over an
+    output another conversion completed meanwhile; a failure removes what was written. `what` names the format."""
     partial = root.stage(out, private=True)
     try:
-        writer = dcp.FileSystemWriter(partial, thread_count=1, sync_files=True)
-        with warnings.catch_warnings():  # DCP warns that it saves in one process even when told to
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-        common_bytes = io.BytesIO()
-        torch.save(common, common_bytes)
-        root.storage.write_bytes(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer())
-        config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
-        root.publish(partial, out, json.dumps(config).encode(), replace=False)
+        write_dcp(partial, planner)
+        if beside is not None:
+            beside(partial)
+        root.publish(partial, out, marker, replace=False)
     except FileExistsError:
         root.storage.remove(partial)
         raise ConvertError(f"output {out!r} was written by another conversion meanwhile: refusing to overwrite it") \
             from None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP and the file system raise many types
         root.storage.remove(partial)
-        cause = e.failures[0][0] if isinstance(e, CheckpointException) and 0 in e.failures else e
-        if isinstance(cause, ConvertError):
-            raise cause from None
-        raise ConvertError(f"writing torch_dist checkpoint {out!r} failed: {type(cause).__name__}: {cause}") from None
+        raise _failed(e, what, out) from None
 
+
+def _publish(root: SaveRoot, planner: PiecePlanner, common: dict, out: str) -> None:
+    """torch_dist: DCP's files, the common state and megatron-core's metadata.json (the marker)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+
+    def common_file(partial: str) -> None:
+        common_bytes = io.BytesIO()
+        torch.save(common, common_bytes)
+        root.storage.write_bytes(os.path.join(partial, COMMON_FILE), common_bytes.getbuffer())
+    config = dataclasses.asdict(CheckpointingConfig(sharded_backend="torch_dist"))
+    publish_dcp(root, out, planner, "torch_dist", json.dumps(config).encode(), common_file)

@@ -7,6 +7,7 @@ CheckpointFormat to `FORMATS`.
 - ``torch_dist``: megatron-core's `dist_checkpointing.save/load` (synchronous), on a file system or on msc://
   through megatron-core's own multi-storage-client support.
 - ``torch``: Megatron's legacy per-(tp, pp) `torch.save` of model_optim_rng.pt, written by DP rank 0.
+- ``torch_dcp``: upstream's plain DCP checkpoint of an FSDP2 run, loaded only (found by its files).
 
 A checkpoint is published (`latest_checkpointed_iteration.txt` rewritten atomically) only once every rank has
 finished writing it; the engine does this off the training thread, the synchronous formats after a barrier.
@@ -25,7 +26,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from datastates import (DEFAULT_READ_THREADS, CheckpointEngine, CheckpointError, CheckpointReader, Exchange,
-                        LoadStats, SaveHandle, Storage, clean_leftovers, holds_legacy, node_of, storage_for,
+                        LoadStats, SaveHandle, Storage, clean_leftovers, holds_dcp, holds_legacy, node_of, storage_for,
                         write_latest)
 from datastates.paths import METADATA, checkpoint_dir, data_file, join as join_path, scheme as url_scheme
 from datastates.megatron import COMMON_PREFIX, Common, ReplicaOwnership, load_sharded, make_registry, save_sharded
@@ -365,8 +366,28 @@ class TorchFormat(CheckpointFormat):
         return loader.load_whole(torch.load(path, map_location="cpu", weights_only=False), source)
 
 
+class TorchDcpFormat(CheckpointFormat):
+    """Upstream's torch_dcp (an `--use-torch-fsdp2` run's plain DCP checkpoint), read only: `torch_dcp_load`. This
+    trainer saves FSDP2 runs in datastates; tools/convert_checkpoint.py writes torch_dcp."""
+    name = "torch_dcp"
+
+    @classmethod
+    def holds(cls, ckpt_dir: str) -> bool:
+        return holds_dcp(storage_for(ckpt_dir), ckpt_dir)
+
+    def load(self, loader, ckpt_dir: str, source: str) -> tuple[int, int]:
+        from .torch_dcp_load import load
+        return load(self.args, self.model, self.optimizer, self.scheduler, ckpt_dir)
+
+    def saved_common(self, ckpt_dir: str) -> dict:
+        """args (as plain values) and iteration: what --use-checkpoint-args reads."""
+        from .torch_dcp import plain_args, read_objects
+        saved = read_objects(ckpt_dir, ("args", "iteration"))
+        return {**saved, "args": plain_args(saved["args"])}
+
+
 # in the order `detect` asks
-FORMATS: tuple[type[CheckpointFormat], ...] = (DatastatesFormat, TorchDistFormat, TorchFormat)
+FORMATS: tuple[type[CheckpointFormat], ...] = (DatastatesFormat, TorchDistFormat, TorchFormat, TorchDcpFormat)
 
 
 def format_class(name: str) -> type[CheckpointFormat]:
@@ -383,7 +404,7 @@ def detect(ckpt_dir: str) -> type[CheckpointFormat]:
         if cls.holds(ckpt_dir):
             return cls
     raise CheckpointError(f"{ckpt_dir!r} is not a checkpoint this trainer can load (no datastates or torch_dist "
-                          "metadata.json, no mp_rank_* directories)")
+                          "metadata.json, no mp_rank_* directories, no DCP .metadata)")
 
 
 def _legacy_file(ckpt_dir: str) -> str:

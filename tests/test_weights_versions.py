@@ -23,7 +23,7 @@ from rank_launcher import environment
 from datastates import storage_for
 from datastates.hf.writer import Planned, ShardedWriter
 from datastates.weights import WeightsError, WeightsReader
-from megatron.training.checkpointing.weights_versions import VersionRoot
+from megatron.training.checkpointing.weights_versions import NotNewer, VersionRoot
 
 HOLD = """
 import sys, time
@@ -150,6 +150,42 @@ def test_a_reader_versions_behind_reaches_the_newest_through_deltas_exactly(tmp_
                                            r"version: version 5 cannot be brought to 7 by deltas"):
         reader.catch_up(held, 5)
     assert all(torch.equal(held[k].view(torch.int16), before[k].view(torch.int16)) for k in held)
+
+
+def test_a_restarted_publisher_goes_on_from_latest_and_never_goes_back(tmp_path):
+    """Versions 1-3, then a restart (a new root, as a new job's rank 0 makes it, a killed version's `.partial`
+    left): it starts from `latest` (3). A version at or below it (a trainer resumed from an older checkpoint) is
+    refused and version 2's bytes stay; version 4's delta chains from 3, and a reader's copy of 3 reaches 4
+    through it exactly."""
+    def weights(it: float) -> dict:  # one element of 4096 changes from a version to the next
+        w = torch.zeros(64, 64)
+        w[0, 0] = it
+        return {"w": w}
+    path = str(tmp_path / "versions")
+    os.makedirs(path)
+    first = VersionRoot(storage_for(path), path, keep_last=2, deltas=2)
+    for it in (1, 2, 3):
+        publish(first, it, weights(it))
+    os.makedirs(os.path.join(path, "iter_0000004.partial"))  # a version the killed trainer was writing
+    with WeightsReader(path).open(3) as version:
+        copy = {n: t.clone() for n, t in version.tensors()}
+    root = VersionRoot(storage_for(path), path, keep_last=2, deltas=2)
+    root.start()
+    assert root.named == 3 and held(path) == ["iter_0000002", "iter_0000003"]
+    with pytest.raises(NotNewer, match=r"version 2 is not newer than version 3, which .*/latest names \(a trainer "
+                                       r"resumed from before it\): versions go on after it"):
+        publish(root, 2, weights(20))
+    root.discard(os.path.join(path, "iter_0000002.partial"))  # as the export discards a version refused
+    root.name(2)  # an earlier run's version, exported again: `latest` stays
+    reader = WeightsReader(path)
+    assert reader.pointed() == 3
+    with reader.open(2) as version:
+        assert torch.equal(dict(version.tensors())["w"], weights(2)["w"])
+    publish(root, 4, weights(4))
+    with safe_open(os.path.join(path, "deltas", "iter_0000004.safetensors"), framework="pt") as f:
+        assert f.metadata()["from"] == "3"
+    assert reader.catch_up(copy, 3)[0] == 4 and torch.equal(copy["w"], weights(4)["w"])
+    assert held(path) == ["iter_0000003", "iter_0000004"]
 
 
 def file_tensors(directory: str) -> dict[str, torch.Tensor]:

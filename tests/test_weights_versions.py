@@ -8,6 +8,7 @@ deltas exactly to the bit, reading a fraction of the bytes; one whose chain was 
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -213,21 +214,19 @@ def rank_of(hf: dict, config: dict, size: int, rank: int) -> dict[str, torch.Ten
     kv = config["num_key_value_heads"]
     mine = lambda t: t.chunk(size)[rank]  # noqa: E731 (a column-parallel block)
     kv_of = (mine if size <= kv else lambda t: t.chunk(kv)[rank // (size // kv)])
-    out, done = {}, set()
+    out = {}
     for name, t in hf.items():
         if ".self_attn.q_proj." in name:
             k, v = (hf[name.replace("q_proj", p)] for p in ("k_proj", "v_proj"))
             out[name.replace("q_proj", "qkv_proj")] = torch.cat([mine(t), kv_of(k), kv_of(v)])
         elif ".mlp.gate_proj." in name:
             out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([mine(t), mine(hf[name.replace("gate", "up")])])
-        elif ".experts.0.gate_proj." in name:
-            at = name.split("experts.")[0]
-            count = sum(1 for n in hf if n.startswith(at + "experts.") and n.endswith(".gate_proj.weight"))
-            e = [(hf[f"{at}experts.{i}.gate_proj.weight"], hf[f"{at}experts.{i}.up_proj.weight"],
-                  hf[f"{at}experts.{i}.down_proj.weight"]) for i in range(count)]
+        elif m := re.fullmatch(r"(.+\.)experts\.0\.(gate_proj|w1)\.weight", name):  # Mixtral: w1, w3, w2
+            at, parts = m[1], ("gate_proj", "up_proj", "down_proj") if m[2] == "gate_proj" else ("w1", "w3", "w2")
+            count = sum(1 for n in hf if n.startswith(at + "experts.") and n.endswith(f".{parts[0]}.weight"))
+            e = [tuple(hf[f"{at}experts.{i}.{p}.weight"] for p in parts) for i in range(count)]
             out[at + "experts.w13_weight"] = torch.stack([torch.cat([mine(g), mine(u)]) for g, u, _ in e])
             out[at + "experts.w2_weight"] = torch.stack([d.chunk(size, dim=1)[rank] for _, _, d in e])
-            done |= {n for n in hf if n.startswith(at + "experts.")}
         elif name.endswith(("o_proj.weight", "down_proj.weight")) and ".experts." not in name:
             out[name] = t.chunk(size, dim=1)[rank]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):

@@ -336,7 +336,7 @@ def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
      r"model_type 'gpt2' has no packed or tensor-parallel layout here \(these have: llama, mixtral, qwen2, qwen3, "
      r"qwen3_moe\); read its Hugging Face tensors whole"),
     ({"num_attention_heads": 4, "num_key_value_heads": 2}, 0, r"tensor-parallel rank 0 of 0"),
-])
+], ids=["query-heads", "key-value-heads", "rows", "family", "no-ranks"])
 def test_a_tensor_parallelism_the_engine_refuses_is_a_clear_error_naming_the_tensor(tmp_path, config, size, named):
     """Before any tensor is handed out; the version stays readable whole."""
     heads, kv, ffn = config["num_attention_heads"], config.get("num_key_value_heads", 4), config.get("ffn", 32)

@@ -58,6 +58,7 @@ class Version:
                     yield name, f.get_tensor(name)
 
     def _held(self, packed: bool, tp_rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every file open at once: the parts of a packed tensor may lie in different files."""
         with contextlib.ExitStack() as stack:
             files = {file: stack.enter_context(safe_open(os.path.join(self.path, file), framework="pt"))
                      for file in sorted(set(self.weight_map.values()))}

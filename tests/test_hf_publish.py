@@ -21,6 +21,7 @@ import tempfile
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from megatron_helpers import ROOT, TINY, torchrun, torchrun_command
 
@@ -28,6 +29,9 @@ pytest.importorskip("transformers")
 
 from hf_helpers import TRAIN, assert_computes_as_megatron_core, convert, hf_model, reference  # noqa: E402
 from test_hf import tiny_tokenizer  # noqa: E402
+from test_weights_versions import file_tensors, rank_of, reassembled, same  # noqa: E402
+
+from datastates.weights import WeightsReader  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
@@ -318,9 +322,12 @@ def test_an_ep2_mixtral_in_bf16_saved_synchronously_published_to_s3(s3_server, t
     published to s3:// (SeaweedFS), each replicated (dense) weight written in the checkpoint by the rank that writes
     its file: what a killed export left there (a model without its index, an open multipart
     upload) is removed at start, --save-hf-keep-last 1 retires iteration 2's model, and iteration 4's is the
-    offline tool's bytes, a bf16 MixtralForCausalLM once downloaded."""
+    offline tool's bytes, a bf16 MixtralForCausalLM once downloaded. The same saves publish weight versions
+    (--publish-weights-dir): the last is the same bytes; a TP2 engine's ranks read it packed (q/k/v fused, the
+    experts stacked as FusedMoE holds them) as the test rebuilds it with torch.cat, and unpacked, reassembled,
+    it computes the logits of the downloaded model bit for bit."""
     from test_hf_moe import MIXTRAL
-    save, bucket = str(tmp_path / "ckpt"), s3_server.create_bucket()
+    save, bucket, versions = str(tmp_path / "ckpt"), s3_server.create_bucket(), str(tmp_path / "versions")
     client = s3_server.client()
     client.put_object(Bucket=bucket, Key="hf/iter_0000001/model-00001-of-00002.safetensors", Body=b"half")
     client.create_multipart_upload(Bucket=bucket, Key="hf/iter_0000001/model-00002-of-00002.safetensors")
@@ -328,7 +335,8 @@ def test_an_ep2_mixtral_in_bf16_saved_synchronously_published_to_s3(s3_server, t
     _, log = torchrun(2, MIXTRAL + train + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                             "--bf16", "--save", save, "--save-interval", "2",
                                             "--save-hf", f"s3://{bucket}/hf", "--save-hf-keep-last", "1",
-                                            "--save-hf-max-shard-size", SHARD], env=s3_server.env())
+                                            "--save-hf-max-shard-size", SHARD, "--publish-weights-dir",
+                                            versions, "--publish-weights-interval", "2"], env=s3_server.env())
     assert f"removed the leftovers of an unfinished export: s3://{bucket}/hf/iter_0000001" in log, log[-3000:]
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
     published = str(tmp_path / "published")
@@ -342,6 +350,23 @@ def test_an_ep2_mixtral_in_bf16_saved_synchronously_published_to_s3(s3_server, t
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(os.path.join(published, "iter_0000004"))
     assert type(model).__name__ == "MixtralForCausalLM" and model.dtype == torch.bfloat16
+    with WeightsReader(versions).newest() as version:
+        assert version.iteration == 4
+        assert_same_bytes(version.path, offline)
+        full, config = file_tensors(version.path), version.config
+        for r in range(2):
+            packed = dict(version.tensors(packed=True, tp_rank=r, tp_size=2))
+            want = rank_of(full, config, 2, r)
+            assert packed.keys() == want.keys() and all(same(packed[n], want[n]) for n in want)
+            assert packed["model.layers.0.block_sparse_moe.experts.w13_weight"].shape == (4, 96, 64)
+        whole = reassembled([dict(version.tensors(tp_rank=r, tp_size=2)) for r in range(2)], full)
+    from_slices = str(tmp_path / "from_slices")
+    os.makedirs(from_slices)
+    save_file(whole, os.path.join(from_slices, "model.safetensors"))
+    shutil.copy(os.path.join(offline, "config.json"), from_slices)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf_model(from_slices)(tokens).logits, hf_model(offline)(tokens).logits)
 
 
 def test_a_failed_export_warns_and_training_goes_on(tmp_path):

@@ -9,6 +9,7 @@ the same iteration, and a transformers model loaded in place from it computes th
 job SIGKILLed in the middle of a version's publication leaves the previous version whole, named by `latest`.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import threading
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from megatron_helpers import ROOT, torchrun
 from rank_launcher import environment
@@ -24,6 +26,8 @@ pytest.importorskip("transformers")
 
 from hf_helpers import TRAIN, hf_model, hf_tensors  # noqa: E402
 from test_hf_publish import MODEL, SHARD, assert_same_bytes  # noqa: E402
+
+from test_weights_versions import rank_of, reassembled, same  # noqa: E402
 
 from datastates.weights import WeightsReader  # noqa: E402
 
@@ -46,11 +50,15 @@ def kill_once_mid_read(holder: subprocess.Popen, held: list) -> None:
             return
 
 
-def in_place(version):
-    """A transformers model of the version's config, its weights copied in place from the version."""
+def in_place(version, tensors: dict | None = None):
+    """A transformers model (fp32) of the version's config, its weights copied in place from the version, or from
+    `tensors` (its tensors, reassembled)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(version.path), dtype=torch.float32).eval()
-    version.load_into(model)
+    if tensors is None:
+        version.load_into(model)
+    else:
+        model.load_state_dict(tensors, strict=True)
     return model
 
 
@@ -98,26 +106,52 @@ def test_versions_follow_training_readers_come_and_die_and_the_last_is_the_hf_ex
         hf_pairs = hf_tensors(os.path.join(hf, "iter_0000006"))
         assert pairs.keys() == hf_pairs.keys() and all(torch.equal(pairs[n], hf_pairs[n]) for n in pairs)
         model = in_place(version)
+        # a TP2 engine's ranks: packed, what the test rebuilds with torch.cat; unpacked, reassembled, the version
+        config, sliced = version.config, [dict(version.tensors(tp_rank=r, tp_size=2)) for r in range(2)]
+        assert all(same(t, rank_of(pairs, config, 2, r)[n]) for r in range(2)
+                   for n, t in version.tensors(packed=True, tp_rank=r, tp_size=2))
+        from_slices = in_place(version, reassembled(sliced, pairs))
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(model(tokens).logits, hf_model(os.path.join(hf, "iter_0000006"))(tokens).logits)
+        logits = hf_model(os.path.join(hf, "iter_0000006"))(tokens).logits
+        assert torch.equal(model(tokens).logits, logits) and torch.equal(from_slices(tokens).logits, logits)
 
 
-def test_a_job_killed_mid_publication_leaves_the_previous_version_whole(tmp_path):
+def test_a_job_killed_mid_publication_leaves_the_previous_version_whole_and_its_restart_goes_on(tmp_path):
     """SIGKILL (tests/fault_launcher.py, FAULT_KILL_IN_EXPORT) once a safetensors file of version 3 is written:
-    `latest` names version 2, which a reader loads whole; version 3's files were never in a reader's sight."""
-    versions = str(tmp_path / "versions")
-    train = TRAIN[:TRAIN.index("--train-iters")] + ["--train-iters", "4"]
-    rc, log = torchrun(1, MODEL + train + [
-        "--save", str(tmp_path / "ckpt"), "--save-interval", "100", "--async-ckpt", "--non-persistent-save-interval",
-        "1", "--non-persistent-local-ckpt-dir", str(tmp_path / "tier"), "--save-hf-max-shard-size", SHARD,
-        "--publish-weights-dir", versions, "--publish-weights-interval", "1"],
-        env={"FAULT_KILL_IN_EXPORT": "3:first-file"}, check=False, faults=True)
+    `latest` names version 2, which a reader loads whole; version 3's files were never in a reader's sight. The job
+    restarted (--load: it resumes from the memory tier, or from the run's last checkpoint when the kill came after
+    it) goes on publishing: the killed version's leftovers removed,
+    a version for each iteration it trains, `latest` the last, older ones retired by --publish-weights-keep-last,
+    its first delta chained from version 2, through which a reader's copy of version 2 reaches the last exactly
+    (bf16 at lr 1e-6: few elements change)."""
+    versions, tier, ckpt = str(tmp_path / "versions"), str(tmp_path / "tier"), str(tmp_path / "ckpt")
+    flags = MODEL + TRAIN[:TRAIN.index("--train-iters")] + ["--lr", "1e-6", "--bf16", "--save", ckpt,
+                                                            "--save-interval", "100", "--async-ckpt",
+                                                            "--non-persistent-save-interval", "1",
+                                                            "--non-persistent-local-ckpt-dir", tier,
+                                                            "--save-hf-max-shard-size", SHARD, "--publish-weights-dir",
+                                                            versions, "--publish-weights-interval", "1"]
+    rc, log = torchrun(1, flags + ["--train-iters", "4"], env={"FAULT_KILL_IN_EXPORT": "3:first-file"}, check=False,
+                       faults=True)
     assert rc != 0 and "FAULT-KILL-EXPORT iteration 3" in log, log[-3000:]
     assert sorted(os.listdir(versions)) == ["iter_0000001", "iter_0000002", "iter_0000003.partial", "latest"]
     reader = WeightsReader(versions)
     with reader.newest() as version:
         assert version.iteration == 2
+        copy = {n: t.clone() for n, t in version.tensors()}  # a rollout engine's weights, kept across the restart
         model = in_place(version)
     with torch.no_grad():
         assert torch.isfinite(model(torch.arange(32).reshape(1, 32)).logits).all()
+
+    _, log = torchrun(1, flags + ["--train-iters", "6", "--load", ckpt, "--publish-weights-deltas", "4"])
+    resumed = int(re.search(r"RESUMED from .* at iteration (\d+)", log)[1])  # the newest of the tier and storage
+    assert resumed in (2, 3, 4), log[-3000:]  # the last save the killed job made before or after version 3's kill
+    assert all(f"published weights version {it}: " in log for it in range(resumed + 1, 7)), log[-3000:]
+    assert sorted(os.listdir(versions)) == ["deltas", "iter_0000005", "iter_0000006", "latest"], log[-3000:]
+    with safe_open(os.path.join(versions, "deltas", f"iter_{resumed + 1:07d}.safetensors"), framework="pt") as f:
+        assert f.metadata()["from"] == "2"
+    newest, nbytes = reader.catch_up(copy, 2)
+    with reader.open(6) as version:
+        assert newest == 6 and nbytes < version.nbytes
+        assert all(torch.equal(copy[n].view(torch.int16), t.view(torch.int16)) for n, t in version.tensors())

@@ -8,6 +8,7 @@ deltas exactly to the bit, reading a fraction of the bytes; one whose chain was 
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from rank_launcher import environment
 from datastates import storage_for
 from datastates.hf.writer import Planned, ShardedWriter
 from datastates.weights import WeightsError, WeightsReader
-from megatron.training.checkpointing.weights_versions import VersionRoot
+from megatron.training.checkpointing.weights_versions import NotNewer, VersionRoot
 
 HOLD = """
 import sys, time
@@ -35,16 +36,19 @@ time.sleep(600)
 """
 
 
-def publish(root: VersionRoot, iteration: int, tensors: dict | None = None) -> None:
-    """A version of `tensors` (by default one, `w`, full of the iteration), as the trainer's export writes one."""
+def publish(root: VersionRoot, iteration: int, tensors: dict | None = None, config: dict | None = None,
+            files: int = 1) -> None:
+    """A version of `tensors` (by default one, `w`, full of the iteration) in `files` safetensors files (the
+    tensors dealt among them in turn), as the trainer's export writes one."""
     tensors = tensors or {"w": torch.full((4, 4), float(iteration))}
     directory = root.stage(root.path(iteration))
-    shards = [[Planned(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]]
+    planned = [Planned(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    shards = [planned[i::files] for i in range(files)]
     writer = ShardedWriter(root.storage, directory, shards)
-    for name, tensor in tensors.items():
-        writer.write(name, tensor)
+    for p in (p for shard in shards for p in shard):
+        writer.write(p.name, tensors[p.name])
     writer.close()
-    root.storage.write_bytes(os.path.join(directory, "config.json"), json.dumps({}).encode())
+    root.storage.write_bytes(os.path.join(directory, "config.json"), json.dumps(config or {}).encode())
     root.publish(directory, iteration, shards)
 
 
@@ -147,3 +151,202 @@ def test_a_reader_versions_behind_reaches_the_newest_through_deltas_exactly(tmp_
                                            r"version: version 5 cannot be brought to 7 by deltas"):
         reader.catch_up(held, 5)
     assert all(torch.equal(held[k].view(torch.int16), before[k].view(torch.int16)) for k in held)
+
+
+def test_a_restarted_publisher_goes_on_from_latest_and_never_goes_back(tmp_path):
+    """Versions 1-3, then a restart (a new root, as a new job's rank 0 makes it, a killed version's `.partial`
+    left): it starts from `latest` (3). A version at or below it (a trainer resumed from an older checkpoint) is
+    refused and version 2's bytes stay; version 4's delta chains from 3, and a reader's copy of 3 reaches 4
+    through it exactly."""
+    def weights(it: float) -> dict:  # one element of 4096 changes from a version to the next
+        w = torch.zeros(64, 64)
+        w[0, 0] = it
+        return {"w": w}
+    path = str(tmp_path / "versions")
+    os.makedirs(path)
+    first = VersionRoot(storage_for(path), path, keep_last=2, deltas=2)
+    for it in (1, 2, 3):
+        publish(first, it, weights(it))
+    os.makedirs(os.path.join(path, "iter_0000004.partial"))  # a version the killed trainer was writing
+    with WeightsReader(path).open(3) as version:
+        copy = {n: t.clone() for n, t in version.tensors()}
+    root = VersionRoot(storage_for(path), path, keep_last=2, deltas=2)
+    root.start()
+    assert root.named == 3 and held(path) == ["iter_0000002", "iter_0000003"]
+    with pytest.raises(NotNewer, match=r"version 2 is not newer than version 3, which .*/latest names \(a trainer "
+                                       r"resumed from before it\): versions go on after it"):
+        publish(root, 2, weights(20))
+    root.discard(os.path.join(path, "iter_0000002.partial"))  # as the export discards a version refused
+    root.name(2)  # an earlier run's version, exported again: `latest` stays
+    reader = WeightsReader(path)
+    assert reader.pointed() == 3
+    with reader.open(2) as version:
+        assert torch.equal(dict(version.tensors())["w"], weights(2)["w"])
+    publish(root, 4, weights(4))
+    with safe_open(os.path.join(path, "deltas", "iter_0000004.safetensors"), framework="pt") as f:
+        assert f.metadata()["from"] == "3"
+    assert reader.catch_up(copy, 3)[0] == 4 and torch.equal(copy["w"], weights(4)["w"])
+    assert held(path) == ["iter_0000003", "iter_0000004"]
+
+
+def file_tensors(directory: str) -> dict[str, torch.Tensor]:
+    """A version's Hugging Face tensors, read by the test with safetensors itself."""
+    out = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def rank_of(hf: dict, config: dict, size: int, rank: int) -> dict[str, torch.Tensor]:
+    """What rank `rank` of `size` of vLLM holds, packed, rebuilt by the test from the full tensors with torch.chunk
+    and torch.cat (its own reading of vLLM's QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
+    VocabParallelEmbedding and FusedMoE)."""
+    kv = config["num_key_value_heads"]
+    mine = lambda t: t.chunk(size)[rank]  # noqa: E731 (a column-parallel block)
+    kv_of = (mine if size <= kv else lambda t: t.chunk(kv)[rank // (size // kv)])
+    out = {}
+    for name, t in hf.items():
+        if ".self_attn.q_proj." in name:
+            k, v = (hf[name.replace("q_proj", p)] for p in ("k_proj", "v_proj"))
+            out[name.replace("q_proj", "qkv_proj")] = torch.cat([mine(t), kv_of(k), kv_of(v)])
+        elif ".mlp.gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([mine(t), mine(hf[name.replace("gate", "up")])])
+        elif m := re.fullmatch(r"(.+\.)experts\.0\.(gate_proj|w1)\.weight", name):  # Mixtral: w1, w3, w2
+            at, parts = m[1], ("gate_proj", "up_proj", "down_proj") if m[2] == "gate_proj" else ("w1", "w3", "w2")
+            count = sum(1 for n in hf if n.startswith(at + "experts.") and n.endswith(f".{parts[0]}.weight"))
+            e = [tuple(hf[f"{at}experts.{i}.{p}.weight"] for p in parts) for i in range(count)]
+            out[at + "experts.w13_weight"] = torch.stack([torch.cat([mine(g), mine(u)]) for g, u, _ in e])
+            out[at + "experts.w2_weight"] = torch.stack([d.chunk(size, dim=1)[rank] for _, _, d in e])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")) and ".experts." not in name:
+            out[name] = t.chunk(size, dim=1)[rank]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            per_rank = -(-t.shape[0] // 64) * 64 // size  # the vocabulary padded to 64 rows, over the ranks
+            out[name] = t[rank * per_rank:(rank + 1) * per_rank]
+        elif not any(f".{p}_proj." in name for p in ("k", "v", "up")) and ".experts." not in name:
+            out[name] = t
+    return out
+
+
+def reassembled(ranks: list[dict], full: dict) -> dict[str, torch.Tensor]:
+    """The full tensors from every rank's slices (unpacked, the heads split, not replicated), by their shapes
+    alone: the same on every rank, or concatenated along the dimension the ranks' slices add up to."""
+    out = {}
+    for name, t in full.items():
+        parts = [r[name] for r in ranks]
+        if all(p.shape == t.shape for p in parts):
+            assert all(same(p, parts[0]) for p in parts), name
+            out[name] = parts[0]
+        else:
+            dim = 0 if sum(p.shape[0] for p in parts) == t.shape[0] else 1
+            out[name] = torch.cat(parts, dim=dim)
+    return out
+
+
+def test_a_reader_takes_the_packed_layout_and_its_tensor_parallel_slices_exactly(tmp_path):
+    """A transformers Qwen2 (GQA: 4 query heads, 2 key/value heads; q/k/v biases) in bf16, published in 2 files:
+    packed (qkv_proj, gate_up_proj) it is torch.cat of the tensors the test reads itself; each rank of TP 2 (the
+    key/value heads split) and TP 4 (replicated) holds what the test rebuilds with torch.chunk; the two TP2 ranks'
+    slices, unpacked, reassembled are the full tensors bit for bit, and a model loaded from them computes the
+    logits of the version loaded whole."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    path = str(tmp_path / "versions")
+    os.makedirs(path)
+    publish(VersionRoot(storage_for(path), path, keep_last=1), 1, {n: t.contiguous() for n, t in
+                                                                  model.state_dict().items()},
+            json.loads(config.to_json_string()), files=2)
+    with WeightsReader(path).open(1) as version:
+        hf = file_tensors(version.path)
+        cfg = version.config
+        packed = dict(version.tensors(packed=True))
+        assert "model.layers.1.self_attn.qkv_proj.bias" in packed and "model.layers.0.mlp.gate_up_proj.weight" in packed
+        one = rank_of(hf, cfg, 1, 0)
+        assert packed.keys() == one.keys() and all(same(packed[n], one[n]) for n in one)
+        for size in (2, 4):
+            for rank in range(size):
+                got, want = dict(version.tensors(packed=True, tp_rank=rank, tp_size=size)), rank_of(hf, cfg, size, rank)
+                assert got.keys() == want.keys() and all(same(got[n], want[n]) for n in want), (size, rank)
+        ranks = [dict(version.tensors(tp_rank=r, tp_size=2)) for r in range(2)]
+        assert ranks[0]["model.layers.0.self_attn.k_proj.weight"].shape == (16, 64)  # one of the 2 kv heads
+        whole = reassembled(ranks, hf)
+        assert whole.keys() == hf.keys() and all(same(whole[n], hf[n]) for n in hf)
+        in_place = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+        version.load_into(in_place)
+    from_slices = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    from_slices.load_state_dict(whole, strict=True)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_slices(tokens).logits, in_place(tokens).logits)
+
+
+def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
+    """A Qwen3-MoE layer's 3 experts, stacked as FusedMoE holds them (w13: gate then up rows; w2: down columns) for
+    each rank of TP 2, and a 100-row vocabulary, padded to 128 and split 64 + 36; bf16, in 3 files."""
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
+    at = "model.layers.0."
+    tensors = {"model.embed_tokens.weight": rnd(100, 32), "lm_head.weight": rnd(100, 32), "model.norm.weight": rnd(32),
+               at + "self_attn.q_proj.weight": rnd(64, 32), at + "self_attn.k_proj.weight": rnd(32, 32),
+               at + "self_attn.v_proj.weight": rnd(32, 32), at + "self_attn.o_proj.weight": rnd(32, 64),
+               at + "self_attn.q_norm.weight": rnd(16), at + "mlp.gate.weight": rnd(3, 32)}
+    for e in range(3):
+        tensors.update({f"{at}mlp.experts.{e}.gate_proj.weight": rnd(24, 32),
+                        f"{at}mlp.experts.{e}.up_proj.weight": rnd(24, 32),
+                        f"{at}mlp.experts.{e}.down_proj.weight": rnd(32, 24)})
+    config = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2}
+    path = str(tmp_path / "versions")
+    os.makedirs(path)
+    publish(VersionRoot(storage_for(path), path, keep_last=1), 1, tensors, config, files=3)
+    with WeightsReader(path).open(1) as version:
+        hf = file_tensors(version.path)
+        for rank in range(2):
+            got, want = dict(version.tensors(packed=True, tp_rank=rank, tp_size=2)), rank_of(hf, config, 2, rank)
+            assert got.keys() == want.keys() and all(same(got[n], want[n]) for n in want), rank
+            assert got[at + "mlp.experts.w13_weight"].shape == (3, 24, 32)
+            assert got[at + "mlp.experts.w2_weight"].shape == (3, 32, 12)
+            assert got["lm_head.weight"].shape == ((64, 32), (36, 32))[rank]
+        ranks = [dict(version.tensors(tp_rank=r, tp_size=2)) for r in range(2)]
+        whole = reassembled(ranks, hf)
+        assert all(same(whole[n], hf[n]) for n in hf)
+
+
+@pytest.mark.parametrize("config, size, named", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 2, "ffn": 48}, 3,
+     r"model.layers.0.self_attn.q_proj.weight: its 4 query heads do not divide among 3 tensor-parallel ranks"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2,
+     r"model.layers.0.self_attn.k_proj.weight: 3 key/value heads and 2 tensor-parallel ranks: one must divide the "
+     r"other"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 4, "ffn": 30}, 4,
+     r"model.layers.0.mlp.gate_proj.weight: its 30 rows do not divide among 4 tensor-parallel ranks"),
+    ({"model_type": "gpt2", "num_attention_heads": 4}, 2,
+     r"model_type 'gpt2' has no packed or tensor-parallel layout here \(these have: llama, mixtral, qwen2, qwen3, "
+     r"qwen3_moe\); read its Hugging Face tensors whole"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 2}, 0, r"tensor-parallel rank 0 of 0"),
+], ids=["query-heads", "key-value-heads", "rows", "family", "no-ranks"])
+def test_a_tensor_parallelism_the_engine_refuses_is_a_clear_error_naming_the_tensor(tmp_path, config, size, named):
+    """Before any tensor is handed out; the version stays readable whole."""
+    heads, kv, ffn = config["num_attention_heads"], config.get("num_key_value_heads", 4), config.get("ffn", 32)
+    at = "model.layers.0."
+    tensors = {at + "self_attn.q_proj.weight": torch.zeros(heads * 8, 16), at + "self_attn.k_proj.weight":
+               torch.zeros(kv * 8, 16), at + "mlp.gate_proj.weight": torch.zeros(ffn, 16)}
+    path = str(tmp_path / "versions")
+    os.makedirs(path)
+    publish(VersionRoot(storage_for(path), path, keep_last=1), 1, tensors, {"model_type": "llama", **config})
+    with WeightsReader(path).open(1) as version:
+        with pytest.raises(WeightsError, match=f"{version.path}: {named}"):
+            next(version.tensors(packed=True, tp_rank=0, tp_size=size))
+        assert len(dict(version.tensors())) == 3

@@ -9,6 +9,8 @@ never megatron-core.
 leases.py   a reader's hold on a version (a shared flock), and the publisher's test that none holds one
 reader.py   open the newest version or wait for the next; (name, tensor) pairs; load into a transformers model;
             catch a copy up to the newest through the deltas
+layouts.py  what one rank of an inference engine holds: packed (qkv_proj, gate_up_proj, stacked experts) and
+            sliced for its tensor parallelism, as vLLM's and SGLang's parallel layers hold them
 deltas.py   a delta between two versions: written by the trainer, applied by a reader
 """
 from .deltas import retire_deltas, write_delta

@@ -1,8 +1,10 @@
 """The rollout side's reader of published weight versions: the newest, a named one, or the next to come; each
 version leased while it is read (`leases`), its tensors handed out under their Hugging Face names, as vLLM's and
-SGLang's `load_weights` take them, or copied in place into a transformers model."""
+SGLang's `load_weights` take them (or packed and sliced as one rank of the engine's tensor parallelism holds them:
+`layouts`), or copied in place into a transformers model."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -13,6 +15,7 @@ from safetensors import safe_open
 
 from ..paths import checkpoint_name, iteration_of
 from .deltas import BrokenChain, catch_up
+from .layouts import LayoutError, plan, read
 from .leases import lease
 
 INDEX = "model.safetensors.index.json"  # written last into a version (datastates.hf.writer's)
@@ -39,14 +42,34 @@ class Version:
         """The bytes of its safetensors files (what a reader of the whole version reads)."""
         return sum(os.path.getsize(os.path.join(self.path, f)) for f in set(self.weight_map.values()))
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) of every weight, file by file: each tensor a copy of its own, so it outlives
-        the lease (what an engine's `load_weights(iterable)` takes)."""
+    def tensors(self, packed: bool = False, tp_rank: int = 0, tp_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every weight, each tensor a copy of its own, so it outlives the lease (what an engine's
+        `load_weights(iterable)` takes): the Hugging Face tensors, file by file; or, `packed` and/or `tp_size` > 1,
+        what rank `tp_rank` of an engine with that tensor parallelism holds (`layouts`: q/k/v fused as `qkv_proj`,
+        gate/up as `gate_up_proj`, experts stacked; only the rows or columns it holds read). WeightsError, before
+        any tensor, for a family without that mapping or a tensor the ranks cannot share."""
         self._check_open()
+        if packed or tp_size != 1:
+            yield from self._held(packed, tp_rank, tp_size)
+            return
         for file in sorted(set(self.weight_map.values())):
             with safe_open(os.path.join(self.path, file), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
+
+    def _held(self, packed: bool, tp_rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every file open at once: the parts of a packed tensor may lie in different files."""
+        with contextlib.ExitStack() as stack:
+            files = {file: stack.enter_context(safe_open(os.path.join(self.path, file), framework="pt"))
+                     for file in sorted(set(self.weight_map.values()))}
+            slices = {name: files[file].get_slice(name) for name, file in self.weight_map.items()}
+            try:
+                held = plan(self.config, {n: tuple(s.get_shape()) for n, s in slices.items()}, packed, tp_rank,
+                            tp_size)
+            except LayoutError as e:
+                raise WeightsError(f"{self.path}: {e}") from None
+            for h in held:
+                yield h.name, read(h, slices.__getitem__)
 
     def load_into(self, model: torch.nn.Module) -> None:
         """Copy every weight in place into the transformers `model` (its parameters keep their storage and

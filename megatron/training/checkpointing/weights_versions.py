@@ -4,6 +4,11 @@ retired only when no reader leases it (`datastates.weights.leases`), tried witho
 With deltas on, each version's changes against the one before are written (`datastates.weights.deltas`) before
 `latest` names it, on rank 0's export thread (off the training thread), while both versions are still there.
 
+Versions only go forward, also across restarts: a restarted trainer reads `latest` at start and chains its first
+delta from that version; one resumed from before it (a checkpoint older than its newest version) publishes no
+version numbered at or below it, so an iteration never names two different sets of weights and a reader's copy is
+never brought through a delta that starts from other bytes than its own.
+
     iter_0000007/           config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json
     latest                  `iter_0000007`: the newest whole version
     iter_0000008.partial/   a version being written (a reader never looks there)
@@ -22,6 +27,10 @@ from .hf_models import ModelRoot
 log = logging.getLogger(__name__)
 
 
+class NotNewer(ValueError):
+    """A version at or below the one `latest` names: never published (versions only go forward)."""
+
+
 class VersionRoot(ModelRoot):
     """Rank 0 publishes (`publish`, `name`); `keep_last`: the newest versions always kept, older ones retired
     once no reader holds them; `deltas`: the deltas to the newest `deltas` versions kept (0: none written)."""
@@ -31,11 +40,14 @@ class VersionRoot(ModelRoot):
         self.deltas = deltas
 
     def publish(self, directory: str, iteration: int, shards: list) -> None:
+        if self.named is not None and iteration <= self.named:  # the export discards what it wrote
+            raise NotNewer(f"version {iteration} is not newer than version {self.named}, which {self.root}/latest "
+                           f"names (a trainer resumed from before it): versions go on after it")
         write_index(self.storage, directory, shards)
         final = self.path(iteration)
         self._remove(self.policy.commit(directory, final))  # no SaveRoot retention: leases first
         previous = self.named
-        if self.deltas and previous is not None and previous < iteration and self.is_model(self.path(previous)):
+        if self.deltas and previous is not None and self.is_model(self.path(previous)):
             try:
                 write_delta(self.root, previous, iteration)
             except (OSError, ValueError) as e:  # a reader then loads the full version: said, never fatal
@@ -48,6 +60,8 @@ class VersionRoot(ModelRoot):
             retire_deltas(self.root, self.deltas)
 
     def name(self, iteration: int) -> None:
+        if self.named is not None and iteration <= self.named:  # published by an earlier run: `latest` stays
+            return
         self.policy.advance(iteration, None)
         self.named = iteration
         self.retire_unleased()

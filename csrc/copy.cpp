@@ -121,6 +121,29 @@ std::shared_ptr<Checksums> CopyPool::checksum(const std::shared_ptr<CopyBatch>& 
   return sums;
 }
 
+void CopyPool::run_copy(const Piece& p) {
+  std::memcpy(p.dst, p.src, p.n);
+  p.batch->finish_one();
+}
+
+uint64_t CopyPool::run_copies() {
+  for (uint64_t ran = 0;; ran++) {
+    Piece p;
+    {
+      std::lock_guard lock(mu_);
+      if (copies_.empty()) return ran;
+      p = std::move(copies_.front());
+      copies_.pop_front();
+    }
+    run_copy(p);
+  }
+}
+
+bool CopyPool::copies_queued() {
+  std::lock_guard lock(mu_);
+  return !copies_.empty();
+}
+
 void CopyPool::worker() {
   (void)::pthread_setname_np(::pthread_self(), "ds-copy-pool");  // training's priority: the fence waits on it
   for (;;) {
@@ -134,13 +157,13 @@ void CopyPool::worker() {
       from.pop_front();
     }
     if (p.sums) {
-      // No copy is queued (copies go first), so every copy of `after` is taken by now: waiting cannot deadlock.
+      // No copy is queued (copies go first), so every copy of `after` is taken by now (by a pool thread or a caller
+      // in run_copies, which runs no checksum): waiting cannot deadlock.
       if (p.after) p.after->wait();
       p.sums->finish_part(p.part, crc32c(0, p.part.p, p.part.n));
       continue;
     }
-    std::memcpy(p.dst, p.src, p.n);
-    p.batch->finish_one();
+    run_copy(p);
   }
 }
 

@@ -3,7 +3,8 @@
 // its completion, and the writer waits on it before it reads the slot. No Python, no GIL.
 // The same threads checksum what they copied once it landed (`checksum`): one engine thread touches the bytes
 // after another, instead of a second thread reading them beside training. A thread takes a queued copy before
-// any checksum.
+// any checksum. A thread that waits for the copies may run queued ones itself (`run_copies`): the fence's caller,
+// blocked there, lends its core.
 #pragma once
 
 #include <condition_variable>
@@ -70,6 +71,12 @@ class CopyPool {
   // done; every copy of `after` must be queued already. The memory must stay valid until the result is waited.
   std::shared_ptr<Checksums> checksum(const std::shared_ptr<CopyBatch>& after, uintptr_t ptr,
                                       const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+  // Runs queued copies on the calling thread until none is queued, and how many pieces it ran. Never a checksum:
+  // those are the writers' side, and one may wait for copies. With the caller's own core beside the pool's threads,
+  // a caller that would only wait for the copies (training, blocked at the fence) makes them land sooner.
+  uint64_t run_copies();
+  // Whether a copy is queued that no thread has taken yet.
+  bool copies_queued();
   // Finishes queued copies, then joins the threads. Idempotent.
   void close();
 
@@ -84,6 +91,7 @@ class CopyPool {
     Checksums::Part part;
   };
   void worker();
+  static void run_copy(const Piece& p);
 
   std::mutex mu_;
   std::condition_variable cv_;

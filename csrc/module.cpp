@@ -190,5 +190,9 @@ PYBIND11_MODULE(_native, m) {
            py::call_guard<py::gil_scoped_release>(),
            "Queue the crc32c of each (start, length) range of the memory at `ptr` on the pool's threads, once the "
            "copies of `after` (a CopyBatch whose copies are all queued, or None) have landed.")
+      .def("run_copies", &ds::CopyPool::run_copies, py::call_guard<py::gil_scoped_release>(),
+           "Run queued copies (never checksums) on the calling thread until none is queued; how many 4 MiB pieces "
+           "it ran. A caller that waits for the copies lends its core to them.")
+      .def("copies_queued", &ds::CopyPool::copies_queued, "Whether a copy is queued that no thread has taken yet.")
       .def("close", &ds::CopyPool::close, py::call_guard<py::gil_scoped_release>());
 }

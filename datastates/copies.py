@@ -7,6 +7,7 @@ Every backend follows one protocol, the CUDA one:
     mark(slot)     record the completion of every copy issued into the slot
     ready(slot)    the writer waits on that completion before it reads the slot
     finish()       wait for every copy issued so far: the snapshot is done, the fence may open
+    release(done)  set a snapshot's end; lend(done), the fence's wait, runs queued copies on its caller until then
 
 A load runs the same protocol the other way (open_checkpoint.py): copies out of a slot into the target tensors, mark,
 ready before the slot takes the next read, finish before the loaded state is handed back.
@@ -21,6 +22,7 @@ range by range, as the copier reaches them (a converter streams a model through 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -68,6 +70,7 @@ class CopyBackend:
     def __init__(self):
         self._issued: list[Callable[[], None]] = []  # completions not yet attached to a slot
         self._unfinished: list[Callable[[], None]] = []  # every completion since the last finish()
+        self._lent = threading.Condition()  # wakes a `lend` caller: copies queued, or a snapshot's end
 
     def begin(self):
         return None
@@ -112,6 +115,31 @@ class CopyBackend:
         for wait in pending:
             wait()
 
+    def lend(self, done: threading.Event) -> None:
+        """Block until `done` (a snapshot's end, set by `release`), running queued copies on the calling thread
+        meanwhile (never checksums: they are the writers' side), sleeping while none is queued. A caller blocked
+        on the snapshot (training at an immediate fence) lends its idle core; one that arrives after the snapshot
+        returns at once, as before."""
+        while not done.is_set():
+            self._run_queued()
+            with self._lent:
+                self._lent.wait_for(lambda: done.is_set() or self._queued())
+
+    def release(self, done: threading.Event) -> None:
+        """Set `done` and wake whoever is lent to the copies until it."""
+        done.set()
+        self._woken()
+
+    def _woken(self) -> None:
+        with self._lent:
+            self._lent.notify_all()
+
+    def _run_queued(self) -> None:
+        """Run the copies queued for this backend's threads on the calling thread (none here)."""
+
+    def _queued(self) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 
@@ -119,7 +147,8 @@ class CopyBackend:
 class HostCopyBackend(CopyBackend):
     """Host memory: contiguous copies are memcpy'd on native threads, strided ones by torch in the caller.
     Copies that continue one another in source and destination (a tensor's chunks in one slot, tensors laid
-    out back to back in both) go as one."""
+    out back to back in both) go as one. A caller lent to them (`lend`, the fence) runs queued ones too: the
+    threads leave training a core, which a blocked training thread gives back."""
 
     def __init__(self, threads: int | None = None, beside_training: bool = True):
         super().__init__()
@@ -151,6 +180,13 @@ class HostCopyBackend(CopyBackend):
             self._completes(self._batch.wait)
         self.pool.copy(self._batch, *self._run)
         self._run = None
+        self._woken()  # a caller lent to the copies takes some
+
+    def _run_queued(self):
+        self.pool.run_copies()
+
+    def _queued(self):
+        return self.pool.copies_queued()
 
     def mark(self, slot):
         self._issue()
@@ -173,7 +209,8 @@ class HostCopyBackend(CopyBackend):
 
 class CudaCopyBackend(HostCopyBackend):
     """Copies to or from the engine's device run on a side stream (between device tensors and pinned slots);
-    host ones as above."""
+    host ones as above. A caller lent to the copies (`lend`) runs the queued host ones only: the side stream's
+    copies and their events are as without it."""
 
     def __init__(self, device: torch.device, threads: int | None = None, beside_training: bool = True):
         super().__init__(threads, beside_training)

@@ -116,7 +116,7 @@ class CheckpointEngine:
                 self.backend.check(e.source, f"saving {path!r}: item {e.item.id!r}")
         entries.append(Entry(Item(id=fmt.SKELETON_ID, kind=Kind.OBJECT), skeleton))
         plan = self._plan_for([e.item for e in entries])
-        handle = SaveHandle(paths.normalize(path))
+        handle = SaveHandle(paths.normalize(path), self.backend.lend)
         if keep is not None:
             handle.kept = Kept([e.item for e in entries if e.item.kind == Kind.TENSOR and e.item.write and
                                 e.item.name is not None and keep(e.item.name)], self.keep_budget)
@@ -146,7 +146,9 @@ class CheckpointEngine:
         self.pipeline.publish_timeout_s = seconds
 
     def wait_for_snapshot(self) -> None:
-        """The fence: return once no pending save reads the live state any more."""
+        """The fence: return once no pending save reads the live state any more. Meanwhile the calling thread,
+        blocked, runs queued host copies of the snapshot itself (`CopyBackend.lend`): the copy threads leave
+        training a core, which training idle at the fence lends back."""
         t0 = time.perf_counter()
         waiting = [h for h in self._pending if not h.snapshot_done]
         for h in waiting:
@@ -159,6 +161,7 @@ class CheckpointEngine:
         its handle's `wait()` (so `close()`, and leaving a `with` block, never repeat an error already seen)."""
         handles, self._pending = self._pending, []
         for h in handles:
+            h.wait_for_snapshot()  # blocked on the snapshot's copies too: lends its core to them
             h._done.wait()
         for h in handles:
             if h.error is not None and not h.delivered:

@@ -175,7 +175,7 @@ class SavePipeline:
                 job.source.release()
             if job.handle.kept is not None:
                 job.handle.kept.release()
-            job.handle._snapshot_done.set()
+            self.backend.release(job.handle._snapshot_done)
             job.handle._done.set()
         self.pool.close()  # wakes a copier waiting for a slot that will never come back
         for q in self._queues.values():

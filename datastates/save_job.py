@@ -42,8 +42,11 @@ class SaveStats:
 class SaveHandle:
     """One save in flight. `wait()` raises the save's error, if any, and the engine never raises it again."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, lend: Callable[[threading.Event], None]):
+        """`lend(event)` waits for the snapshot's end: the engine's copy backend's, which runs queued copies on
+        the waiting thread meanwhile (`CopyBackend.lend`)."""
         self.path = path
+        self._lend = lend
         self.error: BaseException | None = None
         self.delivered = False  # the error was raised to the caller (by this handle's or the engine's wait)
         self.stats = SaveStats()
@@ -57,7 +60,8 @@ class SaveHandle:
         return self._snapshot_done.is_set()
 
     def wait_for_snapshot(self) -> None:
-        self._snapshot_done.wait()
+        """Return once the save reads the live state no more; the waiting thread runs queued copies meanwhile."""
+        self._lend(self._snapshot_done)
 
     def done(self) -> bool:
         return self._done.is_set()

@@ -77,7 +77,7 @@ class Copier:
                 f.cancel()
             pickled = []
         job.handle.stats.snapshot_s = time.perf_counter() - job.t0
-        job.handle._snapshot_done.set()
+        self.backend.release(job.handle._snapshot_done)
         return pickled
 
     def _tensors(self, job: Job):

@@ -12,6 +12,7 @@ import torch
 
 from datastates import _native as native
 from datastates import aligned_empty  # O_DIRECT's alignment, so the direct path is exercised
+from late_copies import copy_thread_held
 
 MiB = 1 << 20
 ALIGN = 4096
@@ -459,3 +460,22 @@ def test_copy_pool_checksums_what_it_copied_once_it_landed():
         pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.checksum(None, dst.data_ptr(), [(0, 1)])
+
+
+
+def test_copy_pool_runs_queued_copies_on_a_waiting_caller():
+    """The pool's only thread held: the caller's run_copies() lands the copies queued meanwhile, every piece on
+    the caller's own thread, and leaves the held checksum to the pool (the fence's caller lends its core to the
+    copies, never to the writers' side)."""
+    pool = native.CopyPool(1)
+    src = random_tensor(8 * MiB + 5, seed=12)
+    dst, batch = torch.zeros_like(src), native.CopyBatch()
+    try:
+        with copy_thread_held(pool):  # the body quick beside the hold: nothing but the copies
+            pool.copy(batch, dst.data_ptr(), src.data_ptr(), src.numel())
+            assert pool.copies_queued()
+            assert pool.run_copies() == 3  # 4 + 4 MiB + 5 bytes, all on this thread
+            assert batch.done() and not pool.copies_queued()
+            assert torch.equal(dst, src)
+    finally:
+        pool.close()

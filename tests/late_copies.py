@@ -79,21 +79,21 @@ class LateAddressCopyBackend(LateCopyBackend):
 
 @contextlib.contextmanager
 def copy_thread_held(pool: _native.CopyPool):
-    """Holds the one thread of `pool` in a checksum that waits for another pool's long run of copies (256 MiB on
-    one thread, a few milliseconds of checksum before it) while the body runs; its checksum is checked once the
-    hold ends. Copies the body queues on `pool` land only if a caller runs them (`run_copies`, the fence's
-    lending), as long as the body is quick beside the hold."""
+    """Holds the one thread of `pool` in a checksum that waits for another pool's long run of copies (2 GiB on one
+    thread, a few milliseconds of checksum before it) while the body runs; its checksum is checked once the hold
+    ends. Yields `holding()`: whether the hold still lasts. Copies the body queues on `pool` land while it lasts
+    only if a caller runs them (`run_copies`, the fence's lending)."""
     other = _native.CopyPool(1)
     try:
         big = aligned_empty(32 << 20)
         big.view(torch.int32).copy_(torch.arange(8 << 20, dtype=torch.int32))  # cheaper than random bytes
         big_copy, held_by = torch.zeros_like(big), _native.CopyBatch()
-        for _ in range(8):
+        for _ in range(64):
             other.copy(held_by, big_copy.data_ptr(), big.data_ptr(), big.numel())
         first = pool.checksum(None, big.data_ptr(), [(0, 4 << 20)])  # one piece: `held` is queued before it ends
         held = pool.checksum(held_by, big_copy.data_ptr(), [(0, 4096)])  # taken right after `first`: it waits
         assert first.wait() == [_native.crc32c(big[:4 << 20].numpy())]
-        yield
+        yield lambda: not held_by.done()
         assert held.wait() == [_native.crc32c(big[:4096].numpy())]
     finally:
         other.close()

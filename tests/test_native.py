@@ -462,7 +462,6 @@ def test_copy_pool_checksums_what_it_copied_once_it_landed():
         pool.checksum(None, dst.data_ptr(), [(0, 1)])
 
 
-
 def test_copy_pool_runs_queued_copies_on_a_waiting_caller():
     """The pool's only thread held: the caller's run_copies() lands the copies queued meanwhile, every piece on
     the caller's own thread, and leaves the held checksum to the pool (the fence's caller lends its core to the
@@ -471,11 +470,11 @@ def test_copy_pool_runs_queued_copies_on_a_waiting_caller():
     src = random_tensor(8 * MiB + 5, seed=12)
     dst, batch = torch.zeros_like(src), native.CopyBatch()
     try:
-        with copy_thread_held(pool):  # the body quick beside the hold: nothing but the copies
+        with copy_thread_held(pool) as holding:
             pool.copy(batch, dst.data_ptr(), src.data_ptr(), src.numel())
             assert pool.copies_queued()
             assert pool.run_copies() == 3  # 4 + 4 MiB + 5 bytes, all on this thread
-            assert batch.done() and not pool.copies_queued()
+            assert batch.done() and not pool.copies_queued() and holding()  # done while the pool's thread is held
             assert torch.equal(dst, src)
     finally:
         pool.close()

@@ -87,16 +87,16 @@ def test_native_host_copies_hold_the_state_at_save(tmp_path):
     assert stats.staging_pinned_bytes == 0  # no CUDA here: nothing page-locked
 
 
-
 def test_fence_caller_takes_the_snapshot_its_copy_thread_cannot(tmp_path):
     """The engine's one copy thread held: save() plus the fence still takes the snapshot, the blocked caller
     running the copies itself; the state mutated right after the fence, the checkpoint holds it as at save()."""
     state = _state(5)
     with CheckpointEngine(host_buffer_bytes=16 << 20, storage=PosixOptions(writer_threads=2), copy_threads=1) as eng:
         want = _expected(state)
-        with copy_thread_held(eng.backend.pool):
+        with copy_thread_held(eng.backend.pool) as holding:
             eng.save(state, str(tmp_path / "iter_0000001"))
             eng.wait_for_snapshot()
+            assert holding()  # the snapshot taken while the copy thread was held: by the fence's caller
             _mutate(state)
         eng.wait()
         _assert_equal(eng.load(str(tmp_path / "iter_0000001")), want)

@@ -87,7 +87,8 @@ def tiny_gpt2(directory: str, **overrides) -> None:
 
 
 @pytest.mark.parametrize("build,fmt", [(tiny_llama, "datastates"), (tiny_gpt2, "datastates"),
-                                       (tiny_llama, "torch_dist")], ids=["llama", "gpt2", "llama-torch_dist"])
+                                       (tiny_llama, "torch_dist"), (tiny_llama, "torch_dcp")],
+                         ids=["llama", "gpt2", "llama-torch_dist", "llama-torch_dcp"])
 def test_round_trip_through_this_project_is_bit_exact(tmp_path, build, fmt):
     source = str(tmp_path / "source")
     build(source, **({"vocab": 100} if build is tiny_llama else {}))  # 100 rows: padded to 128 on the way

@@ -133,10 +133,27 @@ def test_a_torch_dcp_checkpoint_missing_a_ranks_file_is_refused_and_nothing_is_w
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_to_torch_dcp_only_from_datastates(tmp_path, capsys):
-    rc, _, err = run_here(tool.main, ["--from", "torch_dist", "--to", "torch_dcp", "--input", str(tmp_path),
-                                      "--output", str(tmp_path / "out")], capsys)
-    assert rc == 1 and "--to torch_dcp reads datastates or torch_dcp: convert torch_dist to datastates" in err
+def test_torch_dist_goes_to_torch_dcp_without_its_optimizer_only(tmp_path, capsys):
+    """torch_dist does not record the model's parameter order, which torch_dcp's optimizer ids follow: a
+    torch_dist checkpoint with optimizer state is refused naming --exclude-prefix, nothing written; with it, the
+    model alone, every tensor as upstream wrote it."""
+    td = str(tmp_path / "td")
+    assert tool.main(["--from", "torch_dcp", "--to", "torch_dist", "--input", UPSTREAM, "--output", td]) == 0
+    refused = str(tmp_path / "refused")
+    rc, _, err = run_here(tool.main, ["--from", "torch_dist", "--to", "torch_dcp", "--input", td,
+                                      "--output", refused], capsys)
+    assert rc == 1 and "holds optimizer state" in err and "pass --exclude-prefix optimizer." in err, err
+    assert not os.path.exists(refused)
+    out = str(tmp_path / "model")
+    assert tool.main(["--from", "torch_dist", "--to", "torch_dcp", "--input", td, "--output", out,
+                      "--exclude-prefix", "optimizer."]) == 0
+    written, objects, _ = read_items(iter_dir(out, IT))
+    upstream, _, _ = read_items(iter_dir(UPSTREAM, IT))
+    assert not [k for k in (*written, *objects) if k.startswith("optimizer.")], sorted(written)
+    model = sorted(k for k in upstream if k.startswith("model."))
+    assert model == sorted(k for k in written if k.startswith("model.")) and len(model) > 10
+    for k in model:
+        assert written[k].dtype == upstream[k].dtype and torch.equal(written[k], upstream[k]), k
 
 
 def test_an_upstream_launch_with_ckpt_format_torch_dcp_is_told_to_drop_the_flag():

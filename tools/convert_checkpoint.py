@@ -16,7 +16,9 @@ streamed layer by layer, see docs/huggingface.md.
 --from torch_dcp / --to torch_dcp: upstream Megatron-LM's `--use-torch-fsdp2 --ckpt-format torch_dcp` checkpoint
 (plain PyTorch DCP, keyed by module names, Adam's states by parameter id), of a dense GPT model at TP 1, PP 1: read
 to every output format (to hf through a datastates checkpoint staged beside the output), written from a datastates
-checkpoint of an FSDP2 or DDP run; names, ids and what is kept: docs/fsdp.md.
+checkpoint of an FSDP2 or DDP run, from a transformers model, and from torch_dist without its optimizer
+(`--exclude-prefix optimizer.`: torch_dist does not record the parameter order the optimizer's ids follow); names,
+ids and what is kept: docs/fsdp.md.
 
 --input is a save root (its latest published iteration is converted; --iteration N picks another) or an
 iteration directory. A datastates input must be published (metadata.json present, no `.partial`) and complete
@@ -60,6 +62,7 @@ Exit status: 0 on success, 1 when the input is unusable or the conversion fails,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -81,8 +84,8 @@ __all__ = ["ConvertError", "main", "read_datastates", "resolve_input"]
 FORMATS_IN = ("datastates", "torch_dist", "torch_dcp", "hf")
 FORMATS_OUT = ("datastates", "torch_dist", "torch_dcp", "safetensors", "hf")
 READERS = {"datastates": read_datastates, "torch_dist": read_torch_dist, "torch_dcp": read_torch_dcp}
-# torch_dcp numbers the optimizer's states in the module's parameter order, which a datastates checkpoint keeps
-TORCH_DCP_FROM = ("datastates", "torch_dcp")
+# torch_dcp numbers the optimizer's states in the module's parameter order, which these formats' keys keep
+MODULE_ORDERED = ("datastates", "torch_dcp")
 
 log = logging.getLogger("tools.convert_checkpoint")
 
@@ -99,13 +102,15 @@ def _convert_hf(args) -> int:
         if args.dst == "hf":
             hf_cli.export(args, init_megatron)
             return 0
-        if args.dst not in ("datastates", "torch_dist"):
-            raise ConvertError(f"--from hf writes datastates or torch_dist, not {args.dst}")
+        if args.dst not in ("datastates", "torch_dist", "torch_dcp"):
+            raise ConvertError(f"--from hf writes datastates, torch_dist or torch_dcp, not {args.dst}")
         imported = hf_cli.read(args)
         flags = imported[-1]
-        out = hf_cli.save(imported, args.dst, args.output, args.threads)
+        out = _hf_to_torch_dcp(args, imported) if args.dst == "torch_dcp" else \
+            hf_cli.save(imported, args.dst, args.output, args.threads)
+        fsdp2 = " --use-torch-fsdp2" if args.dst == "torch_dcp" else ""  # the only layout a torch_dcp load takes
         print(f"converted {os.path.normpath(args.input)} (hf) -> {out} ({args.dst}); fine-tune with: "
-              f"pretrain_gpt.py --finetune --load {args.output} {' '.join(flags)}")
+              f"pretrain_gpt.py --finetune --load {args.output} {' '.join(flags)}{fsdp2}")
         return 0
     except (ConvertError, hf_cli.HFError) as e:
         log.error("%s", e)
@@ -114,20 +119,34 @@ def _convert_hf(args) -> int:
         close_megatron()
 
 
-def _torch_dcp_to_hf(args) -> int:
-    """--from torch_dcp --to hf: through a datastates checkpoint beside the output, the export's own input, removed
-    after."""
-    parent = os.path.dirname(os.path.abspath(args.output))
+@contextlib.contextmanager
+def _staged_beside(output: str, name: str):
+    """A datastates save root beside `output` for a conversion that goes through one, removed after."""
+    parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
-    staged = tempfile.mkdtemp(prefix=".torch_dcp_to_hf.", dir=parent)
+    staged = tempfile.mkdtemp(prefix=f".{name}.", dir=parent)
     try:
+        yield staged
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _torch_dcp_to_hf(args) -> int:
+    """--from torch_dcp --to hf: through a datastates checkpoint, the export's own input."""
+    with _staged_beside(args.output, "torch_dcp_to_hf") as staged:
         bundle = read_torch_dcp(args.input, args.iteration)
         write_datastates(bundle, staged, args.threads)
         hf_cli.export(argparse.Namespace(**{**vars(args), "src": "datastates", "input": staged,
                                             "iteration": None}), init_megatron)
         return 0
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _hf_to_torch_dcp(args, imported) -> str:
+    """--from hf --to torch_dcp: the import written as datastates (model only, in megatron-core's order), then as
+    torch_dcp."""
+    with _staged_beside(args.output, "hf_to_torch_dcp") as staged:
+        hf_cli.save(imported, "datastates", staged, args.threads)
+        return write_torch_dcp(read_datastates(staged, None, args.threads), args.output)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,8 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--iteration", type=int, help="with a save root as --input: convert this iteration "
                                                   "(default: the latest published one)")
     ap.add_argument("--exclude-prefix", action="append", default=None, metavar="PREFIX",
-                    help="--to safetensors: skip global tensors whose name starts with PREFIX (repeatable; "
-                         "default: optimizer.)")
+                    help="--to safetensors or torch_dcp: skip tensors and state whose name starts with PREFIX "
+                         "(repeatable; default: optimizer. to safetensors, nothing to torch_dcp)")
     ap.add_argument("--no-split-layers", action="store_true",
                     help="--to safetensors: keep layer-stacked tensors whole instead of one tensor per layer")
     ap.add_argument("--threads", type=int, default=4, help="native reader/writer threads [4]")
@@ -150,15 +169,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _convert(args) -> tuple[Bundle, str]:
-    if args.dst == "torch_dcp" and args.src not in TORCH_DCP_FROM:
-        raise ConvertError(f"--to torch_dcp reads {' or '.join(TORCH_DCP_FROM)}: convert {args.src} to datastates "
-                           "first")
     if args.src == "datastates":
         bundle = read_datastates(args.input, args.iteration, args.threads)
     else:
         bundle = READERS[args.src](args.input, args.iteration)
     if args.dst == "torch_dcp":
-        return bundle, write_torch_dcp(bundle, args.output)
+        return bundle, write_torch_dcp(bundle.without(args.exclude_prefix or []), args.output,
+                                       module_ordered=args.src in MODULE_ORDERED)
     if args.dst == "torch_dist":
         return bundle, write_torch_dist(bundle, args.output)
     if args.dst == "datastates":

@@ -27,6 +27,18 @@ class Bundle:
         self.object_shapes: dict[str, tuple] = {}  # key -> grid shape
         self.common: dict = {}
 
+    def without(self, prefixes: list[str]) -> "Bundle":
+        """This checkpoint less every tensor, object and common entry whose name starts with one of `prefixes`
+        (a common entry `optimizer` is named `optimizer.` here)."""
+        def kept(name: str) -> bool:
+            return not any(name.startswith(p) for p in prefixes)
+        out = Bundle(self.source, self.iteration)
+        out.tensors = {k: v for k, v in self.tensors.items() if kept(k)}
+        out.objects = {k: v for k, v in self.objects.items() if kept(k[0])}
+        out.object_shapes = {k: v for k, v in self.object_shapes.items() if kept(k)}
+        out.common = {k: v for k, v in self.common.items() if kept(f"{k}.")}
+        return out
+
 
 def _audited(ckpt: str) -> Audit:
     """The input's audit; ConvertError listing every problem if any."""

@@ -207,8 +207,15 @@ def _from_bytes(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()
 
 
-def write_torch_dcp(bundle: Bundle, output: str) -> str:
-    """`bundle` (a datastates checkpoint of a dense GPT model, read) as upstream's torch_dcp at `output`."""
+def write_torch_dcp(bundle: Bundle, output: str, module_ordered: bool = True) -> str:
+    """`bundle` (a checkpoint of a dense GPT model, read) as upstream's torch_dcp at `output`. `module_ordered`:
+    the bundle's keys follow the module's parameter order (a datastates or torch_dcp source), which the optimizer's
+    parameter ids need; a source that does not record it is written without an optimizer or not at all."""
+    if "optimizer" in bundle.common and not module_ordered:
+        raise ConvertError(f"{bundle.source!r} holds optimizer state, whose torch_dcp parameter ids follow the "
+                           "model's parameter order, which this format does not record: pass --exclude-prefix "
+                           "optimizer. to write the model alone, or convert to datastates with the trainer "
+                           "(--load IN --save OUT --save-after-load) first")
     out, _ = resolve_output(output, bundle.iteration)
     keys_map = names.layer_keys_map()
     common = bundle.common
@@ -247,8 +254,9 @@ def _write_optimizer(bundle: Bundle, args, order: list, tensors: dict, objects: 
     sixteen = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     if getattr(args, "use_distributed_optimizer", False):
         raise ConvertError(f"{bundle.source!r} holds the distributed optimizer's state; upstream's torch_dcp holds "
-                           "a non-distributed one (an FSDP2 run's): convert an FSDP2 or DDP run's checkpoint, or "
-                           "pass it through the trainer with --use-torch-fsdp2 --save-after-load first")
+                           "a non-distributed one (an FSDP2 run's): convert an FSDP2 or DDP run's checkpoint, pass it "
+                           "through the trainer with --use-torch-fsdp2 --save-after-load first, or write the model "
+                           "alone with --exclude-prefix optimizer.")
     saved = bundle.common["optimizer"]
     inner = saved["optimizer"] if sixteen else saved
     prefix = names.optimizer_prefix(sixteen)

@@ -22,6 +22,7 @@ from tools import convert_checkpoint as tool
 from tools.checkpoint.torch_dcp import read_items
 
 UPSTREAM = os.path.join(ROOT, "tests", "fixtures", "upstream_torch_dcp")
+UPSTREAM_MOE = UPSTREAM + "_moe"  # the same model with 2 SequentialMLP experts per layer (no linear biases)
 IT = 3
 # the fixture's model (make_upstream_torch_dcp.py's FLAGS)
 MODEL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -30,6 +31,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2
          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data", "--seed", "1234",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(IT), "--use-torch-fsdp2",
          "--no-ckpt-fsync"]
+MOE = MODEL + ["--disable-bias-linear", "--num-experts", "2", "--moe-router-topk", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +88,35 @@ def test_the_converted_checkpoint_names_megatron_cores_keys(converted):
     assert objects["common:train_state"] == {"consumed_train_samples": 12, "iteration": IT}
 
 
-def test_an_fsdp2_run_loads_upstreams_checkpoint_model_and_optimizer_bit_equal(converted, tmp_path):
+def test_upstream_moe_checkpoint_converts_to_megatron_cores_expert_keys_and_back_to_the_same_bytes(tmp_path):
+    """Upstream's FSDP2 MoE run keeps its experts in the one optimizer, numbered in module order (each layer's
+    router, then expert by expert): to datastates they are megatron-core's SequentialMLP keys, stacked over layers
+    and experts, and back to torch_dcp every key and byte is upstream's."""
+    ds, back = str(tmp_path / "ds"), str(tmp_path / "back")
+    assert tool.main(["--from", "torch_dcp", "--to", "datastates", "--input", UPSTREAM_MOE, "--output", ds]) == 0
+    assert tool.main(["--from", "datastates", "--to", "torch_dcp", "--input", ds, "--output", back]) == 0
+    up_t, up_o, _ = read_items(iter_dir(UPSTREAM_MOE, IT))
+    our_t, our_o, _ = read_items(iter_dir(back, IT))
+    assert sorted(our_t) == sorted(up_t) and sorted(our_o) == sorted(up_o)
+    for k in up_t:
+        assert our_t[k].dtype == up_t[k].dtype and torch.equal(our_t[k], up_t[k]), k
+    tensors, _ = read_full(iter_dir(ds, IT))
+    expert = "model.decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"].shape[:2] == (2, 2)
+    assert torch.equal(tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"][1, 1], up_t[expert])
+    # ids 4..8 of layer 0: its router, then expert 0's fc1 and fc2, then expert 1's
+    assert torch.equal(tensors["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"][0, 1],
+                       up_t["optimizer.optimizer.state.7.exp_avg"])
+
+
+@pytest.mark.parametrize("fixture,model", [(UPSTREAM, MODEL), (UPSTREAM_MOE, MOE)], ids=["dense", "moe"])
+def test_an_fsdp2_run_loads_upstreams_checkpoint_model_and_optimizer_bit_equal(fixture, model, tmp_path):
     """--load of the upstream fixture (found by its files) in a 2-rank FSDP2 run, saved again at once: every
     parameter, fp32 main parameter and Adam moment equals the converter's reading, bit for bit."""
-    _, log = torchrun(2, MODEL + ["--load", UPSTREAM, "--save", str(tmp_path / "again"), "--save-after-load"])
-    assert f"successfully loaded upstream's torch_dcp checkpoint {iter_dir(UPSTREAM, IT)} at iteration {IT}" in log
+    converted = str(tmp_path / "converted")
+    assert tool.main(["--from", "torch_dcp", "--to", "datastates", "--input", fixture, "--output", converted]) == 0
+    _, log = torchrun(2, model + ["--load", fixture, "--save", str(tmp_path / "again"), "--save-after-load"])
+    assert f"successfully loaded upstream's torch_dcp checkpoint {iter_dir(fixture, IT)} at iteration {IT}" in log
     st, so = read_full(iter_dir(converted, IT))
     dt, do = read_full(iter_dir(str(tmp_path / "again"), IT))
     assert assert_same_tensors(st, dt, converted, str(tmp_path / "again")) == len(st)

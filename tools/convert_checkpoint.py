@@ -14,8 +14,8 @@ safetensors file.
 streamed layer by layer, see docs/huggingface.md.
 
 --from torch_dcp / --to torch_dcp: upstream Megatron-LM's `--use-torch-fsdp2 --ckpt-format torch_dcp` checkpoint
-(plain PyTorch DCP, keyed by module names, Adam's states by parameter id), of a dense GPT model at TP 1, PP 1: read
-to every output format (to hf through a datastates checkpoint staged beside the output), written from a datastates
+(plain PyTorch DCP, keyed by module names, Adam's states by parameter id), of a GPT model (dense or MoE) at TP 1,
+PP 1: read to every output format (to hf through a datastates checkpoint staged beside the output), written from a datastates
 checkpoint of an FSDP2 or DDP run, from a transformers model, and from torch_dist without its optimizer
 (`--exclude-prefix optimizer.`: torch_dist does not record the parameter order the optimizer's ids follow); names,
 ids and what is kept: docs/fsdp.md.

@@ -8,6 +8,7 @@ writer's planner). The names and ids: `megatron.training.checkpointing.torch_dcp
 """
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 
@@ -51,16 +52,18 @@ def read_items(ckpt: str) -> tuple[dict[str, torch.Tensor], dict[str, object], l
 
 
 def _stacked(per_index: dict[str, dict[tuple, torch.Tensor]], what: str) -> dict[str, torch.Tensor]:
-    """Each key's tensors by layer stacked on a first axis (a key without layers: its one tensor)."""
+    """Each key's tensors by layer (and expert) stacked on leading axes (a key without layers: its one tensor)."""
     out = {}
     for key, parts in per_index.items():
         if list(parts) == [()]:
             out[key] = parts[()]
             continue
-        layers = sorted(i[0] for i in parts)
-        if layers != list(range(len(layers))):
-            raise ConvertError(f"{what}: {key!r} has layers {layers}, not 0..{len(layers) - 1}")
-        out[key] = torch.stack([parts[(i,)] for i in layers])
+        grid = tuple(max(i[d] for i in parts) + 1 for d in range(len(next(iter(parts)))))
+        missing = [i for i in itertools.product(*map(range, grid)) if i not in parts]
+        if missing:
+            raise ConvertError(f"{what}: {key!r} lacks the tensor of layer (and expert) {missing[0]} of {grid}")
+        out[key] = torch.stack([parts[i] for i in itertools.product(*map(range, grid))]).reshape(
+            *grid, *parts[(0,) * len(grid)].shape)
     return out
 
 
@@ -95,9 +98,10 @@ def _bundle(ckpt: str, tensors: dict, objects: dict, order: list[str], args) -> 
     for name, value in objects.items():
         if name.startswith(names.MODEL) and name.endswith(STACKED_OBJECT):
             key, index = names.to_sharded(name[len(names.MODEL):], keys_map)
-            if index:  # a layer's: megatron-core's ShardedObject per layer (the output layer keeps none)
+            if index:  # a layer's (expert's): megatron-core's ShardedObject per layer (the output layer: none)
                 bundle.objects[(key, index)] = value
-                bundle.object_shapes[key] = (max(bundle.object_shapes.get(key, (0,))[0], index[0] + 1),)
+                seen = bundle.object_shapes.get(key, (0,) * len(index))
+                bundle.object_shapes[key] = tuple(max(n, i + 1) for n, i in zip(seen, index))
     plain = names.plain_args(args)
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0)
     bundle.common = {"args": plain, "checkpoint_version": objects.get("checkpoint_version", 3.0),
@@ -179,23 +183,34 @@ def _rng(bundle: Bundle, objects: dict, tensors: dict, dp: int) -> None:
 # ----- writing -----
 
 def _module_order(bundle: Bundle, keys: list[str], keys_map: dict) -> list[tuple[str, str, tuple]]:
-    """(module name, sharded key, layer index) of every model tensor in the module's parameter order: the keys
-    before the first layer key, each layer's keys in turn, then the keys after (megatron-core's sharded state dict
-    lists a model's keys in module order)."""
+    """(module name, sharded key, layer (and expert) index) of every model tensor in the module's parameter order:
+    the keys before the first layer key, each layer's keys in turn (its experts', SequentialMLP's, expert by
+    expert where the first of them stands), then the keys after (megatron-core's sharded state dict lists a model's
+    keys in module order)."""
     stacked = [k for k in keys if stacked_lead(k, tuple(bundle.tensors[k].shape))]
+    experts = [k for k in stacked if k.startswith(names.LAYERS + names.EXPERTS)]
     for k in stacked:
-        if not k.startswith(names.LAYERS) or stacked_lead(k, tuple(bundle.tensors[k].shape)) != 1:
-            raise ConvertError(f"{k!r}: torch_dcp is written for dense GPT models (decoder layers only); this "
-                               "tensor is stacked over experts or another block")
+        if not k.startswith(names.LAYERS) or (k not in experts and stacked_lead(k, tuple(bundle.tensors[k].shape))
+                                              != 1):
+            raise ConvertError(f"{k!r}: torch_dcp is written for GPT models whose stacked tensors are the decoder's "
+                               "layers and SequentialMLP's experts; this tensor is stacked over another block")
     first = keys.index(stacked[0]) if stacked else len(keys)
     pre = [k for k in keys[:first] if k not in stacked]
     post = [k for k in keys[first:] if k not in stacked]
     layers = {bundle.tensors[k].shape[0] for k in stacked}
-    if len(layers) > 1:
-        raise ConvertError(f"the layer-stacked tensors disagree on the number of layers ({sorted(layers)})")
+    counts = {bundle.tensors[k].shape[1] for k in experts}
+    if len(layers) > 1 or len(counts) > 1:
+        raise ConvertError(f"the stacked tensors disagree on the number of layers ({sorted(layers)}) or experts "
+                           f"({sorted(counts)})")
+    n_experts = counts.pop() if counts else 0
     out = [(k, k, ()) for k in pre]
     for i in range(layers.pop() if layers else 0):
-        out += [(names.to_module(k, (i,), keys_map), k, (i,)) for k in stacked]
+        for k in stacked:
+            if k not in experts:
+                out.append((names.to_module(k, (i,), keys_map), k, (i,)))
+            elif k == experts[0]:
+                out += [(names.to_module(x, (i, e), keys_map), x, (i, e)) for e in range(n_experts)
+                        for x in experts]
     return out + [(k, k, ()) for k in post]
 
 
@@ -208,7 +223,7 @@ def _from_bytes(b: bytes) -> torch.Tensor:
 
 
 def write_torch_dcp(bundle: Bundle, output: str, module_ordered: bool = True) -> str:
-    """`bundle` (a checkpoint of a dense GPT model, read) as upstream's torch_dcp at `output`. `module_ordered`:
+    """`bundle` (a checkpoint of a GPT model, read) as upstream's torch_dcp at `output`. `module_ordered`:
     the bundle's keys follow the module's parameter order (a datastates or torch_dcp source), which the optimizer's
     parameter ids need; a source that does not record it is written without an optimizer or not at all."""
     if "optimizer" in bundle.common and not module_ordered:

@@ -38,6 +38,9 @@ MODEL = "model."
 LAYERS = "decoder.layers."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 ADAM = ("exp_avg", "exp_avg_sq")
+EXPERTS = "mlp.experts.experts."  # megatron-core's SequentialMLP: its experts' sharded prefix in a layer
+LOCAL_EXPERTS = "mlp.experts.local_experts."  # ... and their module names
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 class TorchDcpError(ValueError):
@@ -51,7 +54,9 @@ def layer_keys_map() -> dict[str, str]:
 
 
 def to_sharded(name: str, keys_map: dict[str, str]) -> tuple[str, tuple[int, ...]]:
-    """(megatron-core's sharded key, index along its stacked axes) of the module name `name`."""
+    """(megatron-core's sharded key, index along its stacked axes) of the module name `name`: a layer's tensor is
+    stacked over layers, an expert's (SequentialMLP's `local_experts.<e>`, global ids: FSDP2 runs at EP 1) over
+    layers and experts."""
     m = _LAYER.match(name)
     if m is None:
         return name, ()
@@ -60,14 +65,20 @@ def to_sharded(name: str, keys_map: dict[str, str]) -> tuple[str, tuple[int, ...
         if rest.startswith(old):
             rest = new + rest[len(old):]
             break
+    e = _LOCAL_EXPERT.match(rest)
+    if e is not None:
+        return f"{LAYERS}{EXPERTS}{e[2]}", (int(m[1]), int(e[1]))
     return LAYERS + rest, (int(m[1]),)
 
 
 def to_module(key: str, index: tuple[int, ...], keys_map: dict[str, str]) -> str:
-    """The module name of layer `index` of megatron-core's sharded key `key` (the inverse of `to_sharded`)."""
+    """The module name of layer `index` (and expert) of megatron-core's sharded key `key` (`to_sharded`'s
+    inverse)."""
     if not key.startswith(LAYERS):
         return key
     rest = key[len(LAYERS):]
+    if len(index) == 2:
+        return f"{LAYERS}{index[0]}.{LOCAL_EXPERTS}{index[1]}.{rest[len(EXPERTS):]}"
     for old, new in keys_map.items():
         if rest.startswith(new):
             rest = old + rest[len(new):]

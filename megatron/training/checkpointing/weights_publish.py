@@ -49,7 +49,10 @@ class WeightsPublication:
                                  models=self.versions, flag=FLAG)
 
     def keep(self, iteration: int):
-        """What the save of `iteration` keeps for its version (None: no version is due)."""
+        """What the save of `iteration` keeps for its version (None: no version is due, or it has one already: the
+        run's final storage save of an iteration the memory tier saved and published)."""
+        if self.queue.submitted is not None and iteration <= self.queue.submitted:
+            return None
         return self.queue.keep(iteration, last=False)
 
     def submit(self, iteration: int, path: str, kept) -> None:

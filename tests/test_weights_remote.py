@@ -35,7 +35,8 @@ STALL = """
 import sys, time
 from datastates.weights import RemoteReader
 version = RemoteReader("127.0.0.1", int(sys.argv[1])).open(1)
-name, tensor = next(version.tensors())
+pairs = version.tensors()  # kept: a stream let go of closes its version
+name, tensor = next(pairs)
 print("GOT", name, float(tensor[0, 0]), flush=True)
 time.sleep(600)
 """
@@ -55,14 +56,16 @@ def served(tmp_path):
 
 
 def qwen2(g: torch.Generator) -> dict:
-    """A small Qwen2-shaped model's Hugging Face tensors in bf16 (GQA: 4 query heads of 8, 2 key/value heads)."""
-    shapes = {"model.embed_tokens.weight": (100, 32), "model.norm.weight": (32,), "lm_head.weight": (100, 32),
-              "model.layers.0.self_attn.q_proj.weight": (32, 32), "model.layers.0.self_attn.q_proj.bias": (32,),
-              "model.layers.0.self_attn.k_proj.weight": (16, 32), "model.layers.0.self_attn.k_proj.bias": (16,),
-              "model.layers.0.self_attn.v_proj.weight": (16, 32), "model.layers.0.self_attn.v_proj.bias": (16,),
-              "model.layers.0.self_attn.o_proj.weight": (32, 32), "model.layers.0.mlp.gate_proj.weight": (64, 32),
-              "model.layers.0.mlp.up_proj.weight": (64, 32), "model.layers.0.mlp.down_proj.weight": (32, 64),
-              "model.layers.0.input_layernorm.weight": (32,)}
+    """A small Qwen2-shaped model's Hugging Face tensors in bf16 (GQA: 4 query heads of 32, 2 key/value heads)."""
+    h, kv, ffn, vocab = 128, 64, 256, 100
+    layer = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h),
+              f"{layer}self_attn.q_proj.weight": (h, h), f"{layer}self_attn.q_proj.bias": (h,),
+              f"{layer}self_attn.k_proj.weight": (kv, h), f"{layer}self_attn.k_proj.bias": (kv,),
+              f"{layer}self_attn.v_proj.weight": (kv, h), f"{layer}self_attn.v_proj.bias": (kv,),
+              f"{layer}self_attn.o_proj.weight": (h, h), f"{layer}mlp.gate_proj.weight": (ffn, h),
+              f"{layer}mlp.up_proj.weight": (ffn, h), f"{layer}mlp.down_proj.weight": (h, ffn),
+              f"{layer}input_layernorm.weight": (h,)}
     return {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
 
 
@@ -83,15 +86,15 @@ def test_remote_tensors_are_the_local_readers_and_a_reader_behind_catches_up_thr
         whole = dict(got.tensors())
         assert same(whole, dict(version.tensors())) and same(whole, tensors)
         full_bytes = got.nbytes
-        assert full_bytes > version.nbytes  # the tensors' bytes and the frames' own
+        assert full_bytes > sum(t.numel() * t.element_size() for t in whole.values())  # and the frames' own
         for rank in (0, 1):  # the relay slices: only the rank's bytes cross, in vLLM's packed layout
             before = got.nbytes
             assert same(dict(got.tensors(packed=True, tp_rank=rank, tp_size=2)),
                         dict(version.tensors(packed=True, tp_rank=rank, tp_size=2)))
             assert got.nbytes - before < 0.6 * full_bytes
-        with pytest.raises(WeightsError, match=r"the relay at 127.0.0.1:\d+: .*q_proj.weight: its 4 query heads do "
-                                               r"not divide among 3 tensor-parallel ranks"):
-            next(got.tensors(tp_rank=0, tp_size=3))
+        with pytest.raises(WeightsError, match=r"the relay at 127.0.0.1:\d+: .*q_proj.bias: its 4 query heads do "
+                                               r"not divide among 8 tensor-parallel ranks"):
+            next(got.tensors(tp_rank=0, tp_size=8))
         assert same(dict(got.tensors()), whole)  # the connection goes on after a refused request
     with pytest.raises(WeightsError, match=r"the relay at 127.0.0.1:\d+: version 9 under .* is not held: it is not "
                                            r"published \(the versions held now: \[1\]\)"):
@@ -109,7 +112,8 @@ def test_remote_tensors_are_the_local_readers_and_a_reader_behind_catches_up_thr
         publish(root, it, tensors, QWEN2, files=2)
         if it == 2:
             stale = {k: v.clone() for k, v in mine.items()}  # stays at 1: its delta to 2 is retired at 4
-    newest, nbytes = remote.catch_up(mine, 1)  # 3 versions behind: the deltas to 2, 3 and 4
+            assert remote.catch_up(mine, 1)[0] == 2 and same(mine, tensors)
+    newest, nbytes = remote.catch_up(mine, 2)  # 2 versions behind: the deltas to 3 and 4
     assert newest == 4 and same(mine, tensors) and nbytes * 5 < full_bytes
     assert remote.catch_up(mine, 4)[0] == 4 and same(mine, tensors)  # the newest already: nothing changes
     newest, nbytes = remote.catch_up(stale, 1)  # deltas=2: no chain from 1 any more, the full version instead

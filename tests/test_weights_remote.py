@@ -116,6 +116,8 @@ def test_remote_tensors_are_the_local_readers_and_a_reader_behind_catches_up_thr
     newest, nbytes = remote.catch_up(mine, 2)  # 2 versions behind: the deltas to 3 and 4
     assert newest == 4 and same(mine, tensors) and nbytes * 5 < full_bytes
     assert remote.catch_up(mine, 4)[0] == 4 and same(mine, tensors)  # the newest already: nothing changes
+    with pytest.raises(WeightsError, match=r"no version newer than 4 under .* within 0.1 s \(the newest is 4\)"):
+        remote.catch_up(mine, 4, timeout_s=0.1)
     newest, nbytes = remote.catch_up(stale, 1)  # deltas=2: no chain from 1 any more, the full version instead
     assert newest == 4 and same(stale, tensors) and nbytes >= full_bytes
 

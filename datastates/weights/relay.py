@@ -11,7 +11,7 @@ A connection asks, one request at a time (a header frame each; see `remote` for 
         -> {"iteration": N, "config": {...}}: that version leased for the connection ({"iteration": null}: none)
     {"op": "tensors", "packed": false, "tp_rank": 0, "tp_size": 1}
         -> each tensor the local reader's `Version.tensors` yields with those options, then {"end": count}
-    {"op": "deltas", "held": N}
+    {"op": "deltas", "held": N[, "timeout_s": T]}   (T: wait that long for a version newer than N first)
         -> {"iteration": M, "kind": "deltas"}, each change of the deltas from N to the newest M, oldest first
            ({"name", "part": "index"|"value"|"full"}), then {"end": count}; or, where no chain leads there (or
            only one larger than it), {"kind": "full", "why": ...} and the newest version's tensors
@@ -87,7 +87,10 @@ class _Connection(socketserver.BaseRequestHandler):
             self._stream(self.version.tensors(bool(request.get("packed", False)), _int(request, "tp_rank", 0),
                                               _int(request, "tp_size", 1)))
         elif op == "deltas":
-            self._deltas(_int(request, "held"))
+            held = _int(request, "held")
+            if request.get("timeout_s") is not None:  # a newer version first (WeightsError once it is past)
+                reader.wait_next(held, min(float(request["timeout_s"]), MAX_WAIT_S)).close()
+            self._deltas(held)
         else:
             raise WeightsError(f"unknown request {op!r} (these are: newest, open, next, tensors, deltas)")
 

@@ -35,13 +35,15 @@ class RemoteReader:
         """The newest version once it is newer than `after` (None: any); WeightsError after `timeout_s`."""
         return self._version({"op": "next", "after": after, "timeout_s": timeout_s}, wait_s=timeout_s)
 
-    def catch_up(self, tensors: dict, held: int) -> tuple[int, int]:
+    def catch_up(self, tensors: dict, held: int, timeout_s: float | None = None) -> tuple[int, int]:
         """Bring `tensors` (this reader's own copy of version `held`, Hugging Face names) to the newest version in
-        place: (its iteration, the bytes received). The relay sends only the changed elements where its deltas
-        lead there (the tensors changed only once every change has arrived whole: a torn transfer leaves them as
-        they were), else the full version, copied in as it arrives."""
-        with _Link(self) as link:
-            answer = link.ask({"op": "deltas", "held": held})
+        place: (its iteration, the bytes received); `timeout_s`: first wait that long for a version newer than
+        `held` (WeightsError if none comes; None: at once, `held` itself when it is the newest). The relay sends
+        only the changed elements where its deltas lead there (the tensors changed only once every change has
+        arrived whole: a torn transfer leaves them as they were), else the full version, copied in as it
+        arrives."""
+        with _Link(self, timeout_s or 0.0) as link:
+            answer = link.ask({"op": "deltas", "held": held, "timeout_s": timeout_s})
             newest = answer["iteration"]
             if answer.get("kind") == "deltas":
                 changes = _changes(link.stream(), tensors, link.where)

@@ -26,6 +26,7 @@ from test_weights_versions import held, publish
 
 from datastates import storage_for
 from datastates.weights import Relay, RemoteReader, WeightsError, WeightsReader
+from datastates.weights.relay import main as relay_main
 from datastates.weights.wire import CHUNK, Receiver, send_header, send_tensor
 from megatron.training.checkpointing.weights_versions import VersionRoot
 
@@ -188,3 +189,9 @@ def test_a_torn_connection_and_a_damaged_piece_are_clear_errors_on_the_reader():
         with pytest.raises(WeightsError, match=r"the relay at 127.0.0.1:\d+: 'v': the piece of bytes 0 to 32 failed "
                                                r"its crc32"):
             next(pairs)
+
+
+def test_the_relay_command_refuses_a_port_it_cannot_listen_on(served):
+    path, port = served  # taken by the fixture's relay
+    with pytest.raises(SystemExit, match=rf"relay: cannot listen on 127.0.0.1:{port}: .*Address already in use"):
+        relay_main(["--dir", path, "--host", "127.0.0.1", "--port", str(port)])

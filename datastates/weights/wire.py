@@ -94,7 +94,10 @@ class Receiver:
         if dtype is None or not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
             raise WireError(f"{self.peer}: {header.get('name')!r} announced as dtype {header.get('dtype')!r}, "
                             f"shape {shape!r}: not a tensor this wire carries")
-        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            tensor = torch.empty(shape, dtype=dtype)
+        except RuntimeError as e:  # more bytes than this reader has
+            raise WireError(f"{self.peer}: {header.get('name')!r} of shape {shape}: {e}") from None
         view, at = _bytes_of(tensor), 0
         while at < len(view):
             prefix = bytearray(_FRAME.size)

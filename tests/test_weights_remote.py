@@ -49,7 +49,7 @@ def served(tmp_path):
     path = str(tmp_path / "versions")
     os.makedirs(path)
     relay = Relay(path, ("127.0.0.1", 0), idle_timeout_s=60)
-    thread = threading.Thread(target=relay.serve_forever, daemon=True)
+    thread = threading.Thread(target=relay.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield path, relay.server_address[1]
     relay.shutdown()

@@ -26,6 +26,7 @@ while held != last:
         if model is None:
             raise WeightsError("no model yet")
         if isinstance(reader, RemoteReader):  # the relay waits for a newer one, then sends its deltas (or it whole)
+            how = "caught up through the relay"
             held, nbytes = reader.catch_up(dict(model.named_parameters()), held, timeout_s=600)
         else:
             with reader.wait_next(held, timeout_s=600) as version:  # a newer one is there; reach it through deltas
@@ -41,4 +42,4 @@ while held != last:
             held, nbytes = version.iteration, version.nbytes
     with torch.no_grad():
         tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, 4:].tolist()
-    print(f"rollout {name}: policy version {held} ({how}, {nbytes} bytes read) -> tokens {tokens}", flush=True)
+    print(f"rollout {name}: policy version {held} ({how}, {nbytes} bytes read{' on the wire' if isinstance(reader, RemoteReader) else ''}) -> tokens {tokens}", flush=True)

@@ -200,7 +200,7 @@ def _changes(stream, tensors: dict, where: str) -> list[tuple[str, dict]]:
         size = tensors[name].numel()
         if part == "full" and tensor.numel() == size:
             changes.append((name, {"full": tensor}))
-        elif part == "index" and (not tensor.numel() or int(tensor.max()) < size):
+        elif part == "index" and (not tensor.numel() or 0 <= int(tensor.min()) <= int(tensor.max()) < size):
             changes.append((name, {"index": tensor}))
         elif part == "value" and changes and changes[-1][0] == name and "value" not in changes[-1][1] \
                 and changes[-1][1].get("index") is not None and len(changes[-1][1]["index"]) == tensor.numel():

@@ -6,6 +6,9 @@ prints `GOT <iteration> <unix time it holds it> <bytes it read>` (`READY` first,
                                                         deltas into this reader's own copy (the full one if its
                                                         chain is gone)
     python benchmarks/rl_reader.py hf ROOT LAST         --save-hf's `latest` reloaded with from_pretrained
+    python benchmarks/rl_reader.py remote HOST:PORT LAST         as `versions`, from a relay over TCP
+    python benchmarks/rl_reader.py remote-deltas HOST:PORT LAST  as `deltas`, from a relay over TCP (the bytes
+                                                                 received on the wire, frames included)
 """
 import os
 import sys
@@ -33,6 +36,21 @@ if kind in ("versions", "deltas"):
             newest = version.iteration
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         held = tensors if kind == "deltas" else None
+        print(f"GOT {newest} {time.time():.6f} {nbytes}", flush=True)
+elif kind in ("remote", "remote-deltas"):
+    from datastates.weights import RemoteReader
+    host, port = root.rsplit(":", 1)
+    reader = RemoteReader(host, int(port), timeout_s=600)
+    print("READY", flush=True)
+    held = None
+    while newest != last:
+        if held is not None:  # the relay waits for the next version, then sends its deltas (or the full one)
+            newest, nbytes = reader.catch_up(held, newest, timeout_s=600)
+        else:
+            with reader.wait_next(newest, timeout_s=600) as version:
+                tensors = dict(version.tensors())
+                newest, nbytes = version.iteration, version.nbytes
+            held = tensors if kind == "remote-deltas" else None
         print(f"GOT {newest} {time.time():.6f} {nbytes}", flush=True)
 else:
     import torch

@@ -2,7 +2,7 @@
 """Policy weights handed to the inference side (issue 68; docs/rl-weights.md), with the real trainer, side by side
 in one run, the same model and steps:
 
-    python benchmarks/rl_weights.py [--quick] [--ranks N] [--readers R] [--iters N] [--out DIR]
+    python benchmarks/rl_weights.py [--quick] [--ranks N] [--readers R] [--iters N] [--modes a,b] [--out DIR]
 
 - none:      training alone (no publication, no memory tier);
 - tier:      the memory tier every iteration (the snapshot a version is published from), no publication;
@@ -10,14 +10,18 @@ in one run, the same model and steps:
              (benchmarks/rl_reader.py) taking every version whole through datastates.weights;
 - publish-deltas: the same with --publish-weights-deltas 8, the readers bringing their own copy to each version
              through the deltas (fp32 at lr 1e-4 by default, where most elements change; --rl: bf16 at 1e-6);
+- remote, remote-deltas: publish and publish-deltas with the R readers on "another node": a relay process
+             (python -m datastates.weights.relay) serves the versions over TCP on 127.0.0.1, each reader takes them
+             through datastates.weights.RemoteReader in pieces (bytes counted on the wire, frames included);
 - save-hf:   a checkpoint every iteration with --save-hf to disk (what a user does today), the R readers reloading
              each new model with transformers' from_pretrained;
 - broadcast: every tensor of the same model broadcast over gloo from a trainer process to R reader processes
              (what NeMo-RL and OpenRLHF do on their transport), the trainer blocked meanwhile.
 
-Reports the loop ratio (median elapsed time per iteration, iterations 3..N, against `none`), the version latency
-(the trainer's iteration line for step N, printed right after its optimizer step, to the last reader holding
-version N: medians over the versions the readers took) and the bytes each reader read per version.
+Reports the loop ratio (median elapsed time per iteration, iterations 3..N, against `none`, or the first mode
+run), the version latency (the trainer's iteration line for step N, printed right after its optimizer step, to the
+last reader holding version N: medians over the versions the readers took) and the bytes each reader read per
+version.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from hf_export import LLAMA, QUICK, FULL, _command  # noqa: E402
 
+MODES = ("none", "tier", "publish", "publish-deltas", "remote", "remote-deltas", "save-hf")
 RE_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 
 
@@ -48,6 +53,18 @@ def readers(kind: str, root: str, last: int, n: int) -> list[subprocess.Popen]:
             for _ in range(n)]
 
 
+def serve(root: str) -> tuple[subprocess.Popen, str]:
+    """A relay process serving the versions under `root` on 127.0.0.1 (a free port): it and its HOST:PORT."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    relay = subprocess.Popen([sys.executable, "-m", "datastates.weights.relay", "--dir", root, "--host", "127.0.0.1",
+                              "--port", "0"], stdout=subprocess.PIPE, text=True, env=env)
+    line = relay.stdout.readline()
+    if not (m := re.search(r" on (\S+:\d+) ", line)):
+        relay.kill()
+        raise SystemExit(f"the relay did not start: {line!r}")
+    return relay, m[1]
+
+
 def one_run(mode: str, ranks: int, flags: list[str], iters: int, work: str, shm: str, n_readers: int) -> dict:
     """One training run of `mode`: its iteration times, the wall time of each iteration line, the readers' GOTs."""
     for d in (work, shm):
@@ -55,14 +72,16 @@ def one_run(mode: str, ranks: int, flags: list[str], iters: int, work: str, shm:
         os.makedirs(d)
     flags = flags + ["--train-iters", str(iters), "--save", os.path.join(work, "ckpt"), "--async-ckpt"]
     tier = ["--non-persistent-save-interval", "1", "--non-persistent-local-ckpt-dir", os.path.join(shm, "tier")]
-    procs, kind, root = [], None, None
+    procs, kind, root, relay = [], None, None, None
     if mode == "tier":
         flags += tier
-    elif mode in ("publish", "publish-deltas"):
-        root, kind = os.path.join(shm, "versions"), "versions" if mode == "publish" else "deltas"
+    elif mode in ("publish", "publish-deltas", "remote", "remote-deltas"):
+        root, kind = os.path.join(shm, "versions"), {"publish": "versions", "publish-deltas": "deltas"}.get(mode, mode)
         flags += tier + ["--publish-weights-dir", root, "--publish-weights-interval", "1"]
-        if mode == "publish-deltas":
+        if mode.endswith("deltas"):
             flags += ["--publish-weights-deltas", "8"]
+        if mode.startswith("remote"):
+            relay, root = serve(root)
     elif mode == "save-hf":
         root, kind = os.path.join(work, "hf"), "hf"
         flags += ["--save-interval", "1", "--save-hf", root, "--save-hf-keep-last", "4"]
@@ -102,6 +121,9 @@ def one_run(mode: str, ranks: int, flags: list[str], iters: int, work: str, shm:
             p.kill()
     for t in threads:
         t.join()
+    if relay is not None:
+        relay.terminate()
+        relay.wait()
     return {"elapsed": elapsed, "stepped": stepped, "got": got}
 
 
@@ -165,6 +187,8 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--rl", action="store_true", help="bf16 and Adam at lr 1e-6, an RL post-training step (the "
                                                          "default: fp32 at 1e-4, where most elements change)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"which runs, in order (default: {','.join(MODES)}; "
+                                                               f"the broadcast runs after `publish`)")
     ap.add_argument("--out", default=None, help="where results.json goes")
     a = ap.parse_args(argv)
     flags = (QUICK if a.quick else FULL) + LLAMA + ["--micro-batch-size", "2", "--global-batch-size", str(2 * a.ranks),
@@ -178,16 +202,20 @@ def main(argv=None) -> None:
     kept = tempfile.mkdtemp(prefix="rl_weights_last_")
     results = {}
     try:
-        for mode in ("none", "tier", "publish", "publish-deltas", "save-hf"):
+        modes = a.modes.split(",")
+        if unknown := set(modes) - set(MODES):
+            raise SystemExit(f"--modes: no mode {', '.join(sorted(unknown))} (these are: {', '.join(MODES)})")
+        for mode in modes:
             results[mode] = summary(one_run(mode, a.ranks, flags, a.iters, work, shm, a.readers))
             print(mode, results[mode], flush=True)
             if mode == "publish":  # the last version, for the broadcast of the same tensors
                 shutil.copytree(os.path.join(shm, "versions", f"iter_{a.iters:07d}"), kept, dirs_exist_ok=True)
-        results["broadcast"] = broadcast(kept, a.readers)
+        if "publish" in modes:
+            results["broadcast"] = broadcast(kept, a.readers)
     finally:
         for d in (work, shm, kept):
             shutil.rmtree(d, ignore_errors=True)
-    base = results["none"]["iter_ms"]
+    base = results[modes[0]]["iter_ms"]
     print(f"CPU figures: {a.ranks} trainer rank(s), {a.readers} readers, {a.iters} iterations, "
           f"{'quick' if a.quick else 'full'} model, {'bf16 at lr 1e-6' if a.rl else 'fp32 at lr 1e-4'}; "
           f"{os.cpu_count()} cores")

@@ -31,7 +31,7 @@ FIRST=(test_audit.py test_bad_input.py test_built_on_copy.py test_coordination.p
        test_hf.py test_hf_moe.py test_reshard.py test_virtual_pipeline.py test_trainer_flags.py test_tools.py
        test_entry_points.py test_finetune.py test_storage_conformance.py
        test_benchmark_scripts.py test_kept.py test_failures.py test_elastic.py test_fsdp2_plain.py
-       test_weights_publish.py test_weights_versions.py test_torch_dcp.py)
+       test_weights_publish.py test_weights_versions.py test_weights_remote.py test_torch_dcp.py)
 SECOND=(test_upstream_runs.py test_moe.py test_hf_deepseek.py test_hf_qwen.py test_megatron_resume.py
         test_megatron_pp.py test_read_once_trainer.py test_msc_torch_dist.py test_deepseek.py test_cross_version.py
         test_gpu_check.py test_hf_publish.py test_rank_launcher.py test_restarts.py test_fsdp2.py

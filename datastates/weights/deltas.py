@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -77,46 +78,49 @@ def write_delta(root: str, previous: int, iteration: int) -> int:
 class BrokenChain(LookupError):
     """No chain of deltas leads from the version held to the newest (one was retired, or never written)."""
 
+    def __init__(self, message: str, newest: int):
+        super().__init__(message)
+        self.newest = newest
 
-def catch_up(root: str, tensors: dict, held: int, newest: int, limit: int | None = None) -> int:
-    """Bring `tensors` ({name: tensor}, contiguous, changed in place) from version `held` to `newest` through the
-    deltas between them; the bytes read. Every delta of the chain is opened before any is applied (an open one
-    stays readable if it is retired meanwhile), so the tensors are either brought to `newest` or left as they
-    were (BrokenChain, also when the chain's files take `limit` bytes or more: the full version is cheaper;
-    KeyError naming a tensor they lack)."""
-    with contextlib.ExitStack() as stack:
-        chain, at, size = [], newest, 0
-        while at != held:
-            try:
-                f = stack.enter_context(safe_open(delta_path(root, at), framework="pt"))
-                size += os.path.getsize(delta_path(root, at))
-            except FileNotFoundError:
-                raise BrokenChain(f"no delta to version {at} under {root}") from None
-            if limit is not None and size >= limit:
-                raise BrokenChain(f"the deltas from version {held} to {newest} under {root} take more bytes than "
-                                  f"the full version")
-            chain.append(f)
-            at = int(f.metadata()["from"])
-            if at < held:
-                raise BrokenChain(f"the deltas under {root} pass from {at} over version {held}")
-        for f in chain:
-            for key in f.keys():
-                if key.rpartition(":")[0] not in tensors:
-                    raise KeyError(key.rpartition(":")[0])
-        nbytes = 0
-        for f in reversed(chain):
-            for key in f.keys():
-                name, _, part = key.rpartition(":")
-                target = tensors[name].data.view(-1)
-                if part == "full":
-                    whole = f.get_tensor(key)
-                    target.copy_(whole.reshape(-1))
-                    nbytes += whole.numel() * whole.element_size()
-                elif part == "index":
-                    index, value = f.get_tensor(key), f.get_tensor(f"{name}:value")
-                    target[index.long()] = value.to(target.dtype)
-                    nbytes += index.numel() * index.element_size() + value.numel() * value.element_size()
-        return nbytes
+
+def chain(stack: contextlib.ExitStack, root: str, held: int, newest: int, limit: int | None = None) -> list:
+    """The deltas from version `held` to `newest`, oldest first, each open in `stack` (readable until it closes,
+    even if retired meanwhile); BrokenChain where one is missing or their files take `limit` bytes or more."""
+    files, at, size = [], newest, 0
+    while at != held:
+        try:
+            f = stack.enter_context(safe_open(delta_path(root, at), framework="pt"))
+            size += os.path.getsize(delta_path(root, at))
+        except FileNotFoundError:
+            raise BrokenChain(f"no delta to version {at} under {root}", newest) from None
+        if limit is not None and size >= limit:
+            raise BrokenChain(f"the deltas from version {held} to {newest} under {root} take more bytes than "
+                              f"the full version", newest)
+        files.append(f)
+        at = int(f.metadata()["from"])
+        if at < held:
+            raise BrokenChain(f"the deltas under {root} pass from {at} over version {held}", newest)
+    return files[::-1]
+
+
+def changes_in(f) -> Iterator[tuple[str, dict]]:
+    """(name, its change: {"full": tensor} or {"index": ..., "value": ...}) of each tensor an open delta changes."""
+    for key in f.keys():
+        name, _, part = key.rpartition(":")
+        if part == "full":
+            yield name, {"full": f.get_tensor(key)}
+        elif part == "index":
+            yield name, {"index": f.get_tensor(key), "value": f.get_tensor(f"{name}:value")}
+
+
+def apply(tensor: torch.Tensor, change: dict) -> int:
+    """Apply one tensor's `change` (`changes_in`'s) to `tensor` in place; the change's bytes."""
+    target = tensor.data.view(-1)
+    if "full" in change:
+        target.copy_(change["full"].reshape(-1))
+    else:
+        target[change["index"].long()] = change["value"].to(target.dtype)
+    return sum(t.numel() * t.element_size() for t in change.values())
 
 
 def retire_deltas(root: str, keep: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..paths import checkpoint_name, iteration_of
-from .deltas import BrokenChain, catch_up
+from .deltas import BrokenChain, apply, chain, changes_in
 from .layouts import LayoutError, plan, read
 from .leases import lease
 
@@ -72,23 +72,8 @@ class Version:
                 yield h.name, read(h, slices.__getitem__)
 
     def load_into(self, model: torch.nn.Module) -> None:
-        """Copy every weight in place into the transformers `model` (its parameters keep their storage and
-        dtype); every parameter must be in the version, and every weight a parameter of the model."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        loaded: set[int] = set()
-        with torch.no_grad():
-            for name, tensor in self.tensors():
-                param = params.get(name)
-                if param is None:
-                    raise WeightsError(f"{self.path}: {name!r} is no parameter of the {type(model).__name__} model")
-                if param.shape != tensor.shape:
-                    raise WeightsError(f"{self.path}: {name!r} is {tuple(tensor.shape)} in the version, "
-                                       f"{tuple(param.shape)} in the model")
-                param.copy_(tensor)
-                loaded.add(id(param))
-        missing = sorted(n for n, p in params.items() if id(p) not in loaded)  # a tied weight is loaded once
-        if missing:
-            raise WeightsError(f"{self.path}: the version has no tensor for the model's {', '.join(missing)}")
+        """Copy every weight in place into the transformers `model` (`load_into`)."""
+        load_into(model, self.tensors(), self.path)
 
     def _check_open(self) -> None:
         if self._fd is None:
@@ -108,6 +93,27 @@ class Version:
 
     def __del__(self):
         self.close()
+
+
+def load_into(model: torch.nn.Module, pairs, where: str) -> None:
+    """Copy every (name, tensor) of `pairs` (a version's, read from `where`) in place into the transformers `model`
+    (its parameters keep their storage and dtype); every parameter must be in the version, and every weight a
+    parameter of the model."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in pairs:
+            param = params.get(name)
+            if param is None:
+                raise WeightsError(f"{where}: {name!r} is no parameter of the {type(model).__name__} model")
+            if param.shape != tensor.shape:
+                raise WeightsError(f"{where}: {name!r} is {tuple(tensor.shape)} in the version, "
+                                   f"{tuple(param.shape)} in the model")
+            param.copy_(tensor)
+            loaded.add(id(param))
+    missing = sorted(n for n, p in params.items() if id(p) not in loaded)  # a tied weight is loaded once
+    if missing:
+        raise WeightsError(f"{where}: the version has no tensor for the model's {', '.join(missing)}")
 
 
 class WeightsReader:
@@ -176,21 +182,31 @@ class WeightsReader:
         the newest version in place, reading only the elements that changed (the trainer's deltas,
         --publish-weights-deltas): (the newest iteration, the bytes read). WeightsError, the tensors untouched,
         when no chain of deltas leads there, or only one larger than the full version: load that instead."""
+        with contextlib.ExitStack() as stack:
+            try:
+                newest, files = self.deltas(stack, held)
+            except BrokenChain as e:
+                raise WeightsError(f"{e}: version {held} cannot be brought to {e.newest} by deltas; load the "
+                                   f"full version") from None
+            for f in files:  # every name checked before any tensor changes
+                for key in f.keys():
+                    if key.rpartition(":")[0] not in tensors:
+                        raise WeightsError(f"the deltas under {self.root} change {key.rpartition(':')[0]!r}, which "
+                                           f"the tensors given lack")
+            return newest, sum(apply(tensors[name], change) for f in files for name, change in changes_in(f))
+
+    def deltas(self, stack: contextlib.ExitStack, held: int) -> tuple[int, list]:
+        """(the newest iteration, the deltas from version `held` to it, oldest first, open in `stack`; none when
+        `held` is the newest); BrokenChain when none lead there, or only some larger than the full version."""
         newest = self.pointed()
         if newest is None or newest <= held:
-            return held, 0
+            return held, []
         try:  # never more bytes than the full version (its index's total; no bound once it is retired)
             with open(os.path.join(self.root, checkpoint_name(newest), INDEX)) as f:
                 limit = json.load(f)["metadata"]["total_size"]
         except FileNotFoundError:
             limit = None
-        try:
-            return newest, catch_up(self.root, tensors, held, newest, limit)
-        except BrokenChain as e:
-            raise WeightsError(f"{e}: version {held} cannot be brought to {newest} by deltas; load the full "
-                               f"version") from None
-        except KeyError as e:
-            raise WeightsError(f"the deltas under {self.root} change {e}, which the tensors given lack") from None
+        return newest, chain(stack, self.root, held, newest, limit)
 
     def _try(self, iteration: int) -> Version | None:
         path = os.path.join(self.root, checkpoint_name(iteration))

@@ -295,7 +295,8 @@ def test_a_reader_takes_the_packed_layout_and_its_tensor_parallel_slices_exactly
 
 def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
     """A Qwen3-MoE layer's 3 experts, stacked as FusedMoE holds them (w13: gate then up rows; w2: down columns) for
-    each rank of TP 2, and a 100-row vocabulary, padded to 128 and split 64 + 36; bf16, in 3 files."""
+    each rank of TP 2, and a 100-row vocabulary, padded to 128 and split 64 + 36; bf16, in 3 files. Under expert
+    parallelism (2 ranks, each placement), a rank holds its experts whole, the rest as under TP."""
     g = torch.Generator().manual_seed(1)
     rnd = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
     at = "model.layers.0."
@@ -307,7 +308,7 @@ def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
         tensors.update({f"{at}mlp.experts.{e}.gate_proj.weight": rnd(24, 32),
                         f"{at}mlp.experts.{e}.up_proj.weight": rnd(24, 32),
                         f"{at}mlp.experts.{e}.down_proj.weight": rnd(32, 24)})
-    config = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 3}
     path = str(tmp_path / "versions")
     os.makedirs(path)
     publish(VersionRoot(storage_for(path), path, keep_last=1), 1, tensors, config, files=3)
@@ -322,6 +323,23 @@ def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
         ranks = [dict(version.tensors(tp_rank=r, tp_size=2)) for r in range(2)]
         whole = reassembled(ranks, hf)
         assert all(same(whole[n], hf[n]) for n in hf)
+        # expert parallelism (vLLM's --enable-expert-parallel, TP 2 x EP 2): whole experts, 3 over 2 ranks
+        for placement, held in (("linear", ([0, 1], [2])), ("round_robin", ([0, 2], [1]))):
+            for rank in range(2):
+                got = dict(version.tensors(packed=True, tp_rank=rank, tp_size=2, ep_rank=rank, ep_size=2,
+                                           ep_placement=placement))
+                want = {n: t for n, t in rank_of(hf, config, 2, rank).items() if ".experts." not in n}
+                experts = [[hf[f"{at}mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")]
+                           for e in held[rank]]
+                want[at + "mlp.experts.w13_weight"] = torch.stack([torch.cat([g_, u]) for g_, u, _ in experts])
+                want[at + "mlp.experts.w2_weight"] = torch.stack([d for _, _, d in experts])
+                assert got.keys() == want.keys() and all(same(got[n], want[n]) for n in want), (placement, rank)
+                plain = {n for n in dict(version.tensors(ep_rank=rank, ep_size=2, ep_placement=placement))
+                         if ".experts." in n}
+                assert plain == {f"{at}mlp.experts.{e}.{p}_proj.weight" for e in held[rank]
+                                 for p in ("gate", "up", "down")}, (placement, rank)
+        with pytest.raises(WeightsError, match="3 experts \\(config.json\\) over 4 expert-parallel ranks"):
+            next(version.tensors(ep_rank=0, ep_size=4))
 
 
 @pytest.mark.parametrize("config, size, named", [

@@ -16,6 +16,11 @@ Packed: a layer's q, k and v rows concatenated along dim 0 as `self_attn.qkv_pro
 its v), gate then up as `mlp.gate_up_proj`, and an MoE layer's experts stacked as FusedMoE holds them:
 `experts.w13_weight` [experts, gate + up rows, hidden] and `experts.w2_weight` [experts, hidden, down columns].
 
+Expert parallelism (vLLM's `--enable-expert-parallel`: E experts over the engine's EP ranks, E = base * P + rem): EP
+rank r of P holds whole experts, none sliced by TP, base + 1 of them for r < rem and base after, the contiguous block
+from r * base + min(r, rem) (placement "linear", vLLM's default) or experts r, r + P, r + 2P, ... ("round_robin"),
+stacked in that order; unpacked, they keep their global names. Attention and the rest follow the TP rules above.
+
 The families --save-hf exports with these layers have a mapping (FAMILIES); GPT-2's transposed Conv1D weights and
 DeepSeek-V3's latent attention have none, and are refused by name.
 """
@@ -59,21 +64,44 @@ class Held:
     stacked: bool = False
 
 
-def plan(config: dict, shapes: dict[str, tuple], packed: bool, rank: int, size: int) -> list[Held]:
-    """The tensors rank `rank` of `size` holds of a version of `config` (its config.json) whose tensors have
-    `shapes`, in the packed layout or under the Hugging Face names; LayoutError naming the tensor and the sizes
-    where the engine would refuse."""
+@dataclass(frozen=True)
+class Experts:
+    """The experts EP rank `rank` of `size` holds (`size` 1: every expert, sliced by TP)."""
+    rank: int = 0
+    size: int = 1
+    placement: str = "linear"
+
+    def local(self, total: int) -> list[int]:
+        """The global ids of the experts this rank holds, in its local order."""
+        if self.placement == "round_robin":
+            return list(range(self.rank, total, self.size))
+        base, rem = divmod(total, self.size)
+        start = self.rank * base + min(self.rank, rem)
+        return list(range(start, start + base + (self.rank < rem)))
+
+
+def plan(config: dict, shapes: dict[str, tuple], packed: bool, rank: int, size: int,
+         experts: Experts = Experts()) -> list[Held]:
+    """The tensors rank `rank` of `size` (and EP rank `experts.rank`) holds of a version of `config` (its
+    config.json) whose tensors have `shapes`, in the packed layout or under the Hugging Face names; LayoutError
+    naming the tensor and the sizes where the engine would refuse."""
     family = config.get("model_type")
     if family not in FAMILIES:
         raise LayoutError(f"model_type {family!r} has no packed or tensor-parallel layout here (these have: "
                           f"{', '.join(FAMILIES)}); read its Hugging Face tensors whole")
     if not 0 <= rank < size:
         raise LayoutError(f"tensor-parallel rank {rank} of {size}: the ranks of {size} are 0 to {size - 1}")
-    slicer = _Slicer(config, shapes, rank, size)
+    if not 0 <= experts.rank < experts.size or experts.placement not in ("linear", "round_robin"):
+        raise LayoutError(f"expert-parallel rank {experts.rank} of {experts.size}, placement "
+                          f"{experts.placement!r}: the ranks are 0 to {experts.size - 1}, the placements linear "
+                          "and round_robin")
+    slicer = _Slicer(config, shapes, rank, size, experts)
     held: dict[str, dict] = {}  # name -> its parts' blocks, by position (q/k/v, gate/up, expert), in order
     for name in sorted(shapes):
-        (out, position), block = slicer.place(name, packed)
-        held.setdefault(out, {})[position] = block
+        placed = slicer.place(name, packed)
+        if placed is not None:
+            (out, position), block = placed
+            held.setdefault(out, {})[position] = block
     return [_held(out, blocks) for out, blocks in held.items()]
 
 
@@ -92,18 +120,21 @@ def _held(name: str, blocks: dict) -> Held:
 class _Slicer:
     """Where each Hugging Face tensor goes for one rank: (the held tensor's name, its position there, the block)."""
 
-    def __init__(self, config: dict, shapes: dict[str, tuple], rank: int, size: int):
+    def __init__(self, config: dict, shapes: dict[str, tuple], rank: int, size: int, experts: Experts):
         self.shapes, self.rank, self.size = shapes, rank, size
         self.heads = config["num_attention_heads"]
         self.kv_heads = config.get("num_key_value_heads") or self.heads
+        self.local = None  # global expert id -> its index on this EP rank (None: every expert, TP-sliced)
+        if experts.size > 1:
+            total = config.get("num_local_experts") or config.get("num_experts") or 0
+            if total < experts.size:
+                raise LayoutError(f"{total} experts (config.json) over {experts.size} expert-parallel ranks: each "
+                                  "rank needs one at least")
+            self.local = {g: i for i, g in enumerate(experts.local(total))}
 
-    def place(self, name: str, packed: bool) -> tuple[tuple[str, object], Block]:
+    def place(self, name: str, packed: bool) -> tuple[tuple[str, object], Block] | None:
         if m := EXPERT.match(name):
-            e, part = int(m["e"]), m["part"]
-            if part in GATE_UP:
-                return (f"{m['at']}experts.w13_weight", (e, GATE_UP[part])) if packed else (name, 0), \
-                    self.rows(name)
-            return (f"{m['at']}experts.w2_weight", (e, 0)) if packed else (name, 0), self.columns(name)
+            return self.expert(name, m, packed)
         if m := ATTENTION.match(name):
             query = self.query(f"{m['at']}q_proj.{m['kind']}")  # the query heads first, as the engine checks them
             block = query if m["part"] == "q" else self.key_value(name)
@@ -116,6 +147,22 @@ class _Slicer:
         if name in VOCAB:
             return (name, 0), self.vocabulary(name)
         return (name, 0), Block(name, None, 0, 0)  # whole on every rank
+
+    def expert(self, name: str, m: re.Match, packed: bool) -> tuple[tuple[str, object], Block] | None:
+        """An expert's projection: TP-sliced on every rank, or whole on the EP rank that holds it (None: another
+        rank's)."""
+        e, part = int(m["e"]), m["part"]
+        if self.local is not None:
+            if e not in self.local:
+                return None
+            e, block = self.local[e], Block(name, None, 0, 0)
+        else:
+            block = self.rows(name) if part in GATE_UP else self.columns(name)
+        if not packed:
+            return (name, 0), block
+        if part in GATE_UP:
+            return (f"{m['at']}experts.w13_weight", (e, GATE_UP[part])), block
+        return (f"{m['at']}experts.w2_weight", (e, 0)), block
 
     def rows(self, name: str) -> Block:
         """Column-parallel: the rank's block of rows."""

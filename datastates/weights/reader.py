@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from ..paths import checkpoint_name, iteration_of
 from .deltas import BrokenChain, apply, chain, changes_in
-from .layouts import LayoutError, plan, read
+from .layouts import Experts, LayoutError, plan, read
 from .leases import lease
 
 INDEX = "model.safetensors.index.json"  # written last into a version (datastates.hf.writer's)
@@ -42,22 +42,24 @@ class Version:
         """The bytes of its safetensors files (what a reader of the whole version reads)."""
         return sum(os.path.getsize(os.path.join(self.path, f)) for f in set(self.weight_map.values()))
 
-    def tensors(self, packed: bool = False, tp_rank: int = 0, tp_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, packed: bool = False, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
+                ep_placement: str = "linear") -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every weight, each tensor a copy of its own, so it outlives the lease (what an engine's
-        `load_weights(iterable)` takes): the Hugging Face tensors, file by file; or, `packed` and/or `tp_size` > 1,
-        what rank `tp_rank` of an engine with that tensor parallelism holds (`layouts`: q/k/v fused as `qkv_proj`,
-        gate/up as `gate_up_proj`, experts stacked; only the rows or columns it holds read). WeightsError, before
-        any tensor, for a family without that mapping or a tensor the ranks cannot share."""
+        `load_weights(iterable)` takes): the Hugging Face tensors, file by file; or, `packed` and/or `tp_size` or
+        `ep_size` > 1, what rank `tp_rank` (and expert-parallel rank `ep_rank`) of an engine with that parallelism
+        holds (`layouts`: q/k/v fused as `qkv_proj`, gate/up as `gate_up_proj`, experts stacked; only the rows,
+        columns or experts it holds read). WeightsError, before any tensor, for a family without that mapping or
+        a tensor the ranks cannot share."""
         self._check_open()
-        if packed or tp_size != 1:
-            yield from self._held(packed, tp_rank, tp_size)
+        if packed or tp_size != 1 or ep_size != 1:
+            yield from self._held(packed, tp_rank, tp_size, Experts(ep_rank, ep_size, ep_placement))
             return
         for file in sorted(set(self.weight_map.values())):
             with safe_open(os.path.join(self.path, file), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
-    def _held(self, packed: bool, tp_rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def _held(self, packed: bool, tp_rank: int, tp_size: int, experts: Experts) -> Iterator[tuple[str, torch.Tensor]]:
         """Every file open at once: the parts of a packed tensor may lie in different files."""
         with contextlib.ExitStack() as stack:
             files = {file: stack.enter_context(safe_open(os.path.join(self.path, file), framework="pt"))
@@ -65,7 +67,7 @@ class Version:
             slices = {name: files[file].get_slice(name) for name, file in self.weight_map.items()}
             try:
                 held = plan(self.config, {n: tuple(s.get_shape()) for n, s in slices.items()}, packed, tp_rank,
-                            tp_size)
+                            tp_size, experts)
             except LayoutError as e:
                 raise WeightsError(f"{self.path}: {e}") from None
             for h in held:

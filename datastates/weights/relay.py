@@ -9,7 +9,7 @@ the kernel says so (its lease then given back); the others go on.
 A connection asks, one request at a time (a header frame each; see `remote` for the answers):
     {"op": "newest"} | {"op": "open", "iteration": N} | {"op": "next", "after": N, "timeout_s": T}
         -> {"iteration": N, "config": {...}}: that version leased for the connection ({"iteration": null}: none)
-    {"op": "tensors", "packed": false, "tp_rank": 0, "tp_size": 1}
+    {"op": "tensors", "packed": false, "tp_rank": 0, "tp_size": 1, "ep_rank": 0, "ep_size": 1, "ep_placement": "linear"}
         -> each tensor the local reader's `Version.tensors` yields with those options, then {"end": count}
     {"op": "deltas", "held": N[, "timeout_s": T]}   (T: wait that long for a version newer than N first)
         -> {"iteration": M, "kind": "deltas"}, each change of the deltas from N to the newest M, oldest first
@@ -84,8 +84,10 @@ class _Connection(socketserver.BaseRequestHandler):
         elif op == "tensors":
             if self.version is None:
                 raise WeightsError("no version held on this connection: ask for one first (newest, open, next)")
+            placement = request.get("ep_placement", "linear")
             self._stream(self.version.tensors(bool(request.get("packed", False)), _int(request, "tp_rank", 0),
-                                              _int(request, "tp_size", 1)))
+                                              _int(request, "tp_size", 1), _int(request, "ep_rank", 0),
+                                              _int(request, "ep_size", 1), str(placement)))
         elif op == "deltas":
             held = _int(request, "held")
             if request.get("timeout_s") is not None:  # a newer version first (WeightsError once it is past)

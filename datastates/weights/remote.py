@@ -93,14 +93,17 @@ class RemoteVersion:
     def nbytes(self) -> int:
         return self._link.wire.nbytes
 
-    def tensors(self, packed: bool = False, tp_rank: int = 0, tp_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, packed: bool = False, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
+                ep_placement: str = "linear") -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every weight as it arrives, one tensor at a time, as `Version.tensors` hands them out
-        (packed and sliced by the relay: only rank `tp_rank`'s bytes cross). WeightsError for a layout the version
-        cannot take (the version stays open), a torn connection or a damaged piece (it is closed). A stream left
-        before its end closes the version (its unread pieces are still on the wire)."""
+        (packed and sliced by the relay: only rank `tp_rank`'s, and EP rank `ep_rank`'s, bytes cross).
+        WeightsError for a layout the version cannot take (the version stays open), a torn connection or a damaged
+        piece (it is closed). A stream left before its end closes the version (its unread pieces are still on the
+        wire)."""
         if self._link.closed:
             raise WeightsError(f"{self.path}: read after close (the relay may free the version once closed)")
-        self._link.send({"op": "tensors", "packed": packed, "tp_rank": tp_rank, "tp_size": tp_size})
+        self._link.send({"op": "tensors", "packed": packed, "tp_rank": tp_rank, "tp_size": tp_size,
+                         "ep_rank": ep_rank, "ep_size": ep_size, "ep_placement": ep_placement})
         try:
             for header, tensor in self._link.stream():
                 yield header["name"], tensor

@@ -293,11 +293,11 @@ def test_a_reader_takes_the_packed_layout_and_its_tensor_parallel_slices_exactly
         assert torch.equal(from_slices(tokens).logits, in_place(tokens).logits)
 
 
-def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
-    """A Qwen3-MoE layer's 3 experts, stacked as FusedMoE holds them (w13: gate then up rows; w2: down columns) for
-    each rank of TP 2, and a 100-row vocabulary, padded to 128 and split 64 + 36; bf16, in 3 files. Under expert
-    parallelism (2 ranks, each placement), a rank holds its experts whole, the rest as under TP."""
-    g = torch.Generator().manual_seed(1)
+MOE_CONFIG = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 3}
+
+
+def moe_layer(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE layer of 3 experts and a 100-row vocabulary in bf16 (MOE_CONFIG's)."""
     rnd = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
     at = "model.layers.0."
     tensors = {"model.embed_tokens.weight": rnd(100, 32), "lm_head.weight": rnd(100, 32), "model.norm.weight": rnd(32),
@@ -308,7 +308,43 @@ def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
         tensors.update({f"{at}mlp.experts.{e}.gate_proj.weight": rnd(24, 32),
                         f"{at}mlp.experts.{e}.up_proj.weight": rnd(24, 32),
                         f"{at}mlp.experts.{e}.down_proj.weight": rnd(32, 24)})
-    config = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 3}
+    return tensors
+
+
+@pytest.mark.parametrize("layout", [dict(packed=True, tp_size=2, tp_rank=1), dict(tp_size=2, tp_rank=0),
+                                    dict(packed=True, tp_size=2, tp_rank=1, ep_size=2, ep_rank=1)],
+                         ids=["packed-tp2", "tp2", "packed-tp2-ep2"])
+def test_a_ranks_packed_slices_reach_the_newest_through_deltas_exactly(tmp_path, layout):
+    """A rank's own tensors (its packed slices, its experts) of version 1 brought to 3 through the deltas (1% of
+    the elements changing a version, the norm whole) equal what it reads of version 3, bit for bit."""
+    path = str(tmp_path / "versions")
+    os.makedirs(path)
+    root = VersionRoot(storage_for(path), path, keep_last=1, deltas=2)
+    g = torch.Generator().manual_seed(2)
+    tensors = moe_layer(g)
+    publish(root, 1, tensors, MOE_CONFIG, files=2)
+    reader = WeightsReader(path)
+    with reader.open(1) as version:
+        held = dict(version.tensors(**layout))
+    for it in (2, 3):
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        for t in tensors.values():
+            flat = t.view(-1)
+            flat[torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 100)]] += 0.5
+        tensors["model.norm.weight"].fill_(it)  # every element: sent whole
+        publish(root, it, tensors, MOE_CONFIG, files=2)
+    assert reader.catch_up(held, 1, **layout)[0] == 3
+    with reader.open(3) as version:
+        want = dict(version.tensors(**layout))
+    assert held.keys() == want.keys() and all(same(held[n], want[n]) for n in want)
+
+
+def test_stacked_experts_and_a_vocabulary_padded_for_the_ranks(tmp_path):
+    """A Qwen3-MoE layer's 3 experts, stacked as FusedMoE holds them (w13: gate then up rows; w2: down columns) for
+    each rank of TP 2, and a 100-row vocabulary, padded to 128 and split 64 + 36; bf16, in 3 files. Under expert
+    parallelism (2 ranks, each placement), a rank holds its experts whole, the rest as under TP."""
+    at = "model.layers.0."
+    tensors, config = moe_layer(torch.Generator().manual_seed(1)), MOE_CONFIG
     path = str(tmp_path / "versions")
     os.makedirs(path)
     publish(VersionRoot(storage_for(path), path, keep_last=1), 1, tensors, config, files=3)

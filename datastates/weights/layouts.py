@@ -26,6 +26,7 @@ DeepSeek-V3's latent attention have none, and are refused by name.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -204,6 +205,54 @@ class _Slicer:
         per_rank = padded // self.size
         start = min(self.rank * per_rank, vocab)
         return Block(name, 0, start, min(start + per_rank, vocab) - start)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a Hugging Face tensor's block lies in a held tensor: its part (an expert's index when stacked, else
+    None), from row `row` of that part."""
+    held: str
+    part: int | None
+    block: Block
+    row: int
+
+
+def places(plan_: list[Held], shapes: dict[str, tuple]) -> dict[str, list[Place]]:
+    """Hugging Face name -> where its blocks lie in the tensors `plan_` holds (a name the rank does not hold:
+    absent)."""
+    out: dict[str, list[Place]] = {}
+    for h in plan_:
+        for i, blocks in enumerate(h.parts):
+            row = 0
+            for b in blocks:
+                out.setdefault(b.name, []).append(Place(h.name, i if h.stacked else None, b, row))
+                row += b.length if b.dim == 0 else (shapes[b.name][0] if shapes[b.name] else 1)
+    return out
+
+
+def apply_change(held: dict[str, torch.Tensor], where: list[Place], shape: tuple, change: dict) -> None:
+    """One Hugging Face tensor's change (a delta's: its flat positions and new values, or the whole tensor) applied
+    in place to the held tensors it has blocks in (`places`), exactly: each block takes the changes inside it."""
+    cols = math.prod(shape[1:])
+    for p in where:
+        target = held[p.held].data
+        target = (target[p.part] if p.part is not None else target).view(-1)
+        if "full" in change:
+            whole = change["full"].reshape(shape)
+            piece = whole if p.block.dim is None else whole.narrow(p.block.dim, p.block.start, p.block.length)
+            target[p.row * cols:p.row * cols + piece.numel()] = piece.reshape(-1).to(target.dtype)
+            continue
+        index, value = change["index"].long(), change["value"].to(target.dtype)
+        if p.block.dim is None:
+            target[index + p.row * cols] = value
+        elif p.block.dim == 0:
+            row = index // cols
+            inside = (row >= p.block.start) & (row < p.block.start + p.block.length)
+            target[index[inside] + (p.row - p.block.start) * cols] = value[inside]
+        else:
+            row, col = index // shape[1], index % shape[1]
+            inside = (col >= p.block.start) & (col < p.block.start + p.block.length)
+            target[row[inside] * p.block.length + col[inside] - p.block.start] = value[inside]
 
 
 def read(held: Held, slice_of) -> torch.Tensor:

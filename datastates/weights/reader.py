@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from ..paths import checkpoint_name, iteration_of
 from .deltas import BrokenChain, apply, chain, changes_in
-from .layouts import Experts, LayoutError, plan, read
+from .layouts import Experts, LayoutError, apply_change, places, plan, read
 from .leases import lease
 
 INDEX = "model.safetensors.index.json"  # written last into a version (datastates.hf.writer's)
@@ -36,6 +36,14 @@ class Version:
             self.weight_map: dict[str, str] = json.load(f)["weight_map"]
         with open(os.path.join(path, "config.json")) as f:
             self.config: dict = json.load(f)
+
+    def shapes(self) -> dict[str, tuple]:
+        """Every tensor's shape, from the files' headers."""
+        out = {}
+        for file in sorted(set(self.weight_map.values())):
+            with safe_open(os.path.join(self.path, file), framework="pt") as f:
+                out.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -179,23 +187,52 @@ class WeightsReader:
                                    f"newest is {iteration})")
             time.sleep(POLL_S)
 
-    def catch_up(self, tensors: dict, held: int) -> tuple[int, int]:
+    def catch_up(self, tensors: dict, held: int, packed: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                 ep_rank: int = 0, ep_size: int = 1, ep_placement: str = "linear") -> tuple[int, int]:
         """Bring `tensors` (this reader's own copy of version `held`, e.g. `dict(model.named_parameters())`) to
         the newest version in place, reading only the elements that changed (the trainer's deltas,
-        --publish-weights-deltas): (the newest iteration, the bytes read). WeightsError, the tensors untouched,
-        when no chain of deltas leads there, or only one larger than the full version: load that instead."""
+        --publish-weights-deltas): (the newest iteration, the bytes read). With the layout options of
+        `Version.tensors`, `tensors` are what they hand out (a rank's packed slices, its experts): each takes the
+        changes inside it. WeightsError, the tensors untouched, when no chain of deltas leads there, or only one
+        larger than the full version: load that instead."""
         with contextlib.ExitStack() as stack:
             try:
                 newest, files = self.deltas(stack, held)
             except BrokenChain as e:
                 raise WeightsError(f"{e}: version {held} cannot be brought to {e.newest} by deltas; load the "
                                    f"full version") from None
-            for f in files:  # every name checked before any tensor changes
-                for key in f.keys():
-                    if key.rpartition(":")[0] not in tensors:
-                        raise WeightsError(f"the deltas under {self.root} change {key.rpartition(':')[0]!r}, which "
-                                           f"the tensors given lack")
-            return newest, sum(apply(tensors[name], change) for f in files for name, change in changes_in(f))
+            changed = {key.rpartition(":")[0] for f in files for key in f.keys()}
+            if packed or tp_size != 1 or ep_size != 1:
+                applied = self._held_places(stack, newest, packed, tp_rank, tp_size,
+                                            Experts(ep_rank, ep_size, ep_placement))
+            else:
+                applied = None
+            needed = {p.held for n in changed for p in applied[0].get(n, ())} if applied else changed
+            lacking = sorted(needed - set(tensors))
+            if lacking:  # every name checked before any tensor changes
+                raise WeightsError(f"the deltas under {self.root} change {lacking[0]!r}, which the tensors given "
+                                   "lack")
+            done = 0
+            for f in files:
+                for name, change in changes_in(f):
+                    if applied:
+                        where, shapes = applied
+                        apply_change(tensors, where.get(name, []), shapes[name], change)
+                        done += sum(t.numel() * t.element_size() for t in change.values())
+                    else:
+                        done += apply(tensors[name], change)
+            return newest, done
+
+    def _held_places(self, stack: contextlib.ExitStack, newest: int, packed: bool, tp_rank: int, tp_size: int,
+                     experts: Experts) -> tuple[dict, dict]:
+        """(where each Hugging Face tensor lies in what the rank holds, the tensors' shapes), from version
+        `newest`'s config and headers."""
+        version = stack.enter_context(self.open(newest))
+        shapes = version.shapes()
+        try:
+            return places(plan(version.config, shapes, packed, tp_rank, tp_size, experts), shapes), shapes
+        except LayoutError as e:
+            raise WeightsError(f"{version.path}: {e}") from None
 
     def deltas(self, stack: contextlib.ExitStack, held: int) -> tuple[int, list]:
         """(the newest iteration, the deltas from version `held` to it, oldest first, open in `stack`; none when

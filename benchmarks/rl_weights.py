@@ -200,7 +200,7 @@ def main(argv=None) -> None:
     work = tempfile.mkdtemp(prefix="rl_weights_")
     shm = tempfile.mkdtemp(prefix="rl_weights_", dir="/dev/shm")
     kept = tempfile.mkdtemp(prefix="rl_weights_last_")
-    results = {}
+    results, device = {}, None
     try:
         modes = a.modes.split(",")
         if unknown := set(modes) - set(MODES):
@@ -212,11 +212,38 @@ def main(argv=None) -> None:
                 shutil.copytree(os.path.join(shm, "versions", f"iter_{a.iters:07d}"), kept, dirs_exist_ok=True)
         if "publish" in modes:
             results["broadcast"] = broadcast(kept, a.readers)
+            device = _device_figures(kept)
     finally:
         for d in (work, shm, kept):
             shutil.rmtree(d, ignore_errors=True)
+    _table(a, results, modes)
+    if device:
+        results["device"] = device
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _device_figures(version_dir: str) -> dict | None:
+    """On a CUDA machine, the device side of the same version (benchmarks/rl_device.py); None elsewhere."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    from rl_device import measure
+    r = measure(version_dir)
+    nccl = "not measured (one device)" if r["nccl_broadcast_ms"] is None else f"{r['nccl_broadcast_ms']:.2f} ms"
+    print(f"device ({torch.cuda.get_device_name(0)}, the last version's {r['bytes']} bytes): plain pinned copy "
+          f"{r['plain_pinned_copy_ms']:.2f} ms | reader to device {r['reader_to_device_ms']:.2f} ms | NCCL "
+          f"broadcast {nccl}", flush=True)
+    return r
+
+
+def _table(a, results: dict, modes: list[str]) -> None:
+    import torch
     base = results[modes[0]]["iter_ms"]
-    print(f"CPU figures: {a.ranks} trainer rank(s), {a.readers} readers, {a.iters} iterations, "
+    where = f"the trainer on {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "CPU figures"
+    print(f"{where}: {a.ranks} trainer rank(s), {a.readers} readers, {a.iters} iterations, "
           f"{'quick' if a.quick else 'full'} model, {'bf16 at lr 1e-6' if a.rl else 'fp32 at lr 1e-4'}; "
           f"{os.cpu_count()} cores")
     print("| mode | iter ms | loop ratio | version latency ms | bytes per reader per version | versions every reader took |")
@@ -226,10 +253,6 @@ def main(argv=None) -> None:
         print(f"| {mode} | {'-' if it is None else f'{it:.1f}'} | {'-' if it is None else f'{it / base:.3f}'} | "
               f"{r['latency_ms']:.1f} | {r['bytes_per_reader']} | {r.get('versions_every_reader_took', '-')} |"
               if "latency_ms" in r else f"| {mode} | {it:.1f} | {it / base:.3f} | - | - | - |")
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def _staged_to_hf(args) -> int:
     input, removed after."""
     parent = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(parent, exist_ok=True)
-    staged = tempfile.mkdtemp(prefix=".torch_dcp_to_hf.", dir=parent)
+    staged = tempfile.mkdtemp(prefix=".staged_to_hf.", dir=parent)
     try:
         bundle = READERS[args.src](args.input, args.iteration)
         write_datastates(bundle, staged, args.threads)

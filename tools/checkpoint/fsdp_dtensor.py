@@ -10,7 +10,8 @@ FQN-keyed tensors, each a DTensor `Shard(0)`-ed unevenly over the ranks (DCP's m
   `linear_fc1.weight` stored as its two halves `linear_fc1.weight_w` (the gate, megatron-core's first half) and
   `..._v`; experts under their global ids; no `_extra_state`;
 - `optimizer.state.module.module.module.<name>.<state>`: Adam's `exp_avg`, `exp_avg_sq` (and, converted from a
-  distributed optimizer, `fp32_param`) per parameter name, fc1's split as the parameter's;
+  distributed optimizer, the fp32 main parameter: `fp32_param` in megatron-core 0.16, `param` in 0.19) per
+  parameter name, fc1's split as the parameter's;
 - `optimizer.param_to_group_meta.<...>.<name>.<field>` (a training save: each parameter's group), the common
   state flattened to dotted keys (`args`, `iteration`, `opt_param_scheduler.max_lr`,
   `optimizer.param_groups.0.lr`, ...), and `rng_state.(<pp>, <tp>).<dp>.<field>` (a training save; the converter
@@ -23,6 +24,7 @@ reader takes whatever rows it wants). MoE checkpoints (global expert ids) are re
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 
@@ -45,11 +47,14 @@ STATE = "optimizer.state."
 OWNER = "module.module.module."  # the optimizer's parameter names: the wrapped model's (the converter's default)
 GROUP_META = "optimizer.param_to_group_meta."
 RNG = "rng_state."
-KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
+KINDS = ("exp_avg", "exp_avg_sq", "fp32_param", "param")  # the fp32 main parameter: 0.16's name, 0.19's
 HALVES = ("_w", "_v")
 _FC1 = re.compile(r"\.mlp\.(shared_experts\.)?linear_fc1\.(weight|bias)$")
 _EXPERT = re.compile(r"\.mlp\.experts\.")
 _RNG = re.compile(r"^rng_state\.\((\d+), (\d+)\)\.(\d+)\.(.+)$")
+# a torch_dist ShardedObject the converter copies through as it found it (0.19's `common_state/shard_0_1`, a
+# second copy of the common state it also flattens): not part of what a training save holds
+_COPIED_OBJECT = re.compile(r"/shard_[\d._]+$")
 
 
 def check_coverage(ckpt: str, meta: dict) -> None:
@@ -109,6 +114,10 @@ def read_fsdp_dtensor(path: str, iteration: int | None) -> Bundle:
     bundle.tensors.update(_stacked(per_index, ckpt))
     _read_rng(bundle, objects, tensors)
     bundle.common = _common(objects, tensors)
+    plain = bundle.common["args"] = names.plain_args(objects["args"])  # upstream's enums are not kept
+    bundle.common.setdefault("train_state", {"consumed_train_samples": int(getattr(plain, "consumed_train_samples",
+                                                                                   0) or 0),
+                                             "iteration": bundle.iteration})
     return bundle
 
 
@@ -165,7 +174,8 @@ def _unflatten(flat: dict) -> dict:
 def _common(objects: dict, tensors: dict) -> dict:
     """megatron-core's common state dict from the flattened objects (the distributed optimizer's param groups
     back under `optimizer.optimizer.`, where megatron-core keeps them)."""
-    flat = {k: v for k, v in objects.items() if not k.startswith((GROUP_META, RNG, MODEL, STATE))}
+    flat = {k: v for k, v in objects.items()
+            if not k.startswith((GROUP_META, RNG, MODEL, STATE)) and not _COPIED_OBJECT.search(k)}
     flat.update({k: v for k, v in tensors.items() if not k.startswith((MODEL, STATE, RNG))})
     common = _unflatten(flat)
     groups = common.get("optimizer", {}).pop("param_groups", None) if isinstance(common.get("optimizer"), dict) \
@@ -265,6 +275,10 @@ def write_fsdp_dtensor(bundle: Bundle, output: str) -> str:
                 tensors[MODEL + n if kind is None else f"{STATE}{OWNER}{n}.{kind}"] = p
     objects: dict[str, object] = {}
     common = dict(bundle.common)
+    train = common.pop("train_state", None)  # this trainer's; upstream keeps the samples in its args
+    if train is not None:
+        common["args"] = argparse.Namespace(**{**vars(args), "consumed_train_samples":
+                                               train["consumed_train_samples"]})
     _flatten(common, "", objects)
     for k in [k for k in objects if k.startswith("optimizer.optimizer.param_groups.")]:
         objects[k.replace("optimizer.optimizer.", "optimizer.", 1)] = objects.pop(k)

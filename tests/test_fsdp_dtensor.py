@@ -21,6 +21,7 @@ from megatron_helpers import ROOT, iter_dir
 from test_reshard import read_full
 from test_tools import run_here
 from tools import convert_checkpoint as tool
+from tools.checkpoint.fsdp_dtensor import read_fsdp_dtensor
 from tools.checkpoint.torch_dcp import read_items
 from tools.checkpoint.torch_dist import close_megatron, read_torch_dist
 
@@ -97,7 +98,7 @@ def test_fsdp_dtensor_converts_to_torch_dist_safetensors_and_hugging_face(tmp_pa
 
 
 @pytest.mark.parametrize("src", ["datastates", "torch_dist"])
-def test_written_fsdp_dtensor_equals_upstreams_converter_output(src, converted, tmp_path, capsys):
+def test_written_fsdp_dtensor_equals_upstreams_converter_output(src, converted, source, tmp_path, capsys):
     """--to fsdp_dtensor from datastates (the fixture, converted) and from the torch_dist source: DCP's reader
     finds every key upstream's converter wrote with the same global shape, dtype and bytes, and the same objects
     (a torch_dist source's RNG, which the converter drops, is kept as a training save keeps it)."""
@@ -119,8 +120,12 @@ def test_written_fsdp_dtensor_equals_upstreams_converter_output(src, converted, 
             assert repr(our_o[k]) == repr(v), k
     for field in ("hidden_size", "ffn_hidden_size", "swiglu", "consumed_train_samples", "normalization"):
         assert getattr(our_o["args"], field) == getattr(up_o["args"], field), field
-    if src == "torch_dist":
-        assert isinstance(our_o["rng_state.(0, 0).0.random_rng_state"], tuple)
+    if src == "torch_dist":  # RNG as a training save keeps it, read back as the source's
+        saved = source.objects[("rng_state", (0, 0))][0]
+        state = read_fsdp_dtensor(out, None).objects[("rng_state", (0, 0, 0))][0]
+        assert state["random_rng_state"] == saved["random_rng_state"]
+        assert state["torch_rng_state"] == saved["torch_rng_state"].numpy().tobytes()
+        assert state["rng_tracker_states"].keys() == saved["rng_tracker_states"].keys()
     whole = str(tmp_path / "whole.pt")
     dcp_to_torch_save(iter_dir(out, IT), whole)
     assert torch.equal(torch.load(whole, weights_only=False)[FC1.format(0) + "_v"], up_t[FC1.format(0) + "_v"])

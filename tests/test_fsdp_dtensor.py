@@ -162,3 +162,14 @@ def test_load_tells_fsdp_dtensor_from_torch_dcp_and_refuses_it_naming_the_conver
                                               "tools/convert_checkpoint.py --from fsdp_dtensor --to datastates"):
         FsdpDtensorFormat.alone().load(None, iter_dir(UPSTREAM, IT), "load")
     assert FsdpDtensorFormat.alone().saved_common(iter_dir(UPSTREAM, IT))["args"].hidden_size == 16
+
+
+def test_ckpt_format_fsdp_dtensor_is_refused_naming_the_converter():
+    from megatron.training.argument_checks import validate_args
+    from megatron.training.arguments import ArgumentError, parse_args
+    argv = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--max-position-embeddings", "8", "--vocab-size", "32", "--micro-batch-size", "1", "--lr", "1e-3",
+            "--mock-data", "--train-iters", "1", "--save", "ck", "--ckpt-format", "fsdp_dtensor"]
+    with pytest.raises(ArgumentError, match="upstream's fsdp_dtensor format is not saved here.*"
+                                            "tools/convert_checkpoint.py --from/--to fsdp_dtensor reads and writes"):
+        validate_args(parse_args(argv=argv), 2, cuda=False)

@@ -115,9 +115,8 @@ def read_fsdp_dtensor(path: str, iteration: int | None) -> Bundle:
     _read_rng(bundle, objects, tensors)
     bundle.common = _common(objects, tensors)
     plain = bundle.common["args"] = names.plain_args(objects["args"])  # upstream's enums are not kept
-    bundle.common.setdefault("train_state", {"consumed_train_samples": int(getattr(plain, "consumed_train_samples",
-                                                                                   0) or 0),
-                                             "iteration": bundle.iteration})
+    consumed = int(getattr(plain, "consumed_train_samples", 0) or 0)
+    bundle.common.setdefault("train_state", {"consumed_train_samples": consumed, "iteration": bundle.iteration})
     return bundle
 
 
@@ -178,16 +177,16 @@ def _common(objects: dict, tensors: dict) -> dict:
             if not k.startswith((GROUP_META, RNG, MODEL, STATE)) and not _COPIED_OBJECT.search(k)}
     flat.update({k: v for k, v in tensors.items() if not k.startswith((MODEL, STATE, RNG))})
     common = _unflatten(flat)
-    groups = common.get("optimizer", {}).pop("param_groups", None) if isinstance(common.get("optimizer"), dict) \
-        else None
-    if groups is not None:
-        common["optimizer"].setdefault("optimizer", {})["param_groups"] = groups
+    optimizer = common.get("optimizer")
+    if isinstance(optimizer, dict) and "param_groups" in optimizer:
+        optimizer.setdefault("optimizer", {})["param_groups"] = optimizer.pop("param_groups")
     return common
 
 
 def _read_rng(bundle: Bundle, objects: dict, tensors: dict) -> None:
     """A training save's `rng_state.(pp, tp).dp.<field>` as this trainer's per-rank RNG objects of a
-    (pp, tp, dp) grid (as torch_dist keeps them); none when the checkpoint holds none (the converter's)."""
+    (pp, tp, dp) grid (torch's states as bytes, as the torch_dcp reader gives them); none when the checkpoint
+    holds none (the converter's)."""
     states: dict[tuple, dict] = {}
     for k, v in {**objects, **tensors}.items():
         m = _RNG.match(k)

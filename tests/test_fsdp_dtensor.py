@@ -1,8 +1,9 @@
 """Upstream Megatron-LM's fsdp_dtensor (Megatron-FSDP's checkpoint format), read and written by
 tools/convert_checkpoint.py, in this process. What is read was written by upstream's own code: tests/fixtures/
-upstream_fsdp_dtensor/ holds a torch_dist checkpoint stock megatron-core 0.19.2 saved on 2 CPU ranks and what
-upstream's converter (`checkpoint_inspector.py convert-torch-dist-to-fsdp-dtensor --swiglu`) made of it
-(tests/fixtures/make_upstream_fsdp_dtensor.py records the command). What is written is read back with PyTorch
+upstream_fsdp_dtensor/ holds a torch_dist checkpoint stock megatron-core 0.19.2 saved on 2 CPU ranks, what
+upstream's converter (`checkpoint_inspector.py convert-torch-dist-to-fsdp-dtensor --swiglu`) made of it, and its
+weights cut unevenly as a Megatron-FSDP save cuts them (megatron-fsdp's own chunk metadata);
+tests/fixtures/make_upstream_fsdp_dtensor.py records the command. What is written is read back with PyTorch
 DCP's own reader and compared with the converter's output of the same source.
 """
 from __future__ import annotations
@@ -65,6 +66,19 @@ def test_upstreams_fsdp_dtensor_reads_bit_equal_to_its_torch_dist_source(convert
     assert objects["common:optimizer/optimizer/param_groups"] == source.common["optimizer"]["optimizer"][
         "param_groups"]
     assert objects["common:train_state"] == {"consumed_train_samples": 12, "iteration": IT}
+
+
+def test_uneven_shards_as_a_training_save_cuts_them_read_the_same(converted):
+    """A tensor's rows cut unevenly over the ranks (megatron-fsdp's own chunk metadata, as Megatron-FSDP saves):
+    read into the same full tensors as the even layout of the same weights."""
+    uneven = os.path.join(FIXTURE, "fsdp_dtensor_uneven")
+    meta = FileSystemReader(iter_dir(uneven, IT)).read_metadata().state_dict_metadata
+    assert [tuple(c.sizes) for c in meta[FC1.format(0) + "_w"].chunks] == [(12, 16), (6, 16)]
+    bundle = read_fsdp_dtensor(uneven, None)
+    tensors, _ = read_full(iter_dir(converted, IT))
+    assert sorted(bundle.tensors) == sorted(k for k in tensors if not k.startswith("optimizer."))
+    for k, t in bundle.tensors.items():
+        assert torch.equal(t, tensors[k]), k
 
 
 def test_fsdp_dtensor_converts_to_torch_dist_safetensors_and_hugging_face(tmp_path, source, capsys):

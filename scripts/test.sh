@@ -35,7 +35,7 @@ FIRST=(test_audit.py test_bad_input.py test_built_on_copy.py test_coordination.p
 SECOND=(test_upstream_runs.py test_moe.py test_hf_deepseek.py test_hf_qwen.py test_megatron_resume.py
         test_megatron_pp.py test_read_once_trainer.py test_msc_torch_dist.py test_deepseek.py test_cross_version.py
         test_gpu_check.py test_hf_publish.py test_rank_launcher.py test_restarts.py test_fsdp2.py
-        test_trainer_kills.py test_data_resume.py)
+        test_trainer_kills.py test_data_resume.py test_fsdp_dtensor.py)
 # where the time goes, in every CI log; a test still running after 15 minutes is stuck (the slowest takes about a
 # minute, four on a loaded machine): it fails with its stack and the suite goes on, long before CI's own guard
 PYTEST=("$VENV/bin/python" -m pytest -q --durations=25 --timeout=900)

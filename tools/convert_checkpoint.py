@@ -9,6 +9,8 @@ safetensors file.
     python tools/convert_checkpoint.py --from hf         --to datastates  --input hf_model --output ckpt_ft
     python tools/convert_checkpoint.py --from torch_dcp  --to datastates  --input up_ckpt  --output ckpt_ds
     python tools/convert_checkpoint.py --from datastates --to torch_dcp   --input ckpt     --output up_ckpt
+    python tools/convert_checkpoint.py --from fsdp_dtensor --to datastates --input up_ckpt --output ckpt_ds
+    python tools/convert_checkpoint.py --from datastates --to fsdp_dtensor --input ckpt    --output up_ckpt
 
 --to hf / --from hf: a transformers model directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 or GPT-2),
 streamed layer by layer, see docs/huggingface.md.
@@ -19,6 +21,11 @@ PP 1: read to every output format (to hf through a datastates checkpoint staged 
 checkpoint of an FSDP2 or DDP run, from a transformers model, and from torch_dist without its optimizer
 (`--exclude-prefix optimizer.`: torch_dist does not record the parameter order the optimizer's ids follow); names,
 ids and what is kept: docs/fsdp.md.
+
+--from fsdp_dtensor / --to fsdp_dtensor: upstream Megatron-LM's `--use-megatron-fsdp --ckpt-format fsdp_dtensor`
+checkpoint (DCP, per-layer names under `model.module.`, SwiGLU's fc1 split in `_w`/`_v` halves, Adam's states by
+parameter name) of a dense GPT model: read to every output format after checking that its shards cover every
+tensor, written from datastates or torch_dist as upstream's converter lays it out; docs/fsdp.md.
 
 --input is a save root (its latest published iteration is converted; --iteration N picks another) or an
 iteration directory. A datastates input must be published (metadata.json present, no `.partial`) and complete
@@ -77,13 +84,19 @@ from tools.checkpoint.bundle import Bundle, read_datastates  # noqa: E402
 from tools.checkpoint.paths import ConvertError, check_locations, resolve_input  # noqa: E402
 from tools.checkpoint.torch_dist import close_megatron, init_megatron, read_torch_dist, write_torch_dist  # noqa: E402
 from tools.checkpoint.torch_dcp import read_torch_dcp, write_torch_dcp  # noqa: E402
+from tools.checkpoint.fsdp_dtensor import read_fsdp_dtensor, write_fsdp_dtensor  # noqa: E402
 from tools.checkpoint.writers import write_datastates, write_safetensors  # noqa: E402
 from tools.hf import cli as hf_cli  # noqa: E402
 
 __all__ = ["ConvertError", "main", "read_datastates", "resolve_input"]
-FORMATS_IN = ("datastates", "torch_dist", "torch_dcp", "hf")
-FORMATS_OUT = ("datastates", "torch_dist", "torch_dcp", "safetensors", "hf")
-READERS = {"datastates": read_datastates, "torch_dist": read_torch_dist, "torch_dcp": read_torch_dcp}
+FORMATS_IN = ("datastates", "torch_dist", "torch_dcp", "fsdp_dtensor", "hf")
+FORMATS_OUT = ("datastates", "torch_dist", "torch_dcp", "fsdp_dtensor", "safetensors", "hf")
+READERS = {"datastates": read_datastates, "torch_dist": read_torch_dist, "torch_dcp": read_torch_dcp,
+           "fsdp_dtensor": read_fsdp_dtensor}
+# read through a datastates checkpoint staged beside the output for --to hf (the export's own input)
+STAGED_TO_HF = ("torch_dcp", "fsdp_dtensor")
+# fsdp_dtensor names Adam's states by parameter: any model-space checkpoint gives them
+FSDP_DTENSOR_FROM = ("datastates", "torch_dist", "fsdp_dtensor")
 # torch_dcp numbers the optimizer's states in the module's parameter order, which these formats' keys keep
 MODULE_ORDERED = ("datastates", "torch_dcp")
 
@@ -97,8 +110,8 @@ def _convert_hf(args) -> int:
     try:
         if args.src == args.dst:
             raise ConvertError("--from hf --to hf: nothing to convert")
-        if args.dst == "hf" and args.src == "torch_dcp":
-            return _torch_dcp_to_hf(args)
+        if args.dst == "hf" and args.src in STAGED_TO_HF:
+            return _staged_to_hf(args)
         if args.dst == "hf":
             hf_cli.export(args, init_megatron)
             return 0
@@ -131,10 +144,10 @@ def _staged_beside(output: str, name: str):
         shutil.rmtree(staged, ignore_errors=True)
 
 
-def _torch_dcp_to_hf(args) -> int:
-    """--from torch_dcp --to hf: through a datastates checkpoint, the export's own input."""
-    with _staged_beside(args.output, "torch_dcp_to_hf") as staged:
-        bundle = read_torch_dcp(args.input, args.iteration)
+def _staged_to_hf(args) -> int:
+    """--from torch_dcp|fsdp_dtensor --to hf: through a datastates checkpoint, the export's own input."""
+    with _staged_beside(args.output, "staged_to_hf") as staged:
+        bundle = READERS[args.src](args.input, args.iteration)
         write_datastates(bundle, staged, args.threads)
         hf_cli.export(argparse.Namespace(**{**vars(args), "src": "datastates", "input": staged,
                                             "iteration": None}), init_megatron)
@@ -169,6 +182,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _convert(args) -> tuple[Bundle, str]:
+    if args.dst == "fsdp_dtensor" and args.src not in FSDP_DTENSOR_FROM:
+        raise ConvertError(f"--to fsdp_dtensor reads {', '.join(FSDP_DTENSOR_FROM)}: convert {args.src} to "
+                           "datastates first")
     if args.src == "datastates":
         bundle = read_datastates(args.input, args.iteration, args.threads)
     else:
@@ -176,6 +192,8 @@ def _convert(args) -> tuple[Bundle, str]:
     if args.dst == "torch_dcp":
         return bundle, write_torch_dcp(bundle.without(args.exclude_prefix or []), args.output,
                                        module_ordered=args.src in MODULE_ORDERED)
+    if args.dst == "fsdp_dtensor":
+        return bundle, write_fsdp_dtensor(bundle, args.output)
     if args.dst == "torch_dist":
         return bundle, write_torch_dist(bundle, args.output)
     if args.dst == "datastates":

@@ -87,6 +87,12 @@ def rope_base(args) -> float:
     return float(_get(args, "rotary_base") or ROPE_BASE)
 
 
+def has_bias(args) -> bool:
+    """Biases on the linear layers: this trainer saves --disable-bias-linear as itself, upstream's parser as
+    `add_bias_linear` (its checkpoints' args, read by tools/convert_checkpoint.py)."""
+    return not _get(args, "disable_bias_linear") and _get(args, "add_bias_linear") is not False
+
+
 def stacked_geometry(arch: str, args, shapes: dict, fc2_key: str, where: str, **more) -> Geometry:
     """The sizes of a model whose layers megatron-core stacks, from the saved flags; the MLP's hidden size from
     the tensor `fc2_key` (its last axis); checked against the tensors' shapes."""
@@ -99,7 +105,7 @@ def stacked_geometry(arch: str, args, shapes: dict, fc2_key: str, where: str, **
                       f"layers, as megatron-core saves them)")
     geo = Geometry(arch=arch, layers=_get(args, "num_layers"), hidden=hidden, ffn=fc2[-1], heads=heads,
                    groups=groups, head_dim=_get(args, "kv_channels") or hidden // heads,
-                   vocab=vocab(args, where), bias=not _get(args, "disable_bias_linear"),
+                   vocab=vocab(args, where), bias=has_bias(args),
                    tied=not _get(args, "untie_embeddings_and_output_weights"), max_positions=max_positions(args),
                    norm_eps=_get(args, "norm_epsilon"), **more)
     _check_stacked_shapes(geo, shapes, where)

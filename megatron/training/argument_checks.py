@@ -211,10 +211,10 @@ def _validate_checkpointing(args, world_size: int) -> None:
                             "flag: drop it (tools/convert_checkpoint.py --to torch_dcp writes upstream's format, "
                             "docs/fsdp.md)")
     if args.ckpt_format in UPSTREAM_ONLY_FORMATS:
-        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: upstream's {args.ckpt_format} format is not built "
-                            f"here; formats: {', '.join(CKPT_FORMATS)} (tools/convert_checkpoint.py converts "
-                            "torch_dist checkpoints; --use-torch-fsdp2 runs save their sharded state in the default "
-                            "datastates format, docs/fsdp.md)")
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: upstream's {args.ckpt_format} format is not saved "
+                            f"here; formats: {', '.join(CKPT_FORMATS)} (sharded runs save their state in the default "
+                            f"datastates format; tools/convert_checkpoint.py --from/--to {args.ckpt_format} reads "
+                            "and writes upstream's, docs/fsdp.md)")
     if args.save_interval is not None and args.save_interval <= 0:
         raise ArgumentError(f"--save-interval must be positive, got {args.save_interval}")
     if args.verify_integrity and args.ckpt_format != "datastates":

@@ -15,6 +15,8 @@ class ConvertError(Exception):
 # the formats kept on file systems only, and why; datastates checkpoints also live in object stores
 FILE_SYSTEM_ONLY = {"torch_dist": "this tool reads and writes it through PyTorch DCP's file system reader and writer",
                     "torch_dcp": "this tool reads and writes it through PyTorch DCP's file system reader and writer",
+                    "fsdp_dtensor": "this tool reads and writes it through PyTorch DCP's file system reader and "
+                                    "writer",
                     "safetensors": "it is one file for transformers and safetensors' loaders"}
 # read from a file system only: --to hf writes a model to s3:// or msc:// as the trainer's --save-hf does
 READ_FROM_A_FILE_SYSTEM_ONLY = {"hf": "the import reads the model's files through safetensors' own reader"}

@@ -386,8 +386,29 @@ class TorchDcpFormat(CheckpointFormat):
         return {**saved, "args": plain_args(saved["args"])}
 
 
-# in the order `detect` asks
-FORMATS: tuple[type[CheckpointFormat], ...] = (DatastatesFormat, TorchDistFormat, TorchFormat, TorchDcpFormat)
+class FsdpDtensorFormat(TorchDcpFormat):
+    """Upstream's fsdp_dtensor (a `--use-megatron-fsdp` run's DCP checkpoint, its model under `model.module.`):
+    told apart from torch_dcp by its keys; --load refuses it naming the conversion that reads it (its layout, fc1
+    split in halves and Adam's states by name, is read model-free by tools/convert_checkpoint.py)."""
+    name = "fsdp_dtensor"
+
+    @classmethod
+    def holds(cls, ckpt_dir: str) -> bool:
+        if not holds_dcp(storage_for(ckpt_dir), ckpt_dir):
+            return False
+        from torch.distributed.checkpoint import FileSystemReader
+        keys = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+        return any(k.startswith("model.module.") for k in keys)
+
+    def load(self, loader, ckpt_dir: str, source: str) -> tuple[int, int]:
+        raise CheckpointError(f"{ckpt_dir!r} is upstream's fsdp_dtensor (Megatron-FSDP's checkpoint), which --load "
+                              "does not read: convert it first with tools/convert_checkpoint.py --from fsdp_dtensor "
+                              "--to datastates, which any layout loads (docs/fsdp.md)")
+
+
+# in the order `detect` asks (fsdp_dtensor before torch_dcp: both are plain DCP)
+FORMATS: tuple[type[CheckpointFormat], ...] = (DatastatesFormat, TorchDistFormat, TorchFormat, FsdpDtensorFormat,
+                                               TorchDcpFormat)
 
 
 def format_class(name: str) -> type[CheckpointFormat]:

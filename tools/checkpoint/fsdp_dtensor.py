@@ -38,7 +38,7 @@ from megatron.training.checkpointing import torch_dcp as names
 
 from .bundle import Bundle
 from .paths import ConvertError, resolve_input, resolve_output
-from .torch_dcp import _stacked, read_items
+from .torch_dcp import read_items, stack_layers
 from .torch_dist import stacked_lead
 from .torch_dist_writer import PiecePlanner, Pieces, publish_dcp
 
@@ -111,7 +111,7 @@ def read_fsdp_dtensor(path: str, iteration: int | None) -> Bundle:
     for key, parts in per_index.items():
         for index, halves in parts.items():
             parts[index] = _joined(ckpt, key, index, halves)
-    bundle.tensors.update(_stacked(per_index, ckpt))
+    bundle.tensors.update(stack_layers(per_index, ckpt))
     _read_rng(bundle, objects, tensors)
     bundle.common = _common(objects, tensors)
     plain = bundle.common["args"] = names.plain_args(objects["args"])  # upstream's enums are not kept
@@ -193,18 +193,9 @@ def _read_rng(bundle: Bundle, objects: dict, tensors: dict) -> None:
         if m:
             states.setdefault((int(m[1]), int(m[2]), int(m[3])), {})[m[4]] = v
     for offset, fields in states.items():
-        tracker = {k[len("rng_tracker_states."):]: _as_bytes(v) for k, v in fields.items()
-                   if k.startswith("rng_tracker_states.")}
-        bundle.objects[("rng_state", offset)] = [{
-            "random_rng_state": fields.get("random_rng_state"), "np_rng_state": fields.get("np_rng_state"),
-            "torch_rng_state": _as_bytes(fields.get("torch_rng_state")),
-            "cuda_rng_state": _as_bytes(fields.get("cuda_rng_state")), "rng_tracker_states": tracker}]
+        bundle.objects[("rng_state", offset)] = [names.rng_state(fields)]
     if states:
         bundle.object_shapes["rng_state"] = tuple(max(o[i] for o in states) + 1 for i in range(3))
-
-
-def _as_bytes(t) -> bytes | None:
-    return t if not isinstance(t, torch.Tensor) else t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 # ----- writing -----
@@ -300,11 +291,6 @@ def _write_rng(bundle: Bundle, tensors: dict, objects: dict) -> None:
         states = enumerate(value) if len(offset) == 2 else [(offset[2], value[0])]
         for d, state in states:
             prefix = f"{RNG}({offset[0]}, {offset[1]}).{d}."
-            objects[prefix + "random_rng_state"] = state["random_rng_state"]
-            objects[prefix + "np_rng_state"] = state["np_rng_state"]
-            raw = {n: state.get(n) for n in ("torch_rng_state", "cuda_rng_state")}
-            raw.update({f"rng_tracker_states.{k}": v for k, v in (state.get("rng_tracker_states") or {}).items()})
-            for name, v in raw.items():
-                if v is not None:
-                    b = v if isinstance(v, (bytes, bytearray)) else _as_bytes(v)
-                    tensors[prefix + name] = Pieces.whole(torch.frombuffer(bytearray(b), dtype=torch.uint8))
+            fields, raw = names.rng_fields(state)
+            objects.update({prefix + k: v for k, v in fields.items()})
+            tensors.update({prefix + k: Pieces.whole(t) for k, t in raw.items()})

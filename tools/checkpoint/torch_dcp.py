@@ -51,7 +51,7 @@ def read_items(ckpt: str) -> tuple[dict[str, torch.Tensor], dict[str, object], l
     return tensors, objects, list(tensors)
 
 
-def _stacked(per_index: dict[str, dict[tuple, torch.Tensor]], what: str) -> dict[str, torch.Tensor]:
+def stack_layers(per_index: dict[str, dict[tuple, torch.Tensor]], what: str) -> dict[str, torch.Tensor]:
     """Each key's tensors by layer (and expert) stacked on leading axes (a key without layers: its one tensor)."""
     out = {}
     for key, parts in per_index.items():
@@ -92,7 +92,7 @@ def _bundle(ckpt: str, tensors: dict, objects: dict, order: list[str], args) -> 
     for p, (key, index) in where.items():
         model.setdefault(key, {})[index] = tensors[names.MODEL + p]
     bundle = Bundle(ckpt, int(objects["iteration"]))
-    bundle.tensors.update(_stacked(model, ckpt))
+    bundle.tensors.update(stack_layers(model, ckpt))
     sixteen = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     optimizer_common = _optimizer(bundle, tensors, objects, params, where, sixteen, ckpt)
     for name, value in objects.items():
@@ -153,14 +153,10 @@ def _optimizer(bundle: Bundle, tensors: dict, objects: dict, params: list[str], 
                 steps.add(float(step))
     if len(steps) > 1:
         raise TorchDcpError(f"the optimizer's step differs between parameters ({sorted(steps)})")
-    bundle.tensors.update(_stacked(state, ckpt))
+    bundle.tensors.update(stack_layers(state, ckpt))
     inner = {"state": {"common_step": steps.pop()} if steps else {},
              "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups_saved]}
     return {"optimizer": inner} if sixteen else inner
-
-
-def _to_bytes(t) -> bytes | None:
-    return None if t is None else t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _rng(bundle: Bundle, objects: dict, tensors: dict, dp: int) -> None:
@@ -170,11 +166,7 @@ def _rng(bundle: Bundle, objects: dict, tensors: dict, dp: int) -> None:
     fields = {**_fields(objects, prefix), **{k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}}
     if not fields:
         return
-    tracker = {k[len("rng_tracker_states."):]: _to_bytes(v) for k, v in fields.items()
-               if k.startswith("rng_tracker_states.")}
-    state = {"random_rng_state": fields.get("random_rng_state"), "np_rng_state": fields.get("np_rng_state"),
-             "torch_rng_state": _to_bytes(fields.get("torch_rng_state")),
-             "cuda_rng_state": _to_bytes(fields.get("cuda_rng_state")), "rng_tracker_states": tracker}
+    state = names.rng_state(fields)
     for d in range(dp):
         bundle.objects[(RNG, (0, 0, d))] = [state]
     bundle.object_shapes[RNG] = (1, 1, dp)
@@ -216,10 +208,6 @@ def _module_order(bundle: Bundle, keys: list[str], keys_map: dict) -> list[tuple
 
 def _piece(tensor: torch.Tensor, index: tuple) -> Pieces:
     return Pieces(tuple(tensor.shape[len(index):]), tensor.dtype, 0, lambda _: tensor[index] if index else tensor)
-
-
-def _from_bytes(b: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()
 
 
 def write_torch_dcp(bundle: Bundle, output: str, module_ordered: bool = True) -> str:
@@ -306,11 +294,6 @@ def _write_rng(bundle: Bundle, tensors: dict, objects: dict) -> None:
     first = bundle.objects.get((RNG, (0, 0, 0)))
     if not first:
         return
-    state = first[0]
-    objects[f"{RNG}.0.random_rng_state"] = state["random_rng_state"]
-    objects[f"{RNG}.0.np_rng_state"] = state["np_rng_state"]
-    for name in ("torch_rng_state", "cuda_rng_state"):
-        if state.get(name) is not None:
-            tensors[f"{RNG}.0.{name}"] = Pieces.whole(_from_bytes(state[name]))
-    for k, v in (state.get("rng_tracker_states") or {}).items():
-        tensors[f"{RNG}.0.rng_tracker_states.{k}"] = Pieces.whole(_from_bytes(v))
+    fields, raw = names.rng_fields(first[0])
+    objects.update({f"{RNG}.0.{k}": v for k, v in fields.items()})
+    tensors.update({f"{RNG}.0.{k}": Pieces.whole(t) for k, t in raw.items()})

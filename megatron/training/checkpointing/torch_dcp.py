@@ -113,6 +113,35 @@ def optimizer_prefix(bf16_or_fp16: bool) -> str:
 MAIN_PARAMS = "optimizer.fp32_from_fp16_params."
 
 
+TRACKER = "rng_tracker_states."
+
+
+def as_bytes(t) -> bytes | None:
+    """A torch RNG state saved as a uint8 tensor (DCP's form) as the bytes this trainer keeps (anything else, bytes
+    or None: as it is)."""
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes() if isinstance(t, torch.Tensor) else t
+
+
+def rng_state(fields: dict) -> dict:
+    """Upstream's RNG fields (`random_rng_state`, `np_rng_state`, `torch_rng_state`, `cuda_rng_state`,
+    `rng_tracker_states.<name>`; torch's states as uint8 tensors) as this trainer's RNG state (torch's as bytes)."""
+    tracker = {k[len(TRACKER):]: as_bytes(v) for k, v in fields.items() if k.startswith(TRACKER)}
+    return {"random_rng_state": fields.get("random_rng_state"), "np_rng_state": fields.get("np_rng_state"),
+            "torch_rng_state": as_bytes(fields.get("torch_rng_state")),
+            "cuda_rng_state": as_bytes(fields.get("cuda_rng_state")), "rng_tracker_states": tracker}
+
+
+def rng_fields(state: dict) -> tuple[dict, dict]:
+    """`rng_state`'s inverse: (the objects, the uint8 tensors) of upstream's RNG fields for this trainer's
+    `state`."""
+    objects = {"random_rng_state": state["random_rng_state"], "np_rng_state": state["np_rng_state"]}
+    raw = {n: state.get(n) for n in ("torch_rng_state", "cuda_rng_state")}
+    raw.update({TRACKER + k: v for k, v in (state.get("rng_tracker_states") or {}).items()})
+    tensors = {n: torch.frombuffer(bytearray(as_bytes(v)), dtype=torch.uint8) for n, v in raw.items()
+               if v is not None}
+    return objects, tensors
+
+
 def nested_path(key: str) -> tuple:
     """Where the flat DCP key `key` sits in upstream's nested state dict (what DCP's metadata records as its
     `planner_data`, for `dcp_to_torch_save` and loads that flatten): the model's names whole, a list's index as

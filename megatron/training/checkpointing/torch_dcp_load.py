@@ -74,13 +74,7 @@ def _check(ckpt_dir: str, state: dict, meta: dict) -> None:
 
 def _rng(state: dict) -> dict:
     """Upstream's RNG fields as this trainer's RNG state (torch's as bytes)."""
-    def as_bytes(t):
-        return None if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
-    tracker = {k[len(RNG) + len("rng_tracker_states."):]: as_bytes(v) for k, v in state.items()
-               if k.startswith(RNG + "rng_tracker_states.")}
-    return {"random_rng_state": state[RNG + "random_rng_state"], "np_rng_state": state[RNG + "np_rng_state"],
-            "torch_rng_state": as_bytes(state[RNG + "torch_rng_state"]),
-            "cuda_rng_state": as_bytes(state.get(RNG + "cuda_rng_state")), "rng_tracker_states": tracker}
+    return names.rng_state({k[len(RNG):]: v for k, v in state.items() if k.startswith(RNG)})
 
 
 def load(args, model, optimizer, scheduler, ckpt_dir: str) -> tuple[int, int]:

@@ -26,13 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from datastates.weights.deltas import tensors_of  # noqa: E402
 
 
-def _median_ms(run, reps: int) -> float:
+def _median_ms(run, reps: int, device: str = "cuda") -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         run()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -53,12 +54,15 @@ def _broadcast_rank(rank: int, port: int, shapes: dict, reps: int, out) -> None:
     dist.destroy_process_group()
 
 
-def measure(version_dir: str, reps: int = 5) -> dict:
-    """The figures above for the version at `version_dir` (nccl_broadcast_ms None with one device)."""
+def measure(version_dir: str, reps: int = 5, device: str = "cuda") -> dict:
+    """The figures above for the version at `version_dir` (nccl_broadcast_ms None with one device; `device` "cpu":
+    the same steps between host buffers, unpinned, to check them where no card is)."""
     host = dict(tensors_of(version_dir))
     nbytes = sum(t.numel() * t.element_size() for t in host.values())
-    on_device = {n: t.cuda() for n, t in host.items()}
-    pinned = {n: torch.empty_like(t, device="cpu").pin_memory() for n, t in host.items()}
+    on_device = {n: t.to(device, copy=True) for n, t in host.items()}
+    pinned = {n: torch.empty_like(t, device="cpu") for n, t in host.items()}
+    if device == "cuda":
+        pinned = {n: t.pin_memory() for n, t in pinned.items()}
 
     def plain():
         for n, t in on_device.items():
@@ -68,9 +72,9 @@ def measure(version_dir: str, reps: int = 5) -> dict:
         for n, t in tensors_of(version_dir):
             on_device[n].copy_(t, non_blocking=False)
     plain()
-    out = {"bytes": nbytes, "plain_pinned_copy_ms": _median_ms(plain, reps),
-           "reader_to_device_ms": _median_ms(reader, reps), "nccl_broadcast_ms": None}
-    if torch.cuda.device_count() >= 2:
+    out = {"bytes": nbytes, "plain_pinned_copy_ms": _median_ms(plain, reps, device),
+           "reader_to_device_ms": _median_ms(reader, reps, device), "nccl_broadcast_ms": None}
+    if device == "cuda" and torch.cuda.device_count() >= 2:
         import torch.multiprocessing as mp
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -53,10 +53,19 @@
 #                (CUDA only; its trainer checkpoints are refused until wired, so no stop/resume yet); in a
 #                rehearsal the FSDP2 half runs and the Megatron-FSDP half is its refusal on CPU ranks, reported as
 #                "needs CUDA" (not a failure)
+#   (g)    240   only with GPU_CHECK_PARTS naming it (its own device call: set-up and (g) fit in 310 s): issue 68's
+#                policy hand-off with the trainer on the card (benchmarks/rl_weights.py --quick --rl: bf16 at lr
+#                1e-6, a version every step; no publication, versions to 2 readers on this node, their deltas, a
+#                relay over TCP): the loop against no publication, each version's latency from the optimizer
+#                step to every reader holding it and its bytes, then on the card the last version's plain pinned
+#                copy, a reader's load onto the device and (two devices only) a NCCL broadcast of the same bytes
+#                (benchmarks/rl_device.py); figures, never a failure unless the run fails; in a rehearsal 4
+#                iterations, 1 reader, without the relay
 # One PASS/FAIL line per part with its key figure; exit 1 if any part fails. Under OUT (default
-# bench_out/gpu_check; the device tool's $OUT when it sets one), at most 8 files, all of which come back:
+# bench_out/gpu_check; the device tool's $OUT when it sets one), at most 8 files in one call (the default parts
+# write 6, each of (e), (f) and (g) 3 in its own call), all of which come back:
 #   check.log (everything printed), figures.json, a_test_cuda.log, b_trainer.log, c_bench.log, d_diagnostics.log,
-#   e_hf_export.log, f_fsdp.log
+#   e_hf_export.log, f_fsdp.log, g_rl_weights.log
 # Checkpoints go to WORK (default bench_out/gpu_check_work), which is removed at the end.
 #
 # GPU_CHECK_DEVICE=cpu: the same steps and parts on the CPU, smaller (a rehearsal; scripts/gpu_rehearsal.sh runs it
@@ -112,7 +121,7 @@ esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench_out/gpu_check}
 WORK=${WORK:-bench_out/gpu_check_work}
-mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log,d_diagnostics.log,e_hf_export.log,f_fsdp.log}
+mkdir -p "$OUT" && rm -f "$OUT"/{check.log,figures.json,a_test_cuda.log,b_trainer.log,c_bench.log,d_diagnostics.log,e_hf_export.log,f_fsdp.log,g_rl_weights.log}
 rm -rf "$WORK" && mkdir -p "$WORK"
 OUT=$(cd "$OUT" && pwd) WORK=$(cd "$WORK" && pwd)
 exec > >(tee "$OUT/check.log") 2>&1
@@ -384,6 +393,23 @@ if [ "$f_fail" = 0 ]; then
   result "(f) fully sharded stop/resume" PASS "FSDP2 $fsdp2 | Megatron-FSDP $mfsdp"
 else
   result "(f) fully sharded stop/resume" FAIL "FSDP2 $fsdp2 | Megatron-FSDP $mfsdp"
+fi
+fi
+# ---------------------------------------------------------------- (g) the policy hand-off from the card (only when asked)
+if part g; then
+say "(g) benchmarks/rl_weights.py, the trainer on the $DEVICE (log: $OUT/g_rl_weights.log)"
+g_flags=(--quick --rl --iters 10 --modes none,publish,publish-deltas,remote --out "$WORK/g")
+[ "$DEVICE" = cpu ] && g_flags=(--quick --rl --iters 4 --readers 1 --modes none,publish --out "$WORK/g")
+timeout "$(cap 240)" "$PY" benchmarks/rl_weights.py "${g_flags[@]}" >"$OUT/g_rl_weights.log" 2>&1
+rc=$?
+grep -E "^(\| |device |the trainer on|CPU figures)" "$OUT/g_rl_weights.log" | sed 's/^/  /'
+[ -f "$WORK/g/results.json" ] && cp "$WORK/g/results.json" "$FIGURES/g_rl_weights.json"
+publish=$(grep -E "^\| publish \|" "$OUT/g_rl_weights.log" | head -n 1)
+if [ "$rc" = 0 ] && [ -n "$publish" ]; then
+  result "(g) policy hand-off" INFO "$publish (figures in g_rl_weights.log)"
+else
+  result "(g) policy hand-off" FAIL "exit $rc$([ "$rc" = 124 ] && echo ": over its cap of $(cap 240) s") (log g_rl_weights.log)"
+  tail -n 20 "$OUT/g_rl_weights.log"
 fi
 fi
 rm -rf "$B"

@@ -266,3 +266,16 @@ def test_hf_export(tmp_path, capsys):
     floor = re.search(rf"^storage floor: the same (\d+) safetensors files \((\d+) MiB\) written and fsynced here in "
                       rf"{NUM} s by 1 writer", out, re.M)
     assert floor and int(floor[1]) > 1 and int(floor[2]) > 0, out  # the model's files of 4 MiB, probed
+
+
+def test_rl_device_on_host_buffers(tmp_path):
+    """rl_device.py's steps (a CUDA machine's part of gpu_check.sh (g)) on host buffers: every byte of the
+    version counted, each figure a time."""
+    import torch
+    from safetensors.torch import save_file
+    save_file({"a": torch.randn(64, 32).bfloat16(), "b": torch.randn(100)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "model.safetensors", "b": "model.safetensors"}}))
+    r = script("rl_device").measure(str(tmp_path), reps=2, device="cpu")
+    assert r["bytes"] == 64 * 32 * 2 + 100 * 4 and r["nccl_broadcast_ms"] is None
+    assert r["plain_pinned_copy_ms"] > 0 and r["reader_to_device_ms"] > 0

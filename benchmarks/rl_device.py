@@ -16,14 +16,18 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 
 import torch
+from safetensors import safe_open
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datastates.weights.deltas import tensors_of  # noqa: E402
+def tensors_of(version_dir: str):
+    """(name, tensor) of every safetensors file of the version at `version_dir`, as a reader reads them."""
+    for file in sorted(f for f in os.listdir(version_dir) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(version_dir, file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def _median_ms(run, reps: int, device: str = "cuda") -> float:

@@ -45,10 +45,16 @@ def _rank(rank, world, port, errors, body, args):
             dist.destroy_process_group()
 
 
+# The ranks are forked from a server that imported this module and nothing else (no thread has run there): a fork
+# of the test process itself, after other tests' threads (OpenMP's team among them), can hang in the child.
+_RANKS = multiprocessing.get_context("forkserver")
+_RANKS.set_forkserver_preload([__name__, "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor"])
+
+
 def _run(world, body, *args):
-    """`body(*args)` on `world` forked gloo ranks; fails with the first rank's traceback."""
+    """`body(*args)` on `world` gloo ranks forked from a clean server; fails with the first rank's traceback."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("fork")
+    ctx = _RANKS
     errors = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, world, store.port, errors, body, args)) for r in range(world)]
     for p in procs:
@@ -289,7 +295,6 @@ def _load_uneven_on_3(root):
 
 
 def test_uneven_shards_saved_by_their_true_boxes_learned_once_and_loaded_anywhere(tmp_path):
-    import megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor  # noqa: F401  once, before the forks
     root = str(tmp_path / "ck")
     _run(4, _save_uneven_on_4, root, str(tmp_path / "boxes.pt"))
     boxes = torch.load(tmp_path / "boxes.pt")

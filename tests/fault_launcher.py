@@ -307,7 +307,10 @@ _sampler_iter = RankSampler.__iter__
 def sampler_iter(self):
     rank, attempt = os.environ["RANK"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     for indices in _sampler_iter(self):
-        print(f"FAULT-SAMPLES rank {rank} attempt {attempt}: {' '.join(map(str, indices))}", flush=True)
+        sys.stdout.flush()  # then the line in one write: the node's other ranks write into the same log, and a line
+        # a buffered print splits (its buffer full mid-line) took another rank's line inside it
+        os.write(sys.stdout.fileno(), f"FAULT-SAMPLES rank {rank} attempt {attempt}: "
+                                      f"{' '.join(map(str, indices))}\n".encode())
         yield indices
 
 

@@ -113,13 +113,17 @@ def changes_in(f) -> Iterator[tuple[str, dict]]:
             yield name, {"index": f.get_tensor(key), "value": f.get_tensor(f"{name}:value")}
 
 
-def apply(tensor: torch.Tensor, change: dict) -> int:
-    """Apply one tensor's `change` (`changes_in`'s) to `tensor` in place; the change's bytes."""
+def apply(tensor: torch.Tensor, change: dict) -> None:
+    """Apply one tensor's `change` (`changes_in`'s) to `tensor` in place."""
     target = tensor.data.view(-1)
     if "full" in change:
         target.copy_(change["full"].reshape(-1))
     else:
         target[change["index"].long()] = change["value"].to(target.dtype)
+
+
+def change_bytes(change: dict) -> int:
+    """What one tensor's change takes (a reader moves these bytes)."""
     return sum(t.numel() * t.element_size() for t in change.values())
 
 

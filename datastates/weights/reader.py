@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..paths import checkpoint_name, iteration_of
-from .deltas import BrokenChain, apply, chain, changes_in
+from .deltas import BrokenChain, apply, chain, change_bytes, changes_in
 from .layouts import Experts, LayoutError, apply_change, places, plan, read
 from .leases import lease
 
@@ -203,11 +203,17 @@ class WeightsReader:
                                    f"full version") from None
             changed = {key.rpartition(":")[0] for f in files for key in f.keys()}
             if packed or tp_size != 1 or ep_size != 1:
-                applied = self._held_places(stack, newest, packed, tp_rank, tp_size,
-                                            Experts(ep_rank, ep_size, ep_placement))
+                where, shapes = self._held_places(stack, newest, packed, tp_rank, tp_size,
+                                                  Experts(ep_rank, ep_size, ep_placement))
+                needed = {p.held for n in changed for p in where.get(n, ())}
+
+                def apply_one(name: str, change: dict) -> None:
+                    apply_change(tensors, where.get(name, []), shapes[name], change)
             else:
-                applied = None
-            needed = {p.held for n in changed for p in applied[0].get(n, ())} if applied else changed
+                needed = changed
+
+                def apply_one(name: str, change: dict) -> None:
+                    apply(tensors[name], change)
             lacking = sorted(needed - set(tensors))
             if lacking:  # every name checked before any tensor changes
                 raise WeightsError(f"the deltas under {self.root} change {lacking[0]!r}, which the tensors given "
@@ -215,12 +221,8 @@ class WeightsReader:
             done = 0
             for f in files:
                 for name, change in changes_in(f):
-                    if applied:
-                        where, shapes = applied
-                        apply_change(tensors, where.get(name, []), shapes[name], change)
-                        done += sum(t.numel() * t.element_size() for t in change.values())
-                    else:
-                        done += apply(tensors[name], change)
+                    apply_one(name, change)
+                    done += change_bytes(change)
             return newest, done
 
     def _held_places(self, stack: contextlib.ExitStack, newest: int, packed: bool, tp_rank: int, tp_size: int,

@@ -90,6 +90,13 @@ def measure(version_dir: str, reps: int = 5, device: str = "cuda") -> dict:
     return out
 
 
+def describe(r: dict) -> str:
+    """`measure`'s figures, one line."""
+    nccl = "not measured (one device)" if r["nccl_broadcast_ms"] is None else f"{r['nccl_broadcast_ms']:.2f} ms"
+    return (f"{torch.cuda.get_device_name(0)}, {r['bytes']} bytes | plain pinned copy {r['plain_pinned_copy_ms']:.2f} "
+            f"ms | reader to device {r['reader_to_device_ms']:.2f} ms | NCCL broadcast {nccl}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("version_dir")
@@ -97,11 +104,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("rl_device.py measures a CUDA device: torch sees none")
-    r = measure(a.version_dir, a.reps)
-    nccl = "not measured (one device)" if r["nccl_broadcast_ms"] is None else f"{r['nccl_broadcast_ms']:.2f} ms"
-    print(f"rl_device: {torch.cuda.get_device_name(0)}, {r['bytes']} bytes | plain pinned copy "
-          f"{r['plain_pinned_copy_ms']:.2f} ms | reader to device {r['reader_to_device_ms']:.2f} ms | "
-          f"NCCL broadcast {nccl}")
+    print(f"rl_device: {describe(measure(a.version_dir, a.reps))}")
 
 
 if __name__ == "__main__":

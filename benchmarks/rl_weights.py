@@ -230,12 +230,9 @@ def _device_figures(version_dir: str) -> dict | None:
     import torch
     if not torch.cuda.is_available():
         return None
-    from rl_device import measure
+    from rl_device import describe, measure
     r = measure(version_dir)
-    nccl = "not measured (one device)" if r["nccl_broadcast_ms"] is None else f"{r['nccl_broadcast_ms']:.2f} ms"
-    print(f"device ({torch.cuda.get_device_name(0)}, the last version's {r['bytes']} bytes): plain pinned copy "
-          f"{r['plain_pinned_copy_ms']:.2f} ms | reader to device {r['reader_to_device_ms']:.2f} ms | NCCL "
-          f"broadcast {nccl}", flush=True)
+    print(f"device (the last version): {describe(r)}", flush=True)
     return r
 
 
